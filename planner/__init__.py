@@ -1,0 +1,26 @@
+"""planner: choose which activations to keep and which to recompute, to train within a budget.
+
+>>> import planner
+>>> model, inputs = planner.zoo.gpt()
+>>> p = planner.plan(model, inputs, budget_gb=0.05)   # doctest: +SKIP
+>>> loss = p.module(*inputs); loss.backward()          # doctest: +SKIP
+"""
+
+from planner import zoo
+from planner.errors import PlanningError
+from planner.graph import CostModel, Problem
+from planner.pipeline import Plan, plan
+from planner.simulate import Simulation
+from planner.solvers import SOLVERS, register
+
+__all__ = [
+    "CostModel",
+    "Plan",
+    "PlanningError",
+    "Problem",
+    "SOLVERS",
+    "Simulation",
+    "plan",
+    "register",
+    "zoo",
+]

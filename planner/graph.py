@@ -1,0 +1,247 @@
+"""Analyse: turn a profiled graph into the immutable ``Problem`` every solver reads.
+
+Positions ``0..n-1`` are the compute nodes in topological (graph) order. The cut at position
+``c`` lies between nodes ``c-1`` and ``c``; a checkpointed *segment* ``(start, stop)`` is the
+half-open interval of positions between two cuts. A storage *crosses* cut ``c`` when it is created
+before ``c`` and read at or after it; the sum of those is the cut's boundary bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+from torch import fx
+
+from planner.profile import COMPUTE_OPS, Profile, require_meta
+
+SOURCE, SINK = "planner.source", "planner.sink"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Roofline time of a node: the larger of its compute time and its memory-traffic time.
+
+    FLOPs alone would make elementwise ops, norms and softmax look free to recompute. The
+    defaults are round figures for one recent data-centre GPU in bf16 (about 400 TFLOP/s dense,
+    2 TB/s); only ratios between nodes matter to the solvers.
+    """
+
+    flops_per_second: float = 4e14
+    bytes_per_second: float = 2e12
+
+    def seconds(self, flops: np.ndarray, bytes_moved: np.ndarray) -> np.ndarray:
+        return np.maximum(flops / self.flops_per_second, bytes_moved / self.bytes_per_second)
+
+
+@dataclass(frozen=True)
+class Storage:
+    """One block of activation memory: who creates it, who reads and who saves it."""
+
+    nbytes: int
+    producer: int
+    readers: tuple[int, ...]
+    savers: tuple[int, ...]
+    is_output: bool
+    requires_grad: bool
+
+    @property
+    def last_reader(self) -> int:
+        return max(self.readers, default=self.producer)
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """Everything a solver may use; built once per model by ``build_problem``."""
+
+    names: tuple[str, ...]
+    labels: tuple[str, ...]  # short description of each node's operation
+    flops: np.ndarray
+    bytes_moved: np.ndarray
+    seconds: np.ndarray  # cost-model time of each node: what recomputing it costs
+    workspace: np.ndarray
+    created_bytes: np.ndarray  # bytes of the storages each node creates
+    saves: np.ndarray  # bool per node: autograd saves something while it runs
+    grad_bytes_at: np.ndarray  # parameter-gradient bytes first allocated at each node's backward
+    activation_grad_alloc: np.ndarray  # activation-gradient bytes allocated at each backward step
+    activation_grad_free: np.ndarray  # ... and freed after it
+    checkpointable: np.ndarray  # bool per node: may be inside a checkpointed segment
+    cut_allowed: np.ndarray  # bool per cut position 0..n
+    cut_bytes: np.ndarray  # boundary bytes per cut position 0..n
+    articulation_cuts: tuple[int, ...]  # cuts crossed by the output of one articulation node
+    storages: tuple[Storage, ...]
+    fixed_bytes: int  # parameters + buffers + inputs + constants + optimizer state
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.names)
+
+    def is_valid_segment(self, start: int, stop: int) -> bool:
+        return (
+            0 <= start < stop <= self.size
+            and bool(self.cut_allowed[start])
+            and bool(self.cut_allowed[stop])
+            and bool(self.checkpointable[start:stop].all())
+        )
+
+
+def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
+
+
+def _label(node: fx.Node) -> str:
+    if node.op == "call_module":
+        return f"{node.target}"
+    if node.op == "call_method":
+        return f".{node.target}()"
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def articulation_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Compute nodes that alone connect what comes before them to what comes after.
+
+    Parameters and buffers (``get_attr``) are left out: they live anyway. A virtual source feeds
+    the placeholders and a virtual sink drains the output, so a node counts only if every path
+    from inputs to outputs passes through it.
+
+    Examples
+    --------
+    >>> import torch
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()))
+    >>> sorted(n.name for n in articulation_nodes(gm))
+    ['_0', '_1']
+    """
+    graph = nx.Graph([(SOURCE, SINK)] if not gm.graph.find_nodes(op="placeholder") else [])
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            continue
+        graph.add_node(node)
+        if node.op == "placeholder":
+            graph.add_edge(SOURCE, node)
+        if node.op == "output":
+            graph.add_edge(node, SINK)
+        for used in node.all_input_nodes:
+            if used.op != "get_attr":
+                graph.add_edge(used, node)
+    return {n for n in nx.articulation_points(graph) if getattr(n, "op", None) in COMPUTE_OPS}
+
+
+def _mutation_pins(storages: dict, writes: list[frozenset], n: int, fixed: set):
+    """Cuts and nodes that in-place writes forbid.
+
+    A checkpointed segment must not see an input that was changed after it ran (its recompute
+    would read the new value), so no cut may fall between a storage's creation and a write to it.
+    Writes to parameters or inputs are never recomputed; writes to buffers (BatchNorm statistics)
+    are allowed: the rewritten segments restore buffers after recomputing.
+    """
+    forbidden_cuts = np.zeros(n + 1, dtype=bool)
+    pinned = np.zeros(n, dtype=bool)
+    for position, written in enumerate(writes):
+        for key in written:
+            if key in storages:
+                forbidden_cuts[storages[key].producer + 1 : position + 1] = True
+            elif fixed.get(key) in ("parameter", "input", "constant"):
+                pinned[position] = True
+    return forbidden_cuts, pinned
+
+
+def build_problem(
+    gm: fx.GraphModule,
+    profile: Profile,
+    *,
+    cost_model: CostModel | None = None,
+    optimizer_state_bytes: int = 0,
+) -> Problem:
+    """Read the profile annotations of ``gm`` into a ``Problem``."""
+    cost_model = cost_model or CostModel()
+    nodes = compute_nodes(gm)
+    n = len(nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    created = [require_meta(node, "planner.created") for node in nodes]
+    reads = [require_meta(node, "planner.reads") for node in nodes]
+    saved = [require_meta(node, "planner.saved") for node in nodes]
+    writes = [require_meta(node, "planner.writes") for node in nodes]
+
+    producer = {key: i for i, c in enumerate(created) for key in c}
+    readers: dict[int, list[int]] = {key: [] for key in producer}
+    savers: dict[int, list[int]] = {key: [] for key in producer}
+    grad_bytes_at = np.zeros(n, dtype=np.int64)
+    last_trainable_use: dict[int, int] = {}
+    for i in range(n):
+        for key in reads[i]:
+            if key in readers and producer[key] < i:
+                readers[key].append(i)
+            if key in profile.trainable:
+                last_trainable_use[key] = i
+        for key in saved[i]:
+            if key in savers:
+                savers[key].append(i)
+    for key, i in last_trainable_use.items():
+        grad_bytes_at[i] += profile.storage_bytes[key]
+
+    storages = {
+        key: Storage(
+            nbytes=profile.storage_bytes[key],
+            producer=producer[key],
+            readers=tuple(readers[key]),
+            savers=tuple(savers[key]),
+            is_output=key in profile.output_storages,
+            requires_grad=bool(nodes[producer[key]].meta["planner.requires_grad"]),
+        )
+        for key in sorted(producer)
+    }
+
+    # A storage's gradient appears at the backward of its last reader and dies after its
+    # producer's. Outputs read by nothing get theirs from the loss: an expanded scalar, free.
+    grad_alloc = np.zeros(n, dtype=np.int64)
+    grad_free = np.zeros(n, dtype=np.int64)
+    for s in storages.values():
+        if s.requires_grad and s.readers:
+            grad_alloc[s.last_reader] += s.nbytes
+            grad_free[s.producer] += s.nbytes
+
+    cut_delta = np.zeros(n + 2, dtype=np.int64)
+    for s in storages.values():
+        end = n if s.is_output else s.last_reader
+        if end > s.producer:
+            cut_delta[s.producer + 1] += s.nbytes
+            cut_delta[end + 1] -= s.nbytes
+    cut_bytes = np.cumsum(cut_delta)[: n + 1]
+
+    forbidden_cuts, pinned = _mutation_pins(storages, writes, n, profile.fixed_kind)
+    cut_allowed = ~forbidden_cuts
+    # torch.export's input guards: cheap assertions, never worth recomputing.
+    pinned |= np.array([n.op == "call_module" and n.target == "_guards_fn" for n in nodes], bool)
+
+    articulation = articulation_nodes(gm)
+    articulation_cuts = tuple(sorted(position[a] + 1 for a in articulation if a in position))
+
+    flops = np.array([require_meta(node, "planner.flops") for node in nodes], dtype=np.float64)
+    moved = np.array([require_meta(node, "planner.bytes_moved") for node in nodes], np.float64)
+    fixed_bytes = sum(profile.storage_bytes[k] for k in profile.fixed_kind)
+    return Problem(
+        names=tuple(node.name for node in nodes),
+        labels=tuple(_label(node) for node in nodes),
+        flops=flops,
+        bytes_moved=moved,
+        seconds=cost_model.seconds(flops, moved),
+        workspace=np.array([require_meta(nd, "planner.workspace") for nd in nodes], np.int64),
+        created_bytes=np.array([sum(c.values()) for c in created], dtype=np.int64),
+        saves=np.array([bool(s) for s in saved], dtype=bool),
+        grad_bytes_at=grad_bytes_at,
+        activation_grad_alloc=grad_alloc,
+        activation_grad_free=grad_free,
+        checkpointable=~pinned,
+        cut_allowed=cut_allowed,
+        cut_bytes=cut_bytes,
+        articulation_cuts=articulation_cuts,
+        storages=tuple(storages.values()),
+        fixed_bytes=fixed_bytes + optimizer_state_bytes,
+        parameter_bytes=profile.fixed_bytes("parameter"),
+        gradient_bytes=profile.gradient_bytes,
+        optimizer_state_bytes=optimizer_state_bytes,
+    )

@@ -1,0 +1,296 @@
+"""``plan()``: the pipeline capture -> profile -> analyse -> solve -> simulate -> rewrite."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from planner.capture import capture
+from planner.errors import PlanningError
+from planner.graph import CostModel, Problem, build_problem
+from planner.profile import profile
+from planner.rewrite import rewrite
+from planner.simulate import Segments, Simulation, simulate
+from planner.solvers import SOLVERS, get_solver
+from planner.solvers.sqrt_n import segments_between
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checkpointing plan and the module that carries it out.
+
+    ``module`` is a drop-in replacement for the model (same call signature, outputs, parameters
+    and ``state_dict`` keys). Peaks are bytes of the whole training step (parameters, gradients,
+    optimizer state when given, activations, working memory); ``predicted_overhead`` is the
+    recompute time as a fraction of a step without checkpointing (forward + backward, taken as
+    three forwards), under the cost model.
+    """
+
+    segments: Segments
+    solver: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    baseline_peak_bytes: int
+    predicted_overhead: float
+    recompute_flops: float
+    capture_method: str
+    solve_seconds: float
+    planning_seconds: float
+    module: fx.GraphModule = field(repr=False, compare=False)
+    problem: Problem = field(repr=False, compare=False)
+
+    @property
+    def baseline_fixed_bytes(self) -> int:
+        """Parameters, buffers, inputs and optimizer state: memory no plan can remove."""
+        return self.problem.fixed_bytes
+
+    def segment_table(self) -> list[dict]:
+        """One row per checkpointed segment: positions, node names, boundary and dropped bytes."""
+        saved = _saved_bytes(self.problem)
+        return [
+            {
+                "segment": k,
+                "start": start,
+                "stop": stop,
+                "nodes": stop - start,
+                "first": self.problem.names[start],
+                "last": self.problem.names[stop - 1],
+                "input_bytes": int(self.problem.cut_bytes[start]),
+                "dropped_bytes": int(saved[start:stop].sum()),
+                "recompute_seconds": float(self.problem.seconds[start:stop].sum()),
+            }
+            for k, (start, stop) in enumerate(self.segments)
+        ]
+
+    def __str__(self) -> str:
+        lines = [
+            f"Plan: {len(self.segments)} checkpointed segments over {self.problem.size} nodes "
+            f"(solver {self.solver}, captured by {self.capture_method})",
+            f"  budget          {_mib(self.budget_bytes):>12}",
+            f"  predicted peak  {_mib(self.predicted_peak_bytes):>12}"
+            f"   (baseline {_mib(self.baseline_peak_bytes)}, "
+            f"fixed {_mib(self.problem.fixed_bytes)})",
+            f"  recompute       {self.predicted_overhead:>11.1%}   of a step "
+            f"({self.recompute_flops:.3g} FLOPs)",
+            f"  planning time   {self.planning_seconds:>10.2f} s   "
+            f"(solve {self.solve_seconds:.3f} s)",
+        ]
+        rows = self.segment_table()
+        if rows:
+            lines.append(
+                f"  {'seg':>4} {'nodes':>6} {'from':<24} {'to':<24} {'inputs':>10} {'dropped':>10}"
+            )
+            for r in rows:
+                lines.append(
+                    f"  {r['segment']:>4} {r['nodes']:>6} {r['first']:<24.24} {r['last']:<24.24} "
+                    f"{_mib(r['input_bytes']):>10} {_mib(r['dropped_bytes']):>10}"
+                )
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def _saved_bytes(problem: Problem):
+    from planner.solvers.greedy import saved_bytes_per_node
+
+    return saved_bytes_per_node(problem)
+
+
+def budget_in_bytes(budget_gb, budget_bytes) -> int:
+    """The budget in bytes from exactly one of ``budget_gb`` (GiB) and ``budget_bytes``."""
+    if (budget_gb is None) == (budget_bytes is None):
+        raise ValueError("give exactly one of budget_gb= (GiB, 2**30 bytes) and budget_bytes=")
+    name, value = ("budget_gb", budget_gb) if budget_gb is not None else ("budget_bytes", budget_bytes)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+    return int(value * GIB) if name == "budget_gb" else int(value)
+
+
+def _check_model(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise PlanningError(
+            f"{type(model).__name__} has no parameter that requires grad: a training step would "
+            "compute no gradients, so there are no activations to keep or recompute. Unfreeze "
+            "some parameters (requires_grad_(True)) before planning."
+        )
+    if not model.training:
+        warnings.warn(
+            f"{type(model).__name__} is in eval mode: the plan is made for eval-mode behaviour "
+            "(no dropout, BatchNorm using running statistics). Call model.train() first if you "
+            "will train it in train mode.",
+            stacklevel=3,
+        )
+    devices = {t.device for t in _tensors((args, kwargs))}
+    devices |= {p.device for p in model.parameters()} - {torch.device("meta")}
+    if len(devices) > 1:
+        raise PlanningError(
+            f"the model's parameters and the example inputs are on different devices "
+            f"({', '.join(sorted(map(str, devices)))}); move them to one device before planning."
+        )
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def lowest_peak(problem: Problem) -> Simulation:
+    """The lowest simulated peak among the candidate plans the heuristics consider."""
+    from planner.solvers.greedy import solve as greedy
+
+    candidates = [
+        greedy(problem, 0),
+        segments_between(problem, problem.articulation_cuts),
+        segments_between(problem, [c for c in range(problem.size) if problem.cut_allowed[c]]),
+    ]
+    if "optimal" in SOLVERS:
+        candidates.append(SOLVERS["optimal"](problem, 0))
+    return min((simulate(problem, c) for c in candidates), key=lambda s: s.peak_bytes)
+
+
+def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str, Segments]:
+    """Run ``solver`` (a name, ``"auto"``, or a callable) and return (name that ran, segments).
+
+    ``"auto"`` runs every registered strategy and keeps the cheapest plan that fits the budget.
+    """
+    if solver != "auto":
+        name, solve = get_solver(solver)
+        return name, tuple(solve(problem, budget, **options))
+    best = None
+    for name in ("optimal", "greedy", "sqrt_n"):
+        if name not in SOLVERS:
+            continue
+        segments = tuple(SOLVERS[name](problem, budget, **options))
+        result = simulate(problem, segments)
+        fits = result.peak_bytes <= budget
+        key = (not fits, result.recompute_seconds if fits else result.peak_bytes)
+        if best is None or key < best[0]:
+            best = (key, f"auto:{name}", segments)
+    return best[1], best[2]
+
+
+def prepare(
+    model: nn.Module,
+    example_inputs,
+    example_kwargs: dict | None = None,
+    *,
+    cost_model: CostModel | None = None,
+    optimizer_state_bytes: int = 0,
+):
+    """Capture, profile and analyse once: (captured, Problem). Reused by sweeps over budgets."""
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    _check_model(model, args, kwargs)
+    captured = capture(model, args, kwargs)
+    prof = profile(captured.graph_module, args, kwargs)
+    problem = build_problem(
+        captured.graph_module,
+        prof,
+        cost_model=cost_model,
+        optimizer_state_bytes=optimizer_state_bytes,
+    )
+    return captured, problem
+
+
+def plan(
+    model: nn.Module,
+    example_inputs,
+    budget_gb: float | None = None,
+    *,
+    budget_bytes: int | None = None,
+    example_kwargs: dict | None = None,
+    solver="auto",
+    optimizer_state_bytes: int = 0,
+    cost_model: CostModel | None = None,
+) -> Plan:
+    """Plan which activations of ``model`` to recompute so that a training step fits a budget.
+
+    Parameters
+    ----------
+    model
+        The model, in train mode. It is never modified: the plan's module shares its parameters.
+    example_inputs
+        A tensor or a tuple of positional arguments, as in ``model(*example_inputs)``.
+    budget_gb, budget_bytes
+        Exactly one: the memory of the whole training step, in GiB (2**30 bytes) or bytes:
+        parameters + gradients + optimizer state (``optimizer_state_bytes``) + activations +
+        working memory of the largest operation.
+    example_kwargs
+        Keyword arguments of the call.
+    solver
+        ``"auto"`` (default: the cheapest fitting plan of all strategies), a registered name
+        (``"sqrt_n"``, ``"greedy"``, ...), or a callable ``solve(problem, budget_bytes)``.
+
+    Raises
+    ------
+    ValueError
+        For a budget that is missing, given twice, not a number, not finite or not positive.
+    PlanningError
+        When no plan fits the budget (the message gives the minimum achievable and the
+        baseline), or when the model cannot be captured or run on the example inputs.
+
+    Examples
+    --------
+    >>> import planner
+    >>> model, inputs = planner.zoo.gpt(layers=2)
+    >>> p = planner.plan(model, inputs, budget_bytes=10 * 2**20)
+    >>> p.predicted_peak_bytes <= p.budget_bytes
+    True
+    """
+    budget = budget_in_bytes(budget_gb, budget_bytes)
+    start = time.perf_counter()
+    captured, problem = prepare(
+        model,
+        example_inputs,
+        example_kwargs,
+        cost_model=cost_model,
+        optimizer_state_bytes=optimizer_state_bytes,
+    )
+    baseline = simulate(problem, ())
+    solve_start = time.perf_counter()
+    name, segments = choose(problem, budget, solver)
+    solve_seconds = time.perf_counter() - solve_start
+    result = simulate(problem, segments)
+    if result.peak_bytes > budget:
+        lowest = lowest_peak(problem)
+        raise PlanningError(
+            f"no plan fits a budget of {_mib(budget)} ({budget} bytes): the lowest predicted "
+            f"peak found is {_mib(lowest.peak_bytes)} ({lowest.peak_bytes} bytes) and the "
+            f"baseline without checkpointing is {_mib(baseline.peak_bytes)}; parameters, "
+            f"buffers and inputs alone take {_mib(problem.fixed_bytes)}. Raise the budget to at "
+            f"least budget_bytes={lowest.peak_bytes}, or use a smaller batch."
+            + (f" (solver {name} found {_mib(result.peak_bytes)})" if solver != "auto" else "")
+        )
+    module = rewrite(captured.graph_module, model, segments)
+    step_seconds = 3 * float(problem.seconds.sum())
+    return Plan(
+        segments=segments,
+        solver=name,
+        budget_bytes=budget,
+        predicted_peak_bytes=result.peak_bytes,
+        baseline_peak_bytes=baseline.peak_bytes,
+        predicted_overhead=result.recompute_seconds / step_seconds if step_seconds else 0.0,
+        recompute_flops=result.recompute_flops,
+        capture_method=captured.method,
+        solve_seconds=solve_seconds,
+        planning_seconds=time.perf_counter() - start,
+        module=module,
+        problem=problem,
+    )

@@ -1,0 +1,148 @@
+"""Rewrite: build the planned module, in which each chosen segment runs under
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+
+The planned module is an ``fx.GraphModule`` whose children, parameters and buffers are the user's
+own objects, so its ``state_dict`` has the same keys and trains the same tensors. Each segment is
+a small GraphModule kept in a plain attribute ``segment_<k>`` (not registered as a child, so
+parameter and ``state_dict`` listings stay unchanged); it reaches the same leaf modules, and takes
+parameters read through ``get_attr`` as explicit inputs so that ``.to()`` never leaves it stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+
+import torch
+from torch import fx, nn
+from torch.utils.checkpoint import checkpoint
+
+from planner.graph import compute_nodes
+
+
+class Segment:
+    """A checkpointed piece of the graph: callable, plus the buffers its recompute must restore.
+
+    A BatchNorm in training mode updates its running statistics on every call, so recomputing
+    it would update them twice; ``contexts`` snapshots those buffers before a recompute and puts
+    them back after, leaving them exactly as one forward leaves them.
+    """
+
+    def __init__(self, body: fx.GraphModule, buffers: tuple[torch.Tensor, ...]):
+        self.body = body
+        self.buffers = buffers
+
+    def __call__(self, *args):
+        return self.body(*args)
+
+    def contexts(self):
+        return contextlib.nullcontext(), self._restoring_buffers()
+
+    @contextlib.contextmanager
+    def _restoring_buffers(self):
+        with torch.no_grad():
+            saved = [b.clone() for b in self.buffers]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in zip(self.buffers, saved):
+                    buffer.copy_(value)
+
+    def __repr__(self):
+        return f"Segment({len(self.body.graph.nodes)} nodes, restores {len(self.buffers)} buffers)"
+
+
+def _share_user_state(planned: nn.Module, model: nn.Module) -> None:
+    """Make ``planned`` own exactly the user's children, parameters and buffers (same objects)."""
+    for name, child in model.named_children():
+        planned._modules[name] = child
+    for name, param in model._parameters.items():
+        planned._parameters[name] = param
+    for name, buffer in model._buffers.items():
+        planned._buffers[name] = buffer
+        if name in model._non_persistent_buffers_set:
+            planned._non_persistent_buffers_set.add(name)
+
+
+def _holder(captured: fx.GraphModule, model: nn.Module) -> nn.Module:
+    """A module holding the user's state, plus what only the captured graph has (constants)."""
+    holder = nn.Module()
+    _share_user_state(holder, model)
+    for node in captured.graph.find_nodes(op="get_attr") + captured.graph.find_nodes(
+        op="call_module"
+    ):
+        top = node.target.split(".")[0]
+        if not hasattr(holder, top):
+            setattr(holder, top, getattr(captured, top))
+    return holder
+
+
+def _segment_buffers(holder: nn.Module, members: list[fx.Node], inputs: list[fx.Node]):
+    """Buffers a segment can write: those of the modules it calls and those it reads directly."""
+    buffers = {}
+    for node in members:
+        if node.op == "call_module":
+            for b in holder.get_submodule(node.target).buffers():
+                buffers[id(b)] = b
+    for node in inputs:
+        if node.op == "get_attr":
+            value = operator.attrgetter(node.target)(holder)
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                buffers[id(value)] = value
+    return tuple(buffers.values())
+
+
+def rewrite(captured: fx.GraphModule, model: nn.Module, segments) -> fx.GraphModule:
+    """A GraphModule computing what ``captured`` computes, with ``segments`` checkpointed.
+
+    ``segments`` are ``(start, stop)`` positions over ``planner.graph.compute_nodes(captured)``.
+    """
+    holder = _holder(captured, model)
+    nodes = compute_nodes(captured)
+    first = {nodes[start]: (k, nodes[start:stop]) for k, (start, stop) in enumerate(segments)}
+    inside = {node for _, members in first.values() for node in members}
+
+    graph = fx.Graph()
+    graph._codegen = captured.graph._codegen  # keeps torch.export's input/output pytree handling
+    env: dict[fx.Node, fx.Node] = {}
+    for node in captured.graph.nodes:
+        if node in first:
+            k, members = first[node]
+            _checkpoint_segment(graph, env, holder, f"segment_{k}", members)
+        elif node not in inside and node not in env:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+
+    planned = fx.GraphModule(holder, graph, class_name=f"Planned{type(model).__name__}")
+    _share_user_state(planned, model)
+    planned.graph.lint()
+    planned.recompile()
+    return planned
+
+
+def _checkpoint_segment(graph, env, holder, name: str, members: list[fx.Node]) -> None:
+    """Append to ``graph`` a checkpoint call of ``members`` as a ``Segment`` named ``name``."""
+    member_set = set(members)
+    inputs = list(
+        dict.fromkeys(a for m in members for a in m.all_input_nodes if a not in member_set)
+    )
+    outputs = [m for m in members if any(u not in member_set for u in m.users)]
+    body = fx.Graph()
+    body_env = {a: body.placeholder(a.name) for a in inputs}
+    for m in members:
+        body_env[m] = body.node_copy(m, lambda n: body_env[n])
+    body.output(tuple(body_env[m] for m in outputs))
+    segment = Segment(fx.GraphModule(holder, body), _segment_buffers(holder, members, inputs))
+    holder.__dict__[name] = segment  # a plain attribute, not a child: state_dict stays the user's
+
+    for a in inputs:
+        if a not in env:  # a get_attr that the graph lists after the segment's first node
+            env[a] = graph.node_copy(a, lambda n: env[n])
+    callee = graph.get_attr(name)
+    kwargs = {"use_reentrant": False, "preserve_rng_state": True}
+    if segment.buffers:
+        kwargs["context_fn"] = graph.call_function(getattr, (callee, "contexts"))
+    args = (callee, *[env[a] for a in inputs])
+    call = graph.create_node("call_function", checkpoint, args, kwargs, name=f"{name}_outputs")
+    for index, m in enumerate(outputs):
+        env[m] = graph.create_node("call_function", operator.getitem, (call, index), name=m.name)

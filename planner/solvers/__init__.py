@@ -1,0 +1,49 @@
+"""Solvers choose which segments to checkpoint. Every solver has one signature::
+
+    solve(problem: Problem, budget_bytes: int, **options) -> tuple[tuple[int, int], ...]
+
+returning half-open ``(start, stop)`` segments of positions. Solvers only choose: shared code
+(``planner.simulate``) checks the choice against the budget and ``planner.rewrite`` builds it.
+Any callable with this signature can be passed wherever a solver name is accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+from planner.graph import Problem
+from planner.simulate import Segments
+
+
+class Solver(Protocol):
+    def __call__(self, problem: Problem, budget_bytes: int, **options) -> Segments: ...
+
+
+SOLVERS: dict[str, Solver] = {}
+
+
+def register(name: str) -> Callable[[Solver], Solver]:
+    """Decorator that makes a solver available by ``name``."""
+
+    def add(solver: Solver) -> Solver:
+        SOLVERS[name] = solver
+        return solver
+
+    return add
+
+
+def get_solver(solver: str | Solver) -> tuple[str, Solver]:
+    """The (name, callable) for a registered name or a user callable."""
+    if callable(solver):
+        return getattr(solver, "__name__", type(solver).__name__), solver
+    try:
+        return solver, SOLVERS[solver]
+    except KeyError:
+        raise ValueError(
+            f"unknown solver {solver!r}; registered solvers: {', '.join(sorted(SOLVERS))}, "
+            "or pass a callable solve(problem, budget_bytes, **options)"
+        ) from None
+
+
+from planner.solvers import greedy, sqrt_n  # noqa: E402,F401  (registration side effect)
+

@@ -1,0 +1,57 @@
+"""Chen et al. 2016, algorithm 2 (greedy), with the budget search of section 4.2.
+
+Walk the nodes accumulating saved bytes; once the running total passes a threshold ``b``, cut at
+the next allowed cut. Each threshold gives a plan; the search tries thresholds from the largest
+node's saved bytes to the total and keeps the cheapest plan whose simulated peak fits the budget
+(or, when none fits, the one with the lowest peak, so the caller can report it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from planner.graph import Problem
+from planner.simulate import Segments, simulate
+from planner.solvers import register
+from planner.solvers.sqrt_n import segments_between
+
+
+def saved_bytes_per_node(problem: Problem) -> np.ndarray:
+    """Bytes of storages each node creates that some node saves (what checkpointing can drop)."""
+    saved = np.zeros(problem.size, dtype=np.int64)
+    for s in problem.storages:
+        if s.savers:
+            saved[s.producer] += s.nbytes
+    return saved
+
+
+def greedy_cuts(problem: Problem, threshold: float) -> list[int]:
+    saved = saved_bytes_per_node(problem)
+    cuts, running = [], 0
+    for position in range(1, problem.size):
+        running += saved[position - 1]
+        if running > threshold and problem.cut_allowed[position]:
+            cuts.append(position)
+            running = 0
+    return cuts
+
+
+@register("greedy")
+def solve(problem: Problem, budget_bytes: int, *, thresholds: int = 24, **options) -> Segments:
+    saved = saved_bytes_per_node(problem)
+    total = float(saved.sum())
+    if total <= 0:
+        return ()
+    low = max(float(saved.max()), total / problem.size)
+    candidates = [()] + [
+        segments_between(problem, greedy_cuts(problem, b))
+        for b in np.geomspace(low, total, thresholds)
+    ]
+    best, best_key = (), None
+    for segments in dict.fromkeys(candidates):
+        result = simulate(problem, segments)
+        fits = result.peak_bytes <= budget_bytes
+        key = (not fits, result.recompute_seconds if fits else result.peak_bytes)
+        if best_key is None or key < best_key:
+            best, best_key = segments, key
+    return best

@@ -1,0 +1,397 @@
+"""Specifications of planner.measure: the real measurements that check the planner's predictions.
+
+Most tests compute the same number two ways: by hand, from tensor shapes (the arithmetic is in
+the comments), and by measuring a real training step. All sizes are float32 (4 bytes).
+"""
+
+import collections
+import dataclasses
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from planner.measure import (
+    MemoryReport,
+    peak_memory,
+    step_flops,
+    step_time,
+    training_loss,
+    training_step,
+)
+
+F32 = 4  # bytes per float32 element
+
+
+def nbytes(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def param_bytes(module):
+    return nbytes(*module.parameters())
+
+
+def dispatch_modes_active():
+    return torch._C._len_torch_dispatch_stack()
+
+
+# --------------------------------------------------------------------------------------------
+# training_loss and training_step: what "one training step" means
+# --------------------------------------------------------------------------------------------
+
+
+def test_loss_of_a_tensor_is_its_sum():
+    w = torch.arange(6.0, requires_grad=True)
+    assert training_loss(w * 2).item() == 30.0
+
+
+def test_loss_sums_every_grad_tensor_in_tuples_lists_dicts_and_nests():
+    w = torch.ones(3, requires_grad=True)
+    output = (w, [2 * w, {"a": 3 * w}], {"b": (4 * w,)})
+    assert training_loss(output).item() == (1 + 2 + 3 + 4) * 3
+
+
+def test_loss_ignores_tensors_that_do_not_require_grad_or_are_not_floating_point():
+    w = torch.ones(3, requires_grad=True)
+    output = {"logits": w, "ids": torch.arange(3), "mask": torch.ones(3), "n": 7}
+    assert training_loss(output).item() == 3.0
+
+
+def test_a_scalar_output_is_used_as_is():
+    loss = (torch.ones(3, requires_grad=True) * 2).sum()
+    assert training_loss(loss) is loss
+
+
+def test_loss_reads_dict_subclasses_like_model_output_and_dataclasses():
+    class ModelOutputLike(collections.OrderedDict):  # what Hugging Face's ModelOutput is
+        pass
+
+    @dataclasses.dataclass
+    class Out:
+        hidden: torch.Tensor
+        extra: tuple
+
+    w = torch.ones(2, requires_grad=True)
+    assert training_loss(ModelOutputLike(logits=w, hidden=2 * w)).item() == 6.0
+    assert training_loss(Out(hidden=w, extra=(3 * w,))).item() == 8.0
+
+
+def test_loss_reads_a_hugging_face_model_output():
+    outputs = pytest.importorskip("transformers.modeling_outputs")
+    w = torch.ones(2, requires_grad=True)
+    out = outputs.CausalLMOutput(loss=w.sum(), logits=3 * w)
+    # Every tensor counts, the model's own loss included: 2 + 6.
+    assert training_loss(out).item() == 8.0
+
+
+@pytest.mark.parametrize(
+    "output",
+    [torch.ones(3), (torch.ones(3), torch.arange(3)), {}, None, "text"],
+)
+def test_loss_raises_when_nothing_requires_grad(output):
+    with pytest.raises(ValueError, match="requires grad"):
+        training_loss(output)
+
+
+def test_training_step_fills_gradients_and_returns_the_detached_loss():
+    lin = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    loss = training_step(lin, (x,))
+    assert not loss.requires_grad
+    assert torch.allclose(loss, lin(x).sum())
+    # d(sum(x W^T + b))/dW = column sums of x, for every output row.
+    assert torch.allclose(lin.weight.grad, x.sum(0).expand(2, 3))
+    assert torch.equal(lin.bias.grad, torch.full((2,), 4.0))
+
+
+def test_training_step_passes_keyword_arguments():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2))
+
+        def forward(self, x, *, scale):
+            return self.w * x * scale
+
+    loss = training_step(Scaled(), (torch.ones(2),), {"scale": 5.0})
+    assert loss.item() == 10.0
+
+
+# --------------------------------------------------------------------------------------------
+# Facts about PyTorch that the CPU tracker relies on
+# --------------------------------------------------------------------------------------------
+
+
+def test_fact_a_storage_finalizer_fires_when_the_storage_dies_not_when_its_wrapper_does():
+    # PyTorch keeps a storage's Python object alive for as long as the storage lives, so a
+    # finalizer on it measures the lifetime of the memory, not of one Python reference.
+    fired = []
+    t = torch.empty(1000)
+    storage = t.untyped_storage()
+    weakref.finalize(storage, fired.append, "freed")
+    view = t[10:20]
+    del storage, t
+    gc.collect()
+    assert fired == []  # the view still holds the storage
+    del view
+    assert fired == ["freed"]
+
+
+def test_fact_a_dispatch_mode_sees_backward_and_checkpoint_recomputation_on_cpu():
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.threads = [], set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__)
+            self.threads.add(threading.get_ident())
+            return func(*args, **(kwargs or {}))
+
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with Recorder() as rec:
+        checkpoint(lambda x: lin(x).relu(), x, use_reentrant=False).sum().backward()
+    # Forward runs addmm and relu once; recomputation in backward runs them again, and the
+    # backward kernels (threshold_backward, mm) run too, all on this thread.
+    assert rec.ops.count("addmm.default") == 2
+    assert rec.ops.count("relu.default") == 2
+    assert "threshold_backward.default" in rec.ops
+    assert "mm.default" in rec.ops
+    assert rec.threads == {threading.get_ident()}
+
+
+# --------------------------------------------------------------------------------------------
+# peak_memory on CPU: hand arithmetic versus measurement
+# --------------------------------------------------------------------------------------------
+
+
+def two_linears():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1000, 1000), nn.ReLU(), nn.Linear(1000, 1000))
+
+
+def test_two_linear_layers_peak_matches_hand_arithmetic_to_the_byte():
+    model = two_linears()
+    x = torch.randn(100, 1000)  # does not require grad
+    W = 1000 * 1000 * F32  # 4,000,000: one weight matrix (or its gradient)
+    b = 1000 * F32  # 4,000: one bias
+    act = 100 * 1000 * F32  # 400,000: one (100, 1000) activation
+    scalars = 2 * F32  # the 0-dim loss and the ones tensor that seeds backward
+
+    report = peak_memory(model, (x,))
+
+    # Start: both layers' weights and biases, and the input.
+    assert report.start_bytes == 2 * (W + b) + act == 8_408_000
+    # The peak comes in the backward of the first layer: all four gradients exist, the gradient
+    # flowing into that layer is still alive, and so are the two scalars. Nothing else: the
+    # forward activations were freed as backward consumed them, the output was freed once the
+    # loss was taken, and F.linear's W.t() is a view of the weight, not new memory.
+    assert report.peak_bytes == report.start_bytes + 2 * (W + b) + act + scalars == 16_816_008
+    # End: start plus the gradients (the loss is dropped by peak_memory).
+    assert report.end_bytes == report.start_bytes + 2 * (W + b)
+    assert report.activation_peak_bytes == report.peak_bytes - report.start_bytes
+    assert report.device == "cpu"
+    assert report.timeline is None
+
+
+def eight_layer_chain():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(8)])
+
+
+class CheckpointEvery(nn.Module):
+    """Runs `chain` with every `k` consecutive layers under one non-reentrant checkpoint."""
+
+    def __init__(self, chain, k):
+        super().__init__()
+        self.chain, self.k = chain, k
+
+    def forward(self, x):
+        for i in range(0, len(self.chain), self.k):
+            x = checkpoint(self.chain[i : i + self.k], x, use_reentrant=False)
+        return x
+
+
+CHAIN_INPUT_SHAPE = (2048, 256)
+ACT = 2048 * 256 * F32  # 2 MiB: one activation of the chain
+LAYER = 256 * 256 * F32 + 256 * F32  # one layer's weight and bias (or their gradients)
+
+
+def test_eight_layer_chain_peak_matches_hand_arithmetic():
+    chain = eight_layer_chain()
+    x = torch.randn(*CHAIN_INPUT_SHAPE)
+    report = peak_memory(chain, (x,))
+    assert report.start_bytes == 8 * LAYER + ACT
+    # Each ReLU output is saved (ReLU's backward and the next Linear's backward both use it);
+    # the Linear outputs are freed after the ReLU. The peak comes in the last layer's backward:
+    # seven saved ReLU outputs, the incoming gradient, the gradient it computes for the layer
+    # below, its weight and bias gradients, and the two scalars (loss and backward seed).
+    assert report.activation_peak_bytes == 9 * ACT + LAYER + 2 * F32
+    assert report.end_bytes == report.start_bytes + 8 * LAYER
+
+
+def test_checkpointing_every_two_layers_lowers_the_peak():
+    chain = eight_layer_chain()
+    x = torch.randn(*CHAIN_INPUT_SHAPE)
+    plain = peak_memory(chain, (x,))
+    planned = peak_memory(CheckpointEvery(chain, 2), (x,))
+    # Forward keeps 4 segment inputs instead of 8 ReLU outputs; backward recomputes 2 layers
+    # at a time. Measured: about 12.5 MiB above start instead of 18.3 MiB.
+    assert planned.peak_bytes < plain.peak_bytes - 2 * ACT
+    assert planned.start_bytes == plain.start_bytes
+    assert planned.end_bytes == plain.end_bytes  # the same gradients
+
+
+def test_recomputation_is_counted_checkpointing_everything_saves_nothing_at_the_peak():
+    # One checkpoint around the whole chain keeps only its input in forward, but backward
+    # recomputes every activation before using them, so the peak is the same as without it.
+    # A tracker blind to recomputation would report a far lower peak here.
+    chain = eight_layer_chain()
+    x = torch.randn(*CHAIN_INPUT_SHAPE)
+    plain = peak_memory(chain, (x,))
+    whole = peak_memory(CheckpointEvery(chain, 8), (x,))
+    assert whole.peak_bytes == plain.peak_bytes
+
+
+def test_start_bytes_counts_parameters_buffers_inputs_and_constants_exactly():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(10, 10)
+            self.bn = nn.BatchNorm1d(10)  # buffers: running mean, var, num_batches_tracked
+            self.mask = torch.ones(10)  # a plain attribute, not registered as a buffer
+
+        def forward(self, x, *, bias):
+            return self.bn(self.lin(x)) * self.mask + bias
+
+    net = Net()
+    x, bias = torch.randn(8, 10), torch.randn(10)
+    report = peak_memory(net, (x,), {"bias": bias})
+    expected = (
+        nbytes(*net.parameters())  # (10*10 + 10) + 10 + 10 floats = 520 bytes
+        + nbytes(*net.buffers())  # 10 + 10 floats + one int64 = 88 bytes
+        + nbytes(net.mask, x, bias)  # 40 + 320 + 40 bytes
+    )
+    assert report.start_bytes == expected == 1008
+
+
+def test_views_of_parameters_and_buffers_are_not_counted_as_new_memory():
+    class Views(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.randn(1000, 1000))  # 4 MB
+            self.scale = nn.Parameter(torch.ones(4))
+
+        def forward(self):
+            return self.table.t().t().reshape(-1)[:4] * self.scale  # views, then 4 floats
+
+    report = peak_memory(Views(), ())
+    # Only small tensors are allocated: the product (16 bytes), the loss (4), the backward
+    # seed (4) and the gradient of `scale` (16); at most 24 bytes live at once above start.
+    # Counting a view of `table` as new memory would add 4,000,000 bytes.
+    assert report.activation_peak_bytes == 24
+
+
+def test_existing_gradients_are_discarded_before_the_step():
+    model = two_linears()
+    x = torch.randn(100, 1000)
+    first = peak_memory(model, (x,))
+    second = peak_memory(model, (x,))  # the first step left gradients behind
+    assert second == first
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_leaf_input_that_requires_grad_gets_a_gradient_which_is_counted():
+    lin = nn.Linear(100, 100, bias=False)
+    x = torch.randn(10, 100, requires_grad=True)
+    report = peak_memory(lin, (x,))
+    assert report.end_bytes - report.start_bytes == nbytes(lin.weight) + nbytes(x)
+
+
+def test_timeline_starts_at_start_bytes_and_peaks_at_peak_bytes():
+    model = two_linears()
+    x = torch.randn(100, 1000)
+    report = peak_memory(model, (x,), record_timeline=True)
+    assert report.timeline[0] == report.start_bytes
+    assert max(report.timeline) == report.peak_bytes
+    assert report.timeline[-1] == report.end_bytes
+    # First event: the first Linear's output, 100 x 1000 floats.
+    assert report.timeline[1] - report.timeline[0] == 100 * 1000 * F32
+
+
+def test_the_tracker_leaves_no_dispatch_mode_active_even_when_the_step_fails():
+    model = two_linears()
+    assert dispatch_modes_active() == 0
+    peak_memory(model, (torch.randn(2, 1000),))
+    assert dispatch_modes_active() == 0
+    with pytest.raises(RuntimeError):
+        peak_memory(model, (torch.randn(2, 7),))  # wrong width
+    assert dispatch_modes_active() == 0
+
+
+def test_memory_report_is_frozen_and_its_repr_omits_the_timeline():
+    report = MemoryReport(10, 4, 6, "cpu", (4, 10, 6))
+    assert report.activation_peak_bytes == 6
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.peak_bytes = 0
+    assert "timeline" not in repr(report)
+
+
+# --------------------------------------------------------------------------------------------
+# peak_memory on CUDA
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_peak_agrees_with_the_cpu_tracker():
+    model = two_linears()
+    x = torch.randn(100, 1000)
+    on_cpu = peak_memory(model, (x,))
+    model.cuda()
+    x = x.cuda()
+    training_step(model, (x,))  # warm up cuBLAS, whose workspace then stays allocated
+    on_gpu = peak_memory(model, (x,))
+    assert on_gpu.device == f"cuda:{torch.cuda.current_device()}"
+    assert on_gpu.timeline is None
+    assert on_gpu.start_bytes >= param_bytes(model) + nbytes(x)
+    # The caching allocator rounds every block up to a multiple of 512 bytes and may hold
+    # small extra buffers; allow 1 MiB of difference on an 8.4 MB activation peak.
+    assert abs(on_gpu.activation_peak_bytes - on_cpu.activation_peak_bytes) <= 2**20
+    assert abs((on_gpu.end_bytes - on_gpu.start_bytes) - param_bytes(model)) <= 4 * 512
+
+
+# --------------------------------------------------------------------------------------------
+# FLOPs and time
+# --------------------------------------------------------------------------------------------
+
+
+def test_step_flops_matches_hand_count():
+    model = two_linears()
+    x = torch.randn(100, 1000)  # does not require grad
+    matmul = 2 * 100 * 1000 * 1000  # one (100 x 1000) @ (1000 x 1000): a multiply-add is 2
+    # Forward: two matmuls. Backward: the weight gradients of both layers, and the input
+    # gradient of the second layer only (the input needs no gradient). ReLU and bias count 0.
+    assert step_flops(model, (x,)) == 5 * matmul == 1_000_000_000
+
+
+def test_step_flops_does_not_change_a_later_memory_measurement():
+    model = two_linears()
+    x = torch.randn(100, 1000)
+    before = peak_memory(model, (x,))
+    step_flops(model, (x,))
+    assert peak_memory(model, (x,)) == before
+
+
+def test_step_time_is_a_positive_median_and_checks_its_arguments():
+    lin = nn.Linear(10, 10)
+    seconds = step_time(lin, (torch.randn(4, 10),), repeat=3, warmup=0)
+    assert 0 < seconds < 5
+    with pytest.raises(ValueError):
+        step_time(lin, (torch.randn(4, 10),), repeat=0)
