@@ -150,6 +150,7 @@ class _Recorder(fx.Interpreter):
 
     def __init__(self, module: fx.GraphModule, storages: _Storages, cost: _CostMode):
         super().__init__(module, garbage_collect_values=True)
+        self.extra_traceback = False  # our error names the node; fx's would repeat the graph
         self.storages = storages
         self.cost = cost
         self.saved_by_current: set[int] = set()
@@ -170,9 +171,9 @@ class _Recorder(fx.Interpreter):
                 out = super().run_node(node)
             except Exception as error:
                 raise PlanningError(
-                    f"the model's forward failed on the example inputs at {node.format_node()} "
-                    f"(from {node.meta.get('stack_trace', 'unknown source').strip()!s:.400}): "
-                    f"{type(error).__name__}: {error}"
+                    f"the model's forward failed on the example inputs at node {node.name!r} "
+                    f"({node.op} {node.target}): {type(error).__name__}: {error}. Check the "
+                    "example inputs' shapes and dtypes against what the model expects."
                 ) from error
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         out_keys = {self.storages.key(t) for t in tensors} - {None}

@@ -54,15 +54,15 @@ class Segment:
 
 
 def _share_user_state(planned: nn.Module, model: nn.Module) -> None:
-    """Make ``planned`` own exactly the user's children, parameters and buffers (same objects)."""
-    for name, child in model.named_children():
-        planned._modules[name] = child
-    for name, param in model._parameters.items():
-        planned._parameters[name] = param
-    for name, buffer in model._buffers.items():
-        planned._buffers[name] = buffer
-        if name in model._non_persistent_buffers_set:
-            planned._non_persistent_buffers_set.add(name)
+    """Make ``planned`` own the user's children, parameters and buffers (same objects, same
+    order, so that ``state_dict`` keys come out identical); anything only the captured graph
+    has (constants, export's guards) follows them."""
+    for table in ("_modules", "_parameters", "_buffers"):
+        own, users = getattr(planned, table), getattr(model, table)
+        merged = {**users, **{k: v for k, v in own.items() if k not in users}}
+        own.clear()
+        own.update(merged)
+    planned._non_persistent_buffers_set |= model._non_persistent_buffers_set
 
 
 def _holder(captured: fx.GraphModule, model: nn.Module) -> nn.Module:

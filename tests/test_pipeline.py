@@ -1,0 +1,289 @@
+"""Specification of ``planner.plan``: the planned module is the original model, cheaper in memory.
+
+Every comparison runs the original (an untouched deep copy) and the planned module from the same
+seed and compares outputs and gradients exactly: recomputation replays the same operations on the
+same inputs with the same random state, so results must be bit-identical.
+"""
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+
+import planner
+from planner import zoo
+from planner.measure import peak_memory, training_step
+from planner.pipeline import lowest_peak, prepare
+from planner.simulate import simulate
+
+SMALL = {
+    "mlp": lambda: zoo.mlp_chain(depth=12, width=128, batch=512),
+    "resnet": lambda: zoo.resnet(blocks=3, channels=16, batch=4, image=16),
+    "gpt": lambda: zoo.gpt(layers=2, d_model=64, seq=32, batch=2),
+    "bert": lambda: zoo.bert(layers=2, d_model=64, seq=32, batch=2),
+    "unet": lambda: zoo.unet(depth=2, channels=8, batch=2, image=32),
+    "untraceable": lambda: zoo.untraceable_mlp(),
+}
+
+
+def midpoint_budget(model, inputs) -> int:
+    """A budget halfway between the lowest achievable peak and the baseline peak."""
+    _, problem = prepare(model, inputs)
+    return (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
+
+
+def step_with_grads(module, params_of, inputs, seed=0):
+    for p in params_of.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    out = module(*inputs)
+    loss = planner.measure.training_loss(out)
+    loss.backward()
+    return out, {name: p.grad.clone() for name, p in params_of.named_parameters()}
+
+
+def assert_same_tree(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same_tree(a[key], b[key])
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_tree(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet", "gpt", "bert", "unet", "untraceable"])
+@pytest.mark.parametrize("solver", ["sqrt_n", "greedy", "auto"])
+def test_planned_module_gives_identical_outputs_gradients_and_buffers(name, solver):
+    model, inputs = SMALL[name]()
+    original = copy.deepcopy(model)
+    budget = midpoint_budget(model, inputs)
+    try:
+        plan = planner.plan(model, inputs, budget_bytes=budget, solver=solver)
+    except planner.PlanningError:
+        assert solver == "sqrt_n", "only the budget-blind rule may miss a feasible budget"
+        return
+    assert plan.segments, "a budget below the baseline needs checkpointing"
+
+    out_original, grads_original = step_with_grads(original, original, inputs)
+    out_planned, grads_planned = step_with_grads(plan.module, model, inputs)
+
+    assert_same_tree(out_original, out_planned)
+    assert grads_original.keys() == grads_planned.keys()
+    for key in grads_original:
+        torch.testing.assert_close(grads_planned[key], grads_original[key], rtol=0, atol=0)
+    for (key, a), (_, b) in zip(original.state_dict().items(), model.state_dict().items()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"buffer {key} differs")
+
+
+def test_export_path_is_used_for_models_symbolic_trace_cannot_trace():
+    model, inputs = SMALL["untraceable"]()
+    with pytest.raises(Exception):
+        torch.fx.symbolic_trace(model)
+    plan = planner.plan(model, inputs, budget_bytes=midpoint_budget(model, inputs))
+    assert plan.capture_method == "export"
+
+
+def test_batchnorm_statistics_are_updated_once_per_step_despite_recompute():
+    model, inputs = SMALL["resnet"]()
+    original = copy.deepcopy(model)
+    plan = planner.plan(model, inputs, budget_bytes=midpoint_budget(model, inputs))
+    assert any(s.buffers for s in _segments(plan.module)), "a segment must contain a BatchNorm"
+    training_step(original, inputs)
+    training_step(plan.module, inputs)
+    for key, value in original.state_dict().items():
+        if "num_batches_tracked" in key:
+            assert value.item() == 1
+            assert model.state_dict()[key].item() == 1
+
+
+def _segments(module):
+    return [v for v in vars(module).values() if isinstance(v, planner.rewrite.Segment)]
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet", "gpt", "bert", "unet"])
+def test_measured_peak_fits_the_budget_and_matches_the_prediction(name):
+    model, inputs = SMALL[name]()
+    budget = midpoint_budget(model, inputs)
+    plan = planner.plan(model, inputs, budget_bytes=budget)
+    measured = peak_memory(plan.module, inputs).peak_bytes
+    assert measured <= budget
+    assert math.isclose(plan.predicted_peak_bytes, measured, rel_tol=0.10)
+    baseline = peak_memory(copy.deepcopy(model), inputs).peak_bytes
+    assert math.isclose(plan.baseline_peak_bytes, baseline, rel_tol=0.10)
+    assert measured < baseline
+
+
+def test_a_budget_above_the_baseline_checkpoints_nothing():
+    model, inputs = SMALL["gpt"]()
+    _, problem = prepare(model, inputs)
+    baseline = simulate(problem, ()).peak_bytes
+    plan = planner.plan(model, inputs, budget_bytes=baseline + 1)
+    assert plan.segments == ()
+    assert plan.predicted_peak_bytes == plan.baseline_peak_bytes == baseline
+    assert plan.predicted_overhead == 0
+
+
+def test_the_planned_module_shares_the_models_parameters_and_state_dict_keys():
+    model, inputs = SMALL["gpt"]()
+    plan = planner.plan(model, inputs, budget_bytes=midpoint_budget(model, inputs))
+    assert list(plan.module.state_dict()) == list(model.state_dict())
+    planned = dict(plan.module.named_parameters())
+    for name, p in model.named_parameters():
+        assert planned[name] is p
+    plan.module.load_state_dict(model.state_dict())
+    model.load_state_dict(plan.module.state_dict())
+
+
+def test_planning_leaves_the_model_exactly_as_it_was():
+    model, inputs = SMALL["resnet"]()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = [(p, p.requires_grad) for p in model.parameters()]
+    planner.plan(model, inputs, budget_bytes=midpoint_budget(model, inputs))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+    for p, requires_grad in params:
+        assert p.grad is None and p.requires_grad == requires_grad
+    for m in model.modules():
+        assert m.training
+        assert not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
+
+
+def test_generated_code_calls_non_reentrant_checkpoint():
+    model, inputs = SMALL["mlp"]()
+    plan = planner.plan(model, inputs, budget_bytes=midpoint_budget(model, inputs))
+    assert "torch.utils.checkpoint.checkpoint(segment_0" in plan.module.code
+    assert "use_reentrant = False" in plan.module.code
+
+
+def test_dict_outputs_keep_their_structure():
+    model, inputs = SMALL["bert"]()
+    plan = planner.plan(model, inputs, budget_bytes=midpoint_budget(model, inputs))
+    out = plan.module(*inputs)
+    assert isinstance(out, dict) and set(out) == {"logits", "pooled"}
+
+
+def test_keyword_inputs_are_passed_through_example_kwargs():
+    model, (ids, mask) = SMALL["bert"]()
+    budget = midpoint_budget(model, (ids, mask))
+    plan = planner.plan(model, (ids,), budget_bytes=budget, example_kwargs={"attention_mask": mask})
+    torch.manual_seed(0)
+    expected = copy.deepcopy(model)(ids, attention_mask=mask)
+    torch.manual_seed(0)
+    assert_same_tree(plan.module(ids, attention_mask=mask), expected)
+
+
+def test_any_callable_with_the_solver_signature_is_a_solver():
+    model, inputs = SMALL["mlp"]()
+
+    def first_half(problem, budget_bytes, **options):
+        return ((0, problem.size // 2),)
+
+    plan = planner.plan(model, inputs, budget_gb=1.0, solver=first_half)
+    assert plan.solver == "first_half"
+    assert plan.segments == ((0, plan.problem.size // 2),)
+
+
+def test_summary_names_solver_budget_and_segments():
+    model, inputs = SMALL["gpt"]()
+    plan = planner.plan(model, inputs, budget_bytes=midpoint_budget(model, inputs))
+    text = str(plan)
+    assert plan.solver in text and "predicted peak" in text and "budget" in text
+    assert len(plan.segment_table()) == len(plan.segments)
+
+
+# Bad input: a clear error, never a wrong answer, and the model left as it was.
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"budget_gb": 0}, "budget_gb"),
+        ({"budget_gb": -1.0}, "budget_gb"),
+        ({"budget_gb": float("nan")}, "budget_gb"),
+        ({"budget_gb": float("inf")}, "budget_gb"),
+        ({"budget_gb": "2"}, "budget_gb"),
+        ({"budget_gb": True}, "budget_gb"),
+        ({"budget_bytes": 0}, "budget_bytes"),
+        ({"budget_bytes": None, "budget_gb": None}, "exactly one"),
+        ({"budget_bytes": 10**9, "budget_gb": 1.0}, "exactly one"),
+    ],
+)
+def test_invalid_budgets_raise_value_errors_naming_the_argument(kwargs, message):
+    model, inputs = SMALL["mlp"]()
+    with pytest.raises(ValueError, match=message):
+        planner.plan(model, inputs, **kwargs)
+
+
+def test_an_infeasible_budget_states_the_minimum_and_the_minimum_is_plannable():
+    model, inputs = SMALL["gpt"]()
+    with pytest.raises(planner.PlanningError, match="lowest predicted peak") as error:
+        planner.plan(model, inputs, budget_bytes=1000)
+    minimum = int(str(error.value).split("budget_bytes=")[1].split(",")[0])
+    plan = planner.plan(model, inputs, budget_bytes=minimum)
+    assert plan.predicted_peak_bytes <= minimum
+
+
+def test_a_model_without_trainable_parameters_has_nothing_to_plan():
+    model, inputs = SMALL["mlp"]()
+    model.requires_grad_(False)
+    with pytest.raises(planner.PlanningError, match="requires grad"):
+        planner.plan(model, inputs, budget_gb=1.0)
+
+
+def test_a_model_in_eval_mode_gets_a_warning():
+    model, inputs = SMALL["mlp"]()
+    model.eval()
+    with pytest.warns(UserWarning, match="eval mode"):
+        planner.plan(model, inputs, budget_gb=1.0)
+    assert not model.training
+
+
+def test_inputs_that_break_the_models_forward_give_the_models_error_with_context():
+    model, _ = SMALL["mlp"]()
+    wrong = torch.randn(4, 7)  # the first Linear expects 128 features
+    with pytest.raises(planner.PlanningError, match="forward failed") as error:
+        planner.plan(model, (wrong,), budget_gb=1.0)
+    message = str(error.value)
+    assert "node '_0'" in message, "the message names the failing node"
+    assert "[4, 7]" in message, "the message carries the underlying shape error"
+
+
+def test_unknown_solver_names_list_the_registered_ones():
+    model, inputs = SMALL["mlp"]()
+    with pytest.raises(ValueError, match="greedy"):
+        planner.plan(model, inputs, budget_gb=1.0, solver="nope")
+
+
+def test_no_warnings_from_checkpoint_in_the_planned_module():
+    model, inputs = SMALL["gpt"]()
+    plan = planner.plan(model, inputs, budget_bytes=midpoint_budget(model, inputs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        training_step(plan.module, inputs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["mlp", "resnet", "gpt"])
+def test_on_cuda_gradients_match_and_the_prediction_matches_the_allocator(name):
+    model, inputs = SMALL[name]()
+    model = model.cuda()
+    inputs = tuple(t.cuda() for t in inputs)
+    original = copy.deepcopy(model)
+    budget = midpoint_budget(model, inputs)
+    plan = planner.plan(model, inputs, budget_bytes=budget)
+    _, grads_original = step_with_grads(original, original, inputs)
+    _, grads_planned = step_with_grads(plan.module, model, inputs)
+    for key in grads_original:
+        torch.testing.assert_close(grads_planned[key], grads_original[key])
+    measured = peak_memory(plan.module, inputs).peak_bytes
+    assert math.isclose(plan.predicted_peak_bytes, measured, rel_tol=0.10)
