@@ -63,9 +63,12 @@ class Problem:
     workspace: np.ndarray
     created_bytes: np.ndarray  # bytes of the storages each node creates
     saves: np.ndarray  # bool per node: autograd saves something while it runs
-    grad_bytes_at: np.ndarray  # parameter-gradient bytes first allocated at each node's backward
-    activation_grad_alloc: np.ndarray  # activation-gradient bytes allocated at each backward step
-    activation_grad_free: np.ndarray  # ... and freed after it
+    saves_own: np.ndarray  # bool per node: it saves a storage it creates (e.g. its output)
+    # Backward step i allocates activation_grad_alloc[i] + grad_bytes_at[i] (parameter
+    # gradients, kept), reaches its high point, then frees activation_grad_free[i].
+    grad_bytes_at: np.ndarray
+    activation_grad_alloc: np.ndarray
+    activation_grad_free: np.ndarray
     checkpointable: np.ndarray  # bool per node: may be inside a checkpointed segment
     cut_allowed: np.ndarray  # bool per cut position 0..n
     cut_bytes: np.ndarray  # boundary bytes per cut position 0..n
@@ -195,14 +198,13 @@ def build_problem(
         for key in sorted(producer)
     }
 
-    # A storage's gradient appears at the backward of its last reader and dies after its
-    # producer's. Outputs read by nothing get theirs from the loss: an expanded scalar, free.
-    grad_alloc = np.zeros(n, dtype=np.int64)
-    grad_free = np.zeros(n, dtype=np.int64)
-    for s in storages.values():
-        if s.requires_grad and s.readers:
-            grad_alloc[s.last_reader] += s.nbytes
-            grad_free[s.producer] += s.nbytes
+    # What each node's backward allocates was measured in the profile's fake backward: at its
+    # high point it holds backward_high bytes more than before, of which backward_net remain.
+    # Parameter gradients are part of both; they are reported apart in grad_bytes_at.
+    high = np.array([require_meta(node, "planner.backward_high") for node in nodes], np.int64)
+    net = np.array([require_meta(node, "planner.backward_net") for node in nodes], np.int64)
+    grad_alloc = high - grad_bytes_at
+    grad_free = high - net
 
     cut_delta = np.zeros(n + 2, dtype=np.int64)
     for s in storages.values():
@@ -232,6 +234,7 @@ def build_problem(
         workspace=np.array([require_meta(nd, "planner.workspace") for nd in nodes], np.int64),
         created_bytes=np.array([sum(c.values()) for c in created], dtype=np.int64),
         saves=np.array([bool(s) for s in saved], dtype=bool),
+        saves_own=np.array([bool(saved[i] & created[i].keys()) for i in range(n)], dtype=bool),
         grad_bytes_at=grad_bytes_at,
         activation_grad_alloc=grad_alloc,
         activation_grad_free=grad_free,

@@ -22,6 +22,10 @@ Keys written into ``node.meta`` (the one place they are documented):
     FLOPs (``torch.utils.flop_counter`` formulas) and bytes read plus written by its ATen ops.
 ``planner.requires_grad``
     whether any of its outputs requires grad (then backward allocates a gradient for it).
+``planner.backward_high``, ``planner.backward_net``
+    measured in the fake backward that follows the forward: the most bytes the node's backward
+    has allocated at once (input and parameter gradients, temporaries), and what of it is still
+    live when the node's backward ends (gradients waiting for their consumers, ``.grad``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import copy
 import inspect
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 from planner.errors import PlanningError
+from planner.measure import training_loss
 
 META_KEYS = (
     "planner.created",
@@ -50,6 +56,8 @@ META_KEYS = (
     "planner.flops",
     "planner.bytes_moved",
     "planner.requires_grad",
+    "planner.backward_high",
+    "planner.backward_net",
 )
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 
@@ -145,6 +153,62 @@ class _CostMode(TorchDispatchMode):
         return out
 
 
+class _BackwardMemory(TorchDispatchMode):
+    """Attributes the memory that backward allocates to the node whose backward is running.
+
+    A pre-hook on each node's output ``grad_fn`` marks where that node's backward starts;
+    storages created from then on (gradients, temporaries) count against it, and finalizers
+    tell when they are freed. Storages alive since the forward are not counted here: the
+    simulator decides their fate, which depends on the plan.
+    """
+
+    def __init__(self, forward_storages: _Storages, nodes: list[fx.Node]):
+        super().__init__()
+        self.forward = forward_storages
+        self.nodes = nodes
+        self.live = 0
+        self.current: fx.Node | None = None
+        self.start = 0
+        self.tracked: dict[int, int] = {}
+
+    def enter(self, node: fx.Node) -> None:
+        self._close()
+        self.current, self.start = node, self.live
+        node.meta.setdefault("planner.backward_high", 0)
+        node.meta.setdefault("planner.backward_net", 0)
+
+    def _close(self) -> None:
+        if self.current is not None:
+            self.current.meta["planner.backward_net"] += self.live - self.start
+
+    def finish(self) -> None:
+        self._close()
+        for node in self.nodes:
+            node.meta.setdefault("planner.backward_high", 0)
+            node.meta.setdefault("planner.backward_net", 0)
+
+    def _free(self, cdata: int) -> None:
+        self.live -= self.tracked.pop(cdata)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+                continue
+            storage = t.untyped_storage()
+            cdata = storage._cdata
+            if cdata in self.forward.keys or cdata in self.tracked:
+                continue
+            self.tracked[cdata] = storage.nbytes()
+            self.live += storage.nbytes()
+            weakref.finalize(storage, self._free, cdata)
+        if self.current is not None:
+            high = self.live - self.start
+            if high > self.current.meta["planner.backward_high"]:
+                self.current.meta["planner.backward_high"] = high
+        return out
+
+
 class _Recorder(fx.Interpreter):
     """Runs the graph node by node, annotating each compute node."""
 
@@ -154,6 +218,8 @@ class _Recorder(fx.Interpreter):
         self.storages = storages
         self.cost = cost
         self.saved_by_current: set[int] = set()
+        nodes = [n for n in module.graph.nodes if n.op in COMPUTE_OPS]
+        self.backward = _BackwardMemory(storages, nodes)
 
     def pack(self, tensor):
         key = self.storages.key(tensor)
@@ -187,6 +253,8 @@ class _Recorder(fx.Interpreter):
         node.meta["planner.flops"] = self.cost.flops
         node.meta["planner.bytes_moved"] = self.cost.bytes_moved
         node.meta["planner.requires_grad"] = any(t.requires_grad for t in tensors)
+        for grad_fn in {t.grad_fn for t in tensors if t.grad_fn is not None}:
+            grad_fn.register_prehook(lambda grads, node=node: self.backward.enter(node))
         return out
 
 
@@ -225,7 +293,8 @@ def _fake_copy(gm: fx.GraphModule, mode: FakeTensorMode) -> fx.GraphModule:
 
 
 def profile(gm: fx.GraphModule, args: tuple, kwargs: dict | None = None) -> Profile:
-    """Annotate every compute node of ``gm`` (see the module docstring) from one fake forward.
+    """Annotate every compute node of ``gm`` (see the module docstring) from one fake training
+    step: forward, the loss of ``planner.measure.training_loss``, backward.
 
     ``gm`` itself is not run: a fake copy is, so neither real memory nor the user's parameters
     are touched. Savings are deduplicated by storage; parameter storages are fixed, never saved.
@@ -254,7 +323,11 @@ def profile(gm: fx.GraphModule, args: tuple, kwargs: dict | None = None) -> Prof
         recorder = _Recorder(fake, storages, cost)
         with cost:
             output = recorder.run(*placeholder_values(fake, fake_args, fake_kwargs))
-    output_keys = {storages.key(t) for t in tree_flatten(output)[0]} - {None}
+        output_keys = {storages.key(t) for t in tree_flatten(output)[0]} - {None}
+        loss = training_loss(output)
+        with recorder.backward:
+            loss.backward()
+        recorder.backward.finish()
     produced, read = set(), set()
     for fake_node, node in zip(fake.graph.nodes, gm.graph.nodes):
         if fake_node.op in COMPUTE_OPS:

@@ -5,12 +5,15 @@ The replay follows what PyTorch does with non-reentrant ``torch.utils.checkpoint
 
 * forward: each node allocates the storages it creates (plus a transient workspace); a storage
   dies after its last reader unless something keeps it for backward: a saver outside any
-  checkpointed segment, a checkpointed segment that takes it as input (the segment holds its
-  inputs until its backward is done), or the graph's output;
+  checkpointed segment, or a checkpointed segment that takes it as input (the segment holds its
+  inputs until its backward is done). The graph's outputs live until the loss has read them
+  (``planner.measure.training_step`` drops them before backward).
 * backward, in reverse order: on reaching the last node of a checkpointed segment, the segment's
-  forward runs again up to its last node that saves anything (early stop), re-creating its saved
-  storages; each node then allocates the gradients of its inputs and parameters, and frees its
-  output gradient and the saved storages no later node needs.
+  forward runs again up to its last node that saves anything (early stop: autograd saves inputs
+  before an op runs and outputs after, so when that last node saves only inputs its outputs are
+  never re-created), re-creating its saved storages. Each node's backward then allocates what
+  the profile's fake backward measured for it (gradients, temporaries), and frees what it
+  measured plus the saved storages no earlier node needs.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ class Simulation:
     peak_bytes: int
     recompute_seconds: float
     recompute_flops: float
-    timeline: tuple[tuple[str, int, int], ...] | None = None  # (phase, position, live bytes)
+    # (phase, position, live bytes at the node's high point, before it frees anything)
+    timeline: tuple[tuple[str, int, int], ...] | None = None
 
 
 def validate_segments(problem: Problem, segments) -> Segments:
@@ -80,17 +84,17 @@ def simulate(problem: Problem, segments, *, record: bool = False) -> Simulation:
         for j in s.readers:
             if segment_of[j] >= 0 and segment_of[j] != home:
                 release.append(segments[segment_of[j]][0])
-        if s.is_output:
-            pass  # lives until the step ends
-        elif release:
+        if release:
             backward_free[min(release)] += s.nbytes
+        elif s.is_output:
+            forward_free[n - 1] += s.nbytes  # read by the loss, then dropped before backward
         else:
             forward_free[s.last_reader] += s.nbytes
         if home >= 0:
             start, stop = segments[home]
             end = last_recomputed(problem, start, stop)
-            if s.producer > end:
-                continue
+            if s.producer > end or (s.producer == end and not problem.saves_own[end]):
+                continue  # early stop: the recompute ends at the last save, before this exists
             inner_savers = [j for j in s.savers if start <= j < stop]
             recompute_alloc.setdefault(home, []).append((s.producer, s.nbytes))
             if inner_savers:
@@ -106,9 +110,9 @@ def simulate(problem: Problem, segments, *, record: bool = False) -> Simulation:
     for i in range(n):
         live += int(problem.created_bytes[i])
         peak = max(peak, live + int(problem.workspace[i]))
-        live -= int(forward_free[i])
         if record:
-            timeline.append(("forward", i, live))
+            timeline.append(("forward", i, live + int(problem.workspace[i])))
+        live -= int(forward_free[i])
 
     recompute_seconds = 0.0
     recompute_flops = 0.0
@@ -126,16 +130,16 @@ def simulate(problem: Problem, segments, *, record: bool = False) -> Simulation:
             for j in range(start, end + 1):
                 live += int(allocs[j])
                 peak = max(peak, live + int(problem.workspace[j]))
-                live -= int(frees[j])
                 if record:
-                    timeline.append(("recompute", j, live))
+                    timeline.append(("recompute", j, live + int(problem.workspace[j])))
+                live -= int(frees[j])
             recompute_seconds += float(problem.seconds[start : end + 1].sum())
             recompute_flops += float(problem.flops[start : end + 1].sum())
         live += int(problem.activation_grad_alloc[i] + problem.grad_bytes_at[i])
-        peak = max(peak, live + int(problem.workspace[i]))
-        live -= int(problem.activation_grad_free[i] + backward_free[i])
+        peak = max(peak, live)
         if record:
             timeline.append(("backward", i, live))
+        live -= int(problem.activation_grad_free[i] + backward_free[i])
 
     return Simulation(
         peak_bytes=int(problem.fixed_bytes + peak),
