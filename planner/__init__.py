@@ -10,10 +10,20 @@ from planner import zoo
 from planner.errors import PlanningError
 from planner.graph import CostModel, Problem
 from planner.pipeline import Plan, plan
+from planner.accumulate import MicroBatch, accumulation_windows, micro_batches
+from planner.batch import BatchOption, BatchPlan, plan_batch
+from planner.serialize import load
 from planner.simulate import Simulation
 from planner.solvers import SOLVERS, register
 
 __all__ = [
+    "BatchOption",
+    "BatchPlan",
+    "MicroBatch",
+    "accumulation_windows",
+    "load",
+    "micro_batches",
+    "plan_batch",
     "CostModel",
     "Plan",
     "PlanningError",

@@ -16,6 +16,7 @@ from planner.errors import PlanningError
 from planner.graph import CostModel, Problem, build_problem
 from planner.profile import profile
 from planner.rewrite import rewrite
+from planner.serialize import input_spec
 from planner.simulate import Segments, Simulation, simulate
 from planner.solvers import SOLVERS, get_solver
 from planner.solvers.sqrt_n import segments_between
@@ -46,6 +47,7 @@ class Plan:
     planning_seconds: float
     module: fx.GraphModule = field(repr=False, compare=False)
     problem: Problem = field(repr=False, compare=False)
+    input_spec: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def baseline_fixed_bytes(self) -> int:
@@ -96,6 +98,29 @@ class Plan:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        from planner import viz
+
+        return viz.plan_html(self)
+
+    def draw(self, path=None, ax=None, **options):
+        """Draw the graph, segments coloured, boundaries highlighted; see planner.viz.draw."""
+        from planner import viz
+
+        return viz.draw(self, path=path, ax=ax, **options)
+
+    def plot_memory(self, measured=None, ax=None, **options):
+        """Predicted memory over the step, baseline vs plan vs budget; see viz.plot_memory."""
+        from planner import viz
+
+        return viz.plot_memory(self, measured, ax=ax, **options)
+
+    def save(self, path, example_inputs=None, example_kwargs=None):
+        """Write the plan as JSON (no pickle); load it with ``planner.load(path, model)``."""
+        from planner import serialize
+
+        return serialize.save(self, path, example_inputs, example_kwargs)
 
 
 def _mib(nbytes: float) -> str:
@@ -278,19 +303,47 @@ def plan(
             f"least budget_bytes={lowest.peak_bytes}, or use a smaller batch."
             + (f" (solver {name} found {_mib(result.peak_bytes)})" if solver != "auto" else "")
         )
-    module = rewrite(captured.graph_module, model, segments)
-    step_seconds = 3 * float(problem.seconds.sum())
-    return Plan(
-        segments=segments,
+    return assemble(
+        model,
+        captured,
+        problem,
+        segments,
         solver=name,
         budget_bytes=budget,
+        solve_seconds=solve_seconds,
+        started=start,
+        input_spec=input_spec(example_inputs, example_kwargs),
+    )
+
+
+def assemble(
+    model: nn.Module,
+    captured,
+    problem: Problem,
+    segments,
+    *,
+    solver: str,
+    budget_bytes: int,
+    solve_seconds: float,
+    started: float,
+    input_spec: dict | None = None,
+) -> Plan:
+    """Simulate, rewrite and package chosen segments (shared by plan, load and plan_batch)."""
+    baseline = simulate(problem, ())
+    result = simulate(problem, segments)
+    step_seconds = 3 * float(problem.seconds.sum())
+    return Plan(
+        segments=tuple(segments),
+        solver=solver,
+        budget_bytes=budget_bytes,
         predicted_peak_bytes=result.peak_bytes,
         baseline_peak_bytes=baseline.peak_bytes,
         predicted_overhead=result.recompute_seconds / step_seconds if step_seconds else 0.0,
         recompute_flops=result.recompute_flops,
         capture_method=captured.method,
         solve_seconds=solve_seconds,
-        planning_seconds=time.perf_counter() - start,
-        module=module,
+        planning_seconds=time.perf_counter() - started,
+        module=rewrite(captured.graph_module, model, segments),
         problem=problem,
+        input_spec=input_spec,
     )

@@ -1,0 +1,386 @@
+"""Saving plans to JSON and applying them again, without pickle and without re-solving.
+
+A saved plan is a small JSON document (format ``"planner.plan"``, ``"version": 1``)::
+
+    {
+      "format": "planner.plan", "version": 1,
+      "planner_version": "0.1.0", "torch_version": "2.13.0", "model": "GPTWithLoss",
+      "solver": "auto:greedy", "capture_method": "symbolic_trace",
+      "budget_bytes": 12582912, "optimizer_state_bytes": 0,
+      "segments": [{"start": 12, "stop": 24, "first": "blocks_0_attn_qkv", "last": "softmax"}],
+      "predictions": {"peak_bytes": ..., "baseline_peak_bytes": ..., "overhead": 0.12,
+                      "recompute_flops": ..., "fixed_bytes": ...},
+      "timings": {"solve_seconds": 0.02, "planning_seconds": 1.4},
+      "inputs": {"args": [{"kind": "tensor", "shape": [4, 64], "dtype": "int64",
+                           "requires_grad": false}], "kwargs": {}},
+      "graph": {"fingerprint": "sha256:...", "nodes": 161,
+                "signature": [["size", ".size()", 0], ...]}
+    }
+
+Segments are half-open ``(start, stop)`` positions over the captured graph's compute nodes, and
+also the names of their first and last nodes. The fingerprint hashes, for every compute node in
+order, its name, its operation (``call_module`` target, method or function) and the sizes the
+profile derived from its tensor shapes (bytes created, bytes moved, FLOPs), plus the fixed and
+parameter bytes. ``load`` captures and profiles the model again (cheap: fake tensors), checks the
+fingerprint, recomputes the predictions with the simulator and rebuilds the module with
+``planner.rewrite.rewrite``; it never runs a solver. A plan applied to another model, or to the
+same model with inputs of other shapes, is a ``PlanningError`` naming the first difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from planner.errors import PlanningError
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "fingerprint", "input_spec", "load", "save", "to_dict"]
+
+FORMAT = "planner.plan"
+FORMAT_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------
+# Fingerprint
+
+
+def _problem(plan_or_problem):
+    return getattr(plan_or_problem, "problem", plan_or_problem)
+
+
+def graph_signature(plan_or_problem) -> list[list]:
+    """``[name, operation, bytes created]`` per compute node in order: the readable part of the
+    fingerprint, used to say where two graphs differ."""
+    problem = _problem(plan_or_problem)
+    return [
+        [name, label, int(created)]
+        for name, label, created in zip(problem.names, problem.labels, problem.created_bytes)
+    ]
+
+
+def fingerprint(plan_or_problem) -> str:
+    """A hash of the captured graph: ``"sha256:<hex>"``.
+
+    Covers, for each compute node in order, its name, operation and the shape-derived sizes the
+    profile measured (bytes created, bytes moved, FLOPs, whether autograd saves anything, whether
+    a cut may follow it), and the model's fixed and parameter bytes. Two captures of the same
+    model with inputs of the same shapes give the same fingerprint; another architecture, another
+    width or another batch size do not. The cost model and the solver do not enter it.
+
+    Parameters
+    ----------
+    plan_or_problem : planner.Plan or planner.Problem
+    """
+    problem = _problem(plan_or_problem)
+    digest = hashlib.sha256()
+    header = [
+        problem.size,
+        int(problem.fixed_bytes - problem.optimizer_state_bytes),
+        int(problem.parameter_bytes),
+        int(problem.gradient_bytes),
+    ]
+    digest.update(json.dumps(header).encode())
+    for i in range(problem.size):
+        row = [
+            problem.names[i],
+            problem.labels[i],
+            int(problem.created_bytes[i]),
+            int(problem.bytes_moved[i]),
+            int(problem.flops[i]),
+            bool(problem.saves[i]),
+            bool(problem.cut_allowed[i]),
+        ]
+        digest.update(json.dumps(row).encode())
+    shapes = getattr(problem, "shapes", None)  # used when the Problem records shapes
+    if shapes is not None:
+        digest.update(json.dumps([list(map(str, s)) for s in shapes]).encode())
+    return "sha256:" + digest.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Example inputs
+
+
+def _spec(value):
+    if isinstance(value, torch.Tensor):
+        return {
+            "kind": "tensor",
+            "shape": list(value.shape),
+            "dtype": str(value.dtype).removeprefix("torch."),
+            "requires_grad": bool(value.requires_grad),
+        }
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"kind": "value", "value": value}
+    if isinstance(value, (list, tuple)):
+        return {"kind": type(value).__name__, "items": [_spec(v) for v in value]}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"kind": "dict", "items": {k: _spec(v) for k, v in value.items()}}
+    raise TypeError(type(value).__name__)
+
+
+def input_spec(example_inputs, example_kwargs=None) -> dict | None:
+    """Shapes and dtypes of example inputs (values of non-tensor arguments), JSON-ready; ``None``
+    when some argument cannot be described (then ``load`` needs the inputs themselves)."""
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    try:
+        return {
+            "args": [_spec(a) for a in args],
+            "kwargs": {k: _spec(v) for k, v in (example_kwargs or {}).items()},
+        }
+    except TypeError:
+        return None
+
+
+def _build(spec, device):
+    kind = spec["kind"]
+    if kind == "tensor":
+        # Ones: valid token ids, an attend-everywhere mask; only shapes matter to the planner.
+        dtype = getattr(torch, spec["dtype"])
+        t = torch.ones(spec["shape"], dtype=dtype, device=device)
+        return t.requires_grad_(True) if spec.get("requires_grad") else t
+    if kind == "value":
+        return spec["value"]
+    if kind in ("list", "tuple"):
+        items = [_build(s, device) for s in spec["items"]]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dict":
+        return {k: _build(s, device) for k, s in spec["items"].items()}
+    raise PlanningError(f"unknown input kind {kind!r} in the saved plan")
+
+
+def _model_device(model) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# Save
+
+
+def _model_name(plan) -> str:
+    name = type(plan.module).__name__
+    return name[len("Planned") :] if name.startswith("Planned") and len(name) > 7 else name
+
+
+def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
+    """The JSON-ready description of ``plan`` that ``save`` writes."""
+    problem = plan.problem
+    if example_inputs is not None:
+        inputs = input_spec(example_inputs, example_kwargs)
+    else:
+        inputs = getattr(plan, "input_spec", None)
+    segments = [
+        {
+            "start": int(start),
+            "stop": int(stop),
+            "first": problem.names[start],
+            "last": problem.names[stop - 1],
+        }
+        for start, stop in plan.segments
+    ]
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "planner_version": _planner_version(),
+        "torch_version": torch.__version__.split("+")[0],
+        "model": _model_name(plan),
+        "solver": str(plan.solver),
+        "capture_method": plan.capture_method,
+        "budget_bytes": int(plan.budget_bytes),
+        "optimizer_state_bytes": int(problem.optimizer_state_bytes),
+        "segments": segments,
+        "predictions": {
+            "peak_bytes": int(plan.predicted_peak_bytes),
+            "baseline_peak_bytes": int(plan.baseline_peak_bytes),
+            "overhead": float(plan.predicted_overhead),
+            "recompute_flops": float(plan.recompute_flops),
+            "fixed_bytes": int(problem.fixed_bytes),
+        },
+        "timings": {
+            "solve_seconds": float(plan.solve_seconds),
+            "planning_seconds": float(plan.planning_seconds),
+        },
+        "inputs": inputs,
+        "graph": {
+            "fingerprint": fingerprint(problem),
+            "nodes": problem.size,
+            "signature": graph_signature(problem),
+        },
+    }
+
+
+def _planner_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("planner")
+    except Exception:  # noqa: BLE001 - not installed (a source checkout)
+        return "unknown"
+
+
+def save(plan, path, example_inputs=None, example_kwargs=None) -> Path:
+    """Write ``plan`` to ``path`` as JSON (see the module docstring); returns the path.
+
+    Parameters
+    ----------
+    plan : planner.Plan
+    path : str or path-like
+    example_inputs, example_kwargs : optional
+        The inputs the plan was made with. Their shapes and dtypes are recorded so that
+        ``load(path, model)`` can re-capture the model without them; without them (and without a
+        record of them in the plan) ``load`` must be given the inputs.
+    """
+    path = Path(path)
+    data = to_dict(plan, example_inputs, example_kwargs)
+    rows = {"segments": data["segments"], "signature": data["graph"]["signature"]}
+    data["segments"], data["graph"]["signature"] = "@segments@", "@signature@"
+    text = json.dumps(data, indent=1, allow_nan=False)
+    for key, items in rows.items():  # one row per line: readable and diffable
+        lines = ",\n  ".join(json.dumps(item, allow_nan=False) for item in items)
+        text = text.replace(f'"@{key}@"', f"[\n  {lines}\n ]" if items else "[]")
+    path.write_text(text + "\n", encoding="utf-8")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Load
+
+
+def _read(path) -> dict:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PlanningError(f"no saved plan at {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise PlanningError(f"{path} is not a saved plan (not JSON: {error})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise PlanningError(f"{path} is not a saved plan (no \"format\": \"{FORMAT}\" field)")
+    version = data.get("version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise PlanningError(
+            f"{path} has plan format version {version!r}; this planner reads versions up to "
+            f"{FORMAT_VERSION}. Upgrade planner, or re-plan with planner.plan(...)."
+        )
+    for key in ("segments", "budget_bytes", "graph", "solver"):
+        if key not in data:
+            raise PlanningError(f"{path} is not a complete saved plan: no {key!r} field")
+    return data
+
+
+def _first_difference(saved: list, now: list) -> str:
+    for i, (a, b) in enumerate(zip(saved, now)):
+        if list(a) != list(b):
+            return (
+                f"first difference at node {i}: the plan has {a[0]!r} ({a[1]}, {a[2]} bytes), "
+                f"the model has {b[0]!r} ({b[1]}, {b[2]} bytes)"
+            )
+    if len(saved) != len(now):
+        return f"the plan has {len(saved)} nodes, the model {len(now)}"
+    return "the nodes match by name and operation but differ in FLOPs, bytes moved or parameters"
+
+
+def load(
+    path,
+    model,
+    example_inputs=None,
+    example_kwargs=None,
+    *,
+    cost_model=None,
+):
+    """Apply a saved plan to ``model``: capture, profile, check, rewrite; no solving.
+
+    Parameters
+    ----------
+    path : str or path-like
+        A file written by ``save`` (``Plan.save``).
+    model : torch.nn.Module
+        The model the plan was made for (same architecture and sizes), in train mode. It is not
+        modified: the plan's module shares its parameters.
+    example_inputs, example_kwargs : optional
+        Inputs of the shapes the plan was made for. When omitted, inputs are built from the
+        shapes and dtypes recorded in the file (filled with ones).
+    cost_model : planner.CostModel, optional
+        For the recompute overhead reported by the loaded plan (default: ``CostModel()``).
+
+    Returns
+    -------
+    planner.Plan
+        Its predictions are recomputed by the simulator; ``solver``, ``budget_bytes`` and
+        ``solve_seconds`` are those saved; ``planning_seconds`` is the time ``load`` took.
+
+    Raises
+    ------
+    PlanningError
+        When the file is not a saved plan, was written by a newer format, was saved without
+        input shapes and no inputs are given, or when the model's graph differs from the one
+        the plan was made for (the message names the first differing node).
+    """
+    from planner.pipeline import assemble, prepare
+    from planner.simulate import validate_segments
+
+    data = _read(path)
+    start_time = time.perf_counter()
+    if example_inputs is None:
+        spec = data.get("inputs")
+        if spec is None:
+            raise PlanningError(
+                f"{path} was saved without the shapes of its example inputs: pass them, "
+                "planner.load(path, model, example_inputs, example_kwargs=...), as given to "
+                "planner.plan (or save with plan.save(path, example_inputs))"
+            )
+        device = _model_device(model)
+        example_inputs = tuple(_build(s, device) for s in spec["args"])
+        example_kwargs = {k: _build(s, device) for k, s in spec.get("kwargs", {}).items()}
+
+    captured, problem = prepare(
+        model,
+        example_inputs,
+        example_kwargs,
+        cost_model=cost_model,
+        optimizer_state_bytes=int(data.get("optimizer_state_bytes", 0)),
+    )
+    graph = data["graph"]
+    if fingerprint(problem) != graph.get("fingerprint"):
+        raise PlanningError(
+            f"the plan in {path} was made for another graph ({data.get('model', '?')}, "
+            f"{graph.get('nodes', '?')} nodes; this {type(model).__name__} captures to "
+            f"{problem.size} nodes): "
+            + _first_difference(graph.get("signature", []), graph_signature(problem))
+            + ". A plan applies only to the model and input shapes it was made for; "
+            "make a new one with planner.plan(model, example_inputs, budget_gb=...)."
+        )
+
+    segments = []
+    for entry in data["segments"]:
+        begin, stop = int(entry["start"]), int(entry["stop"])
+        if not (0 <= begin < stop <= problem.size) or (
+            problem.names[begin],
+            problem.names[stop - 1],
+        ) != (entry.get("first"), entry.get("last")):
+            raise PlanningError(
+                f"segment {entry} of {path} does not name the nodes at its positions; the file "
+                "was edited or corrupted"
+            )
+        segments.append((begin, stop))
+    try:
+        segments = validate_segments(problem, segments)
+    except ValueError as error:
+        raise PlanningError(f"{path}: {error}") from None
+
+    return assemble(
+        model,
+        captured,
+        problem,
+        segments,
+        solver=data["solver"],
+        budget_bytes=int(data["budget_bytes"]),
+        solve_seconds=float(data.get("timings", {}).get("solve_seconds", 0.0)),
+        started=start_time,
+        input_spec=data.get("inputs"),
+    )

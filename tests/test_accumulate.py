@@ -1,0 +1,186 @@
+"""Specifications of gradient accumulation (planner.accumulate).
+
+Accumulating micro-batches must give exactly the gradients of the whole batch, computed here a
+second way in one backward, for mean and sum losses and for a smaller last micro-batch or a
+shorter last window; on a plain and on a planned (checkpointed) module.
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import planner
+from planner import zoo
+from planner.accumulate import accumulation_windows, micro_batches
+
+BATCH = 10
+
+
+def regression_model():
+    """A plain chain (no BatchNorm: its statistics would depend on the micro-batch) and data."""
+    model, (x,) = zoo.mlp_chain(depth=6, width=16, batch=BATCH, seed=0)
+    y = torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(1))
+    return model, (x, y)
+
+
+def planned(model, batch):
+    p = planner.plan(model, batch[:1], budget_bytes=2**30, solver="sqrt_n")
+    assert p.segments
+    return p.module
+
+
+def loss_of(module, batch, reduction):
+    x, y = batch
+    return F.mse_loss(module(x), y, reduction=reduction)
+
+
+def grads(model):
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def full_batch_grads(batch, reduction):
+    model, _ = regression_model()
+    loss_of(model, batch, reduction).backward()
+    return grads(model)
+
+
+def assert_same_grads(actual, expected):
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], msg=name)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("micro_batch", [1, 2, 4, 5, 10, 32], ids=lambda m: f"micro{m}")
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "planned"])
+def test_accumulated_gradients_equal_full_batch_gradients(reduction, micro_batch, checkpointed):
+    model, batch = regression_model()
+    module = planned(model, batch) if checkpointed else model
+    sizes = []
+    for micro in micro_batches(batch, micro_batch, reduction=reduction):
+        with micro:
+            micro.backward(loss_of(module, micro.data, reduction))
+        sizes.append(micro.size)
+    assert sum(sizes) == BATCH and max(sizes) == min(micro_batch, BATCH)
+    assert_same_grads(grads(model), full_batch_grads(batch, reduction))
+
+
+def test_a_partial_last_micro_batch_weighs_by_its_samples():
+    x = torch.arange(10.0)
+    micros = list(micro_batches(x, 4))
+    assert [m.size for m in micros] == [4, 4, 2]
+    assert [m.loss_scale for m in micros] == [0.4, 0.4, 0.2]
+    assert [m.is_last for m in micros] == [False, False, True]
+    assert sum(m.loss_scale * m.data.mean() for m in micros) == x.mean()
+    assert [m.loss_scale for m in micro_batches(x, 4, reduction="sum")] == [1.0, 1.0, 1.0]
+
+
+def test_structures_are_split_along_dim_0_and_other_leaves_kept():
+    batch = {"x": torch.zeros(5, 3), "pair": (torch.ones(5), 7), "temperature": torch.tensor(2.0)}
+    micros = list(micro_batches(batch, 2))
+    assert [m.data["x"].shape[0] for m in micros] == [2, 2, 1]
+    assert all(m.data["pair"][1] == 7 and m.data["temperature"] == 2.0 for m in micros)
+    assert [m.data["pair"][0].shape[0] for m in micros] == [2, 2, 1]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_windows_over_a_loader_end_with_a_partial_window(reduction):
+    model, batch = regression_model()
+    module = planned(model, batch)
+    # A loader of 4 micro-batches (3, 3, 3, 1 samples), windows of 3: [3+3+3] then [1].
+    loader = [tuple(t[i : i + 3] for t in batch) for i in range(0, BATCH, 3)]
+    windows, window_grads = [[]], []
+    for micro in accumulation_windows(loader, steps=3, reduction=reduction):
+        with micro:
+            micro.backward(loss_of(module, micro.data, reduction))
+        windows[-1].append(micro.size)
+        if micro.is_last:  # where the optimizer would step
+            window_grads.append(grads(model))
+            model.zero_grad(set_to_none=True)
+            windows.append([])
+    assert windows[:-1] == [[3, 3, 3], [1]]
+    assert_same_grads(window_grads[0], full_batch_grads(tuple(t[:9] for t in batch), reduction))
+    assert_same_grads(window_grads[1], full_batch_grads(tuple(t[9:] for t in batch), reduction))
+
+
+class FakeWrapper(torch.nn.Module):
+    """Records whether each forward ran with gradient synchronisation on, as DDP decides."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 1)
+        self.sync = True
+        self.synced_forwards = []
+
+    def forward(self, x):
+        self.synced_forwards.append(self.sync)
+        return self.linear(x).sum()
+
+
+class FakeDataParallel(FakeWrapper):
+    """DDP's interface: a ``no_sync()`` context manager."""
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+
+class FakeFullyShard(FakeWrapper):
+    """FSDP2's interface: a switch instead of a context manager."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync):
+        self.sync = requires_gradient_sync
+
+
+@pytest.mark.parametrize("wrapper", [FakeDataParallel, FakeFullyShard])
+def test_only_the_last_micro_batch_synchronises(wrapper):
+    model = wrapper()
+    for micro in micro_batches(torch.ones(7, 2), 2, model=model, data_parallel_size=1):
+        with micro:
+            micro.backward(model(micro.data))
+    assert model.synced_forwards == [False, False, False, True]
+    assert model.sync
+
+
+def test_backward_outside_the_context_is_refused_for_a_data_parallel_model():
+    model = FakeDataParallel()
+    micro = next(micro_batches(torch.ones(4, 2), 2, model=model, data_parallel_size=1))
+    with pytest.raises(RuntimeError, match="inside `with micro:`"):
+        micro.backward(model(micro.data))
+
+
+def test_a_sum_loss_undoes_the_averaging_over_ranks():
+    model = FakeDataParallel()
+    scales = [m.loss_scale for m in micro_batches(torch.ones(4, 2), 2, model=model,
+                                                  reduction="sum", data_parallel_size=4)]
+    assert scales == [4.0, 4.0]
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: micro_batches(torch.ones(4), 0), "micro_batch must be a positive integer"),
+        (lambda: micro_batches(torch.ones(4), -2), "micro_batch must be a positive integer"),
+        (lambda: micro_batches(torch.ones(4), 2.5), "micro_batch must be a positive integer"),
+        (lambda: micro_batches(torch.ones(4), True), "micro_batch must be a positive integer"),
+        (lambda: micro_batches(torch.ones(4), 2, reduction="avg"), "reduction must be one of"),
+        (lambda: micro_batches((torch.ones(4), torch.ones(3)), 2), "disagree on dimension 0"),
+        (lambda: micro_batches({"n": 3}, 2), "no tensor with a batch dimension"),
+        (lambda: accumulation_windows([], steps=0), "steps must be a positive integer"),
+    ],
+)
+def test_bad_arguments_raise_value_error_at_the_call(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_backward_needs_a_scalar_loss():
+    micro = next(micro_batches(torch.ones(4, 2, requires_grad=True), 2))
+    with pytest.raises(ValueError, match="scalar loss"):
+        micro.backward(micro.data * 2)

@@ -1,0 +1,167 @@
+"""Specifications of batch planning (planner.batch.plan_batch).
+
+The choice is checked against a second computation: the alternatives are recomputed here from
+``prepare`` and ``simulate``, the winner must be the fastest that fits, and the memory model for
+accumulation is compared with a real measurement.
+"""
+
+import gc
+
+import pytest
+import torch
+
+import planner
+from planner import zoo
+from planner.accumulate import micro_batches
+from planner.batch import accumulation_problem, plan_batch
+from planner.measure import _LiveStorageTracker, _state_tensors, training_step
+from planner.pipeline import lowest_peak, prepare
+from planner.rewrite import rewrite
+from planner.simulate import simulate
+
+GLOBAL_BATCH = 8
+TINY_GPT = dict(layers=2, d_model=32, heads=2, seq=16, vocab=64, dropout=0.0, with_loss=True)
+
+
+def make_inputs(batch_size):
+    return zoo.gpt(**TINY_GPT, batch=batch_size, seed=0)[1]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return zoo.gpt(**TINY_GPT, batch=1, seed=0)[0]
+
+
+@pytest.fixture(scope="module")
+def peaks(model):
+    """Peak of each micro-batch size without checkpointing, and its lowest peak, computed here."""
+    result = {}
+    for m in (1, 2, 4, 8):
+        _, problem = prepare(model, make_inputs(m))
+        if m < GLOBAL_BATCH:
+            problem = accumulation_problem(problem)
+        result[m] = (simulate(problem, ()).peak_bytes, lowest_peak(problem).peak_bytes)
+    return result
+
+
+def test_a_generous_budget_takes_the_whole_batch_in_one_step(model, peaks):
+    choice = plan_batch(model, make_inputs, budget_bytes=2**30, global_batch=GLOBAL_BATCH)
+    assert (choice.micro_batch, choice.steps) == (GLOBAL_BATCH, 1)
+    assert choice.plan.segments == ()
+    assert choice.predicted_peak_bytes == peaks[GLOBAL_BATCH][0]
+
+
+@pytest.mark.parametrize("between", [(2, 4), (4, 8)])
+def test_a_tight_budget_gets_the_fastest_configuration_that_fits(model, peaks, between):
+    small, large = between
+    budget = (peaks[small][0] + peaks[large][0]) // 2  # micro-batch `small` fits as it is
+    choice = plan_batch(model, make_inputs, budget_bytes=budget, global_batch=GLOBAL_BATCH)
+
+    assert choice.predicted_peak_bytes <= budget
+    assert choice.micro_batch * choice.steps == GLOBAL_BATCH
+    table = choice.table()
+    assert [row["micro_batch"] for row in table] == [1, 2, 4, 8]
+    fitting = [row for row in table if row["fits"]]
+    assert all(row["predicted_peak_bytes"] <= budget for row in fitting)
+    fastest = min(fitting, key=lambda row: (row["predicted_seconds"], -row["micro_batch"]))
+    assert fastest["micro_batch"] == choice.micro_batch
+    assert fastest["predicted_seconds"] == choice.predicted_seconds
+    for row in table:  # every size at or below `small` fits without recompute
+        if row["micro_batch"] <= small:
+            assert row["fits"] and row["predicted_peak_bytes"] == peaks[row["micro_batch"]][0]
+
+
+def test_predicted_time_is_steps_times_step_and_recompute_time(model):
+    choice = plan_batch(model, make_inputs, budget_bytes=2**30, global_batch=GLOBAL_BATCH,
+                        micro_batches=[2], solver="sqrt_n")
+    problem = choice.plan.problem
+    recompute = simulate(problem, choice.plan.segments).recompute_seconds
+    assert choice.plan.segments
+    assert choice.predicted_seconds == pytest.approx(
+        4 * (3 * problem.seconds.sum() + recompute)
+    )
+
+
+def test_the_table_lists_every_alternative_and_marks_the_choice(model):
+    choice = plan_batch(model, make_inputs, budget_bytes=2**30, global_batch=16, world_size=2)
+    text = str(choice)
+    assert "global batch 16 over 2 ranks (8 per rank) = 1 x micro-batch 8" in text
+    assert [row["micro_batch"] for row in choice.table()] == [1, 2, 4, 8]
+    assert [row["steps"] for row in choice.table()] == [8, 4, 2, 1]
+    assert "micro  steps" in text and "chosen" in text
+    assert len(text.splitlines()) == 6 + len(choice.alternatives)
+
+
+def test_the_chosen_module_accumulates_to_the_full_batch_gradients(model, peaks):
+    choice = plan_batch(model, make_inputs, budget_bytes=peaks[2][0], global_batch=GLOBAL_BATCH)
+    assert choice.steps > 1
+    for micro in micro_batches(make_inputs(GLOBAL_BATCH), choice.micro_batch):
+        with micro:
+            micro.backward(choice.module(*micro.data))
+    accumulated = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model(*make_inputs(GLOBAL_BATCH)).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(accumulated[name], p.grad, msg=name)
+    model.zero_grad(set_to_none=True)
+
+
+def measured_peak_with_gradients_present(module, inputs):
+    """Peak bytes of a training step that starts with every gradient already accumulated."""
+    training_step(module, inputs)
+    gc.collect()
+    tracker = _LiveStorageTracker()
+    for t in _state_tensors(module, inputs, {}):
+        tracker.register_existing(t)
+    with tracker:
+        training_step(module, inputs)
+        gc.collect()
+    return tracker.report("cpu").peak_bytes
+
+
+@pytest.mark.parametrize("solver", ["sqrt_n", None], ids=["checkpointed", "plain"])
+def test_accumulation_memory_model_bounds_a_measured_later_micro_batch(solver):
+    model, inputs = zoo.gpt(**{**TINY_GPT, "with_loss": False}, batch=2, seed=0)
+    captured, problem = prepare(model, inputs)
+    segments = () if solver is None else planner.plan(
+        model, inputs, budget_bytes=2**30, solver=solver).segments
+    module = rewrite(captured.graph_module, model, segments)
+    measured = measured_peak_with_gradients_present(module, inputs)
+    predicted = simulate(accumulation_problem(problem), segments).peak_bytes
+    # The gradients held between micro-batches matter: one step from scratch underestimates.
+    assert simulate(problem, segments).peak_bytes < measured
+    assert abs(predicted - measured) < 0.05 * measured
+
+
+def test_an_impossible_budget_states_the_minimum(model, peaks):
+    minimum = peaks[1][1]  # micro-batch 1, 8 steps, maximal recompute
+    with pytest.raises(planner.PlanningError, match=f"budget_bytes={minimum}"):
+        plan_batch(model, make_inputs, budget_bytes=minimum - 1, global_batch=GLOBAL_BATCH)
+    choice = plan_batch(model, make_inputs, budget_bytes=minimum, global_batch=GLOBAL_BATCH)
+    assert choice.micro_batch == 1 and choice.predicted_peak_bytes <= minimum
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(global_batch=10, world_size=4), "global_batch=10 is not divisible by world_size=4"),
+        (dict(global_batch=8, micro_batches=[3]), r"\[3\] do not divide the per-rank batch of 8"),
+        (dict(global_batch=0), "global_batch must be a positive integer"),
+        (dict(global_batch=-8), "global_batch must be a positive integer"),
+        (dict(global_batch=8.0), "global_batch must be a positive integer"),
+        (dict(global_batch=8, world_size=0), "world_size must be a positive integer"),
+        (dict(global_batch=8, micro_batches=[0, 2]), "micro_batches must be a positive integer"),
+        (dict(global_batch=8, micro_batches=[]), "micro_batches is empty"),
+        (dict(global_batch=8, budget_bytes=0), "budget_bytes must be a finite positive number"),
+        (dict(global_batch=8, budget_bytes=None), "give exactly one of budget_gb"),
+    ],
+)
+def test_bad_arguments_raise_value_error(model, arguments, message):
+    arguments = {"budget_bytes": 2**30, **arguments}
+    with pytest.raises(ValueError, match=message):
+        plan_batch(model, make_inputs, **arguments)
+
+
+def test_make_inputs_must_be_a_function(model):
+    with pytest.raises(ValueError, match="make_inputs must be a function of the batch size"):
+        plan_batch(model, make_inputs(2), budget_bytes=2**30, global_batch=8)

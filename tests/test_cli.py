@@ -1,0 +1,118 @@
+"""The command line, through its entry point (``python -m planner``) and ``planner.cli.main``."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--arg", "layers=2", "--arg", "d_model=64", "--arg", "seq=32", "--arg", "batch=2"]
+
+
+def run(*argv, cwd=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-m", "planner", *argv],
+        capture_output=True, text=True, cwd=cwd or ROOT, env=env, timeout=300,
+    )  # fmt: skip
+
+
+def test_entry_point_plans_a_zoo_model_and_saves_json(tmp_path):
+    out = tmp_path / "plan.json"
+    result = run("plan", "gpt", *SMALL, "--budget-gb", "1", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Plan: ")
+    assert "predicted peak" in result.stdout and "budget" in result.stdout
+    assert json.loads(out.read_text())["format"] == "planner.plan"
+
+
+def test_entry_point_help_documents_every_option():
+    result = run("plan", "--help")
+    assert result.returncode == 0
+    for option in ("--budget-gb", "--budget-bytes", "--json", "--solver", "--arg", "--draw",
+                   "--memory-plot", "--html", "MODULE:FACTORY"):  # fmt: skip
+        assert option in result.stdout
+    assert run("--help").returncode == 0
+
+
+def test_entry_point_bad_input_is_one_line_without_traceback():
+    result = run("plan", "no_such_model", "--budget-gb", "1")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0
+    assert result.stderr.startswith("planner: error: unknown model 'no_such_model'")
+
+
+def test_main_module_factory_and_outputs(tmp_path, capsys):
+    status = cli.main([
+        "plan", "planner.zoo:gpt", *SMALL, "--budget-bytes", str(2**30), "--solver", "sqrt_n",
+        "--json", str(tmp_path / "p.json"), "--html", str(tmp_path / "p.html"),
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "solver sqrt_n" in out
+    assert json.loads((tmp_path / "p.json").read_text())["solver"] == "sqrt_n"
+    assert "<div" in (tmp_path / "p.html").read_text()
+
+
+def test_main_pictures(tmp_path):
+    pytest.importorskip("matplotlib")
+    status = cli.main(["plan", "mlp", "--arg", "depth=4", "--budget-gb", "1", "--quiet",
+                       "--draw", str(tmp_path / "g.png"),
+                       "--memory-plot", str(tmp_path / "m.png")])  # fmt: skip
+    assert status == 0
+    assert (tmp_path / "g.png").stat().st_size > 0 and (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_main_factory_from_a_file(tmp_path, capsys):
+    (tmp_path / "my_models.py").write_text(
+        "import torch\n"
+        "def make(width=8):\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(),\n"
+        "                                torch.nn.Linear(width, 1))\n"
+        "    return model, torch.randn(4, width)\n"
+    )
+    status = cli.main(["plan", f"{tmp_path / 'my_models.py'}:make", "--arg", "width=16",
+                       "--budget-gb", "1"])  # fmt: skip
+    assert status == 0
+    assert "Plan:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, status, message",
+    [
+        (["plan", "gpt", *SMALL, "--budget-bytes", "100"], 1, "no plan fits a budget"),
+        (["plan", "gpt", "--budget-gb", "-1"], 2, "finite positive"),
+        (["plan", "gpt", "--budget-gb", "1", "--solver", "nope"], 2, "unknown solver 'nope'"),
+        (["plan", "gpt", "--budget-gb", "1", "--arg", "layerz=2"], 2, "unexpected keyword"),
+        (["plan", "gpt", "--budget-gb", "1", "--arg", "oops"], 2, "KEY=VALUE"),
+        (["plan", "planner.zoo:nothing", "--budget-gb", "1"], 2, "no attribute 'nothing'"),
+        (["plan", "no_such_pkg_xyz:f", "--budget-gb", "1"], 2, "cannot import"),
+        (["plan", "planner.zoo:MODELS", "--budget-gb", "1"], 2, "not callable"),
+        (["plan", "planner.zoo:gpt_config_7b", "--budget-gb", "1"], 2, "must return"),
+    ],
+)
+def test_main_errors(argv, status, message, capsys):
+    assert cli.main(argv) == status
+    err = capsys.readouterr().err
+    assert err.startswith("planner: error: ") and message in err
+    assert err.strip().count("\n") == 0
+
+
+def test_main_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "gpt"])  # no budget
+    assert exit_info.value.code == 2
+    assert "--budget-gb" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "gpt", "--budget-gb", "1", "--budget-bytes", "5"])
+
+
+def test_traceback_flag_reraises():
+    with pytest.raises(Exception):
+        cli.main(["plan", "planner.zoo:nothing", "--budget-gb", "1", "--traceback"])

@@ -1,0 +1,168 @@
+"""Rendering of plans: HTML summary, graph drawing, memory timeline, progress bars."""
+
+import builtins
+import io
+
+import pytest
+import torch
+
+import planner
+from planner import progress, viz
+
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture(scope="module")
+def gpt_plan():
+    model, inputs = planner.zoo.gpt(layers=2, d_model=64, seq=32, batch=2, vocab=128)
+    base = planner.plan(model, inputs, budget_gb=1)
+    lowest = planner.pipeline.lowest_peak(base.problem).peak_bytes
+    budget = (lowest + base.baseline_peak_bytes) // 2
+    return planner.plan(model, inputs, budget_bytes=budget), model, inputs
+
+
+def test_html_lists_summary_and_every_segment(gpt_plan):
+    plan, _, _ = gpt_plan
+    assert plan.segments, "the budget should force checkpointing"
+    text = viz.plan_html(plan)
+    assert text.startswith("<div") and text.rstrip().endswith("</div>")
+    for needle in ("Predicted peak", "Recompute", "budget", "baseline", plan.solver):
+        assert needle in text
+    assert text.count("<tr>") >= len(plan.segments) + 1
+    for start, stop in plan.segments:
+        assert plan.problem.names[start] in text
+    assert "<script" not in text
+
+
+def test_html_shortens_long_segment_lists(gpt_plan):
+    plan, _, _ = gpt_plan
+    text = viz.plan_html(plan, max_rows=4)
+    if len(plan.segments) > 4:
+        assert "more segments" in text
+
+
+def test_html_of_a_plan_without_segments():
+    model, inputs = planner.zoo.mlp_chain(depth=3)
+    plan = planner.plan(model, inputs, budget_gb=1)
+    assert plan.segments == ()
+    assert "No segment is checkpointed" in viz.plan_html(plan)
+
+
+def test_draw_writes_a_png(gpt_plan, tmp_path):
+    plan, _, _ = gpt_plan
+    figure = viz.draw(plan, path=tmp_path / "graph.png")
+    assert (tmp_path / "graph.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "checkpointed segments" in figure.axes[0].get_title()
+
+
+def test_draw_collapses_large_graphs(tmp_path):
+    model, inputs = planner.zoo.gpt(layers=8, d_model=32, seq=16, batch=1, vocab=64)
+    plan = planner.plan(model, inputs, budget_gb=1, solver="sqrt_n")
+    assert plan.problem.size > 250
+    figure = viz.draw(plan, path=tmp_path / "big.svg", max_groups=40)
+    boxes = [t for t in figure.axes[0].texts if t.get_bbox_patch() is not None]
+    assert 1 <= len(boxes) <= 40 + len(plan.segments)
+    assert (tmp_path / "big.svg").stat().st_size > 0
+
+
+def test_module_paths_follow_the_modules(gpt_plan):
+    plan, _, _ = gpt_plan
+    paths = viz.module_paths(plan)
+    assert len(paths) == plan.problem.size
+    by_name = dict(zip(plan.problem.names, paths))
+    assert by_name["blocks_0_attn_qkv"] == "blocks.0.attn.qkv"
+    assert by_name["softmax"] == "blocks.0.attn"  # a function node between attn's modules
+
+
+def test_memory_timeline_matches_the_predictions(gpt_plan):
+    plan, _, _ = gpt_plan
+    curves = viz.memory_timeline(plan)
+    base, planned = curves["baseline"], curves["plan"]
+    assert base.peak_bytes == plan.baseline_peak_bytes
+    assert planned.peak_bytes == plan.predicted_peak_bytes
+    assert base.y.max() <= base.peak_bytes and planned.y.max() <= planned.peak_bytes
+    assert base.x[-1] == pytest.approx(1.0)
+    assert planned.x[-1] == pytest.approx(1.0 + plan.predicted_overhead)
+    assert "recompute" in planned.phases
+
+
+def test_plot_memory_with_measured_traces(gpt_plan, tmp_path):
+    from planner.measure import peak_memory
+
+    plan, model, inputs = gpt_plan
+    measured = peak_memory(plan.module, inputs, record_timeline=True)
+    baseline = peak_memory(model, inputs, record_timeline=True)
+    figure = viz.plot_memory(plan, measured, measured_baseline=baseline,
+                             path=tmp_path / "memory.png")  # fmt: skip
+    assert (tmp_path / "memory.png").stat().st_size > 10_000
+    ax = figure.axes[0]
+    assert "MiB" in ax.get_ylabel()
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any(label.startswith("budget") for label in labels)
+    assert any(label.startswith("measured, plan") for label in labels)
+
+
+def test_plot_memory_needs_a_recorded_timeline(gpt_plan):
+    from planner.measure import MemoryReport
+
+    plan, _, _ = gpt_plan
+    with pytest.raises(ValueError, match="record_timeline=True"):
+        viz.plot_memory(plan, MemoryReport(1, 0, 0, "cpu", None))
+
+
+def test_draw_into_a_given_axes(gpt_plan):
+    from matplotlib.figure import Figure
+
+    plan, _, _ = gpt_plan
+    figure = Figure()
+    left, right = figure.subplots(1, 2)
+    assert viz.plot_memory(plan, ax=left) is figure
+    assert viz.draw(plan, ax=right) is figure
+
+
+def test_missing_matplotlib_is_a_clear_error(gpt_plan, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        viz.plot_memory(gpt_plan[0])
+
+
+def test_progress_bar_is_silent_without_a_terminal(monkeypatch):
+    monkeypatch.delenv("PLANNER_PROGRESS", raising=False)
+    items = [1, 2, 3]
+    assert progress.bar(items, total=3, desc="x") is items  # pytest captures stderr: no tty
+    monkeypatch.setenv("PLANNER_PROGRESS", "0")
+    assert not progress.enabled()
+
+
+def test_progress_bar_on_a_terminal(monkeypatch):
+    pytest.importorskip("tqdm")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.delenv("PLANNER_PROGRESS", raising=False)
+    monkeypatch.setattr("sys.stderr", Terminal())
+    assert progress.enabled()
+    assert list(progress.bar(range(3), total=3, desc="counting")) == [0, 1, 2]
+
+
+def test_progress_bar_without_tqdm(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_tqdm(name, *args, **kwargs):
+        if name.startswith("tqdm"):
+            raise ImportError("no tqdm")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setenv("PLANNER_PROGRESS", "1")
+    monkeypatch.setattr(builtins, "__import__", no_tqdm)
+    items = (x for x in range(2))
+    assert progress.bar(items) is items
