@@ -8,6 +8,7 @@ before ``c`` and read at or after it; the sum of those is the cut's boundary byt
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import networkx as nx
@@ -21,18 +22,26 @@ SOURCE, SINK = "planner.source", "planner.sink"
 
 @dataclass(frozen=True)
 class CostModel:
-    """Roofline time of a node: the larger of its compute time and its memory-traffic time.
+    """Time of each node: what recomputing it costs.
 
-    FLOPs alone would make elementwise ops, norms and softmax look free to recompute. The
-    defaults are round figures for one recent data-centre GPU in bf16 (about 400 TFLOP/s dense,
-    2 TB/s); only ratios between nodes matter to the solvers.
+    By default a roofline: the larger of its compute time and its memory-traffic time. FLOPs
+    alone would make elementwise ops, norms and softmax look free to recompute. The default
+    figures are round numbers for one recent data-centre GPU in bf16 (about 400 TFLOP/s dense,
+    2 TB/s); only ratios between nodes matter to the solvers. ``measured_seconds`` maps node
+    names (``Plan.problem.names``; ``planner.measure.node_seconds`` measures them) to times
+    that replace the roofline for those nodes.
     """
 
     flops_per_second: float = 4e14
     bytes_per_second: float = 2e12
+    measured_seconds: Mapping[str, float] | None = None
 
-    def seconds(self, flops: np.ndarray, bytes_moved: np.ndarray) -> np.ndarray:
-        return np.maximum(flops / self.flops_per_second, bytes_moved / self.bytes_per_second)
+    def seconds(self, flops: np.ndarray, bytes_moved: np.ndarray, names=()) -> np.ndarray:
+        estimate = np.maximum(flops / self.flops_per_second, bytes_moved / self.bytes_per_second)
+        for i, name in enumerate(names):
+            if self.measured_seconds and name in self.measured_seconds:
+                estimate[i] = float(self.measured_seconds[name])
+        return estimate
 
 
 @dataclass(frozen=True)
@@ -230,7 +239,7 @@ def build_problem(
         labels=tuple(_label(node) for node in nodes),
         flops=flops,
         bytes_moved=moved,
-        seconds=cost_model.seconds(flops, moved),
+        seconds=cost_model.seconds(flops, moved, [node.name for node in nodes]),
         workspace=np.array([require_meta(nd, "planner.workspace") for nd in nodes], np.int64),
         created_bytes=np.array([sum(c.values()) for c in created], dtype=np.int64),
         saves=np.array([bool(s) for s in saved], dtype=bool),

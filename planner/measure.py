@@ -511,3 +511,45 @@ def step_time(module, args, kwargs=None, *, repeat=5, warmup=1) -> float:
         if i >= warmup:
             times.append(time.perf_counter() - begin)
     return statistics.median(times)
+
+
+def node_seconds(module, args, kwargs=None, *, repeat=3) -> dict[str, float]:
+    """Median forward seconds of every node of ``module``'s captured graph, by node name.
+
+    Feed the result to ``planner.CostModel(measured_seconds=...)`` so that solvers weigh
+    recompute by measured time instead of the roofline estimate. Nodes run on real tensors
+    with autograd recording, as a recompute does. Buffers (BatchNorm statistics) are restored
+    afterwards, so the model is left as it was.
+    """
+    from planner.capture import capture
+    from planner.profile import COMPUTE_OPS, placeholder_values
+
+    if repeat < 1:
+        raise ValueError(f"node_seconds needs repeat >= 1, got {repeat=}")
+    kwargs = kwargs or {}
+    graph_module = capture(module, tuple(args), kwargs).graph_module
+    device = _step_device(module, args, kwargs)
+    samples: dict[str, list[float]] = {}
+
+    class Timer(torch.fx.Interpreter):
+        def run_node(self, node):
+            if node.op not in COMPUTE_OPS:
+                return super().run_node(node)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            begin = time.perf_counter()
+            out = super().run_node(node)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            samples.setdefault(node.name, []).append(time.perf_counter() - begin)
+            return out
+
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        for _ in range(repeat):
+            Timer(graph_module).run(*placeholder_values(graph_module, tuple(args), kwargs))
+    finally:
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+    return {name: statistics.median(times) for name, times in samples.items()}

@@ -287,3 +287,16 @@ def test_on_cuda_gradients_match_and_the_prediction_matches_the_allocator(name):
         torch.testing.assert_close(grads_planned[key], grads_original[key])
     measured = peak_memory(plan.module, inputs).peak_bytes
     assert math.isclose(plan.predicted_peak_bytes, measured, rel_tol=0.10)
+
+
+def test_measured_node_times_replace_the_roofline_estimate():
+    model, inputs = SMALL["mlp"]()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    times = planner.measure.node_seconds(model, inputs, repeat=2)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+    _, roofline = prepare(model, inputs)
+    _, measured = prepare(model, inputs, cost_model=planner.CostModel(measured_seconds=times))
+    assert set(times) == set(measured.names)
+    assert list(measured.seconds) == [times[name] for name in measured.names]
+    assert not (measured.seconds == roofline.seconds).all()
