@@ -212,14 +212,20 @@ class _BackwardMemory(TorchDispatchMode):
 class _Recorder(fx.Interpreter):
     """Runs the graph node by node, annotating each compute node."""
 
-    def __init__(self, module: fx.GraphModule, storages: _Storages, cost: _CostMode):
+    def __init__(
+        self, module: fx.GraphModule, storages: _Storages, cost: _CostMode, fakes: _Fakes
+    ):
         super().__init__(module, garbage_collect_values=True)
         self.extra_traceback = False  # our error names the node; fx's would repeat the graph
+        self.fakes = fakes
         self.storages = storages
         self.cost = cost
         self.saved_by_current: set[int] = set()
         nodes = [n for n in module.graph.nodes if n.op in COMPUTE_OPS]
         self.backward = _BackwardMemory(storages, nodes)
+
+    def fetch_attr(self, target: str):
+        return self.fakes(super().fetch_attr(target))
 
     def pack(self, tensor):
         key = self.storages.key(tensor)
@@ -274,22 +280,40 @@ def placeholder_values(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
     return values
 
 
-def _fake_copy(gm: fx.GraphModule, mode: FakeTensorMode) -> fx.GraphModule:
-    """A copy of ``gm`` whose parameters, buffers and tensor attributes are fake (no data)."""
-    memo = {}
-    for module in gm.modules():
-        for value in module.__dict__.values():
-            if isinstance(value, torch.Tensor):
-                memo[id(value)] = mode.from_tensor(value, static_shapes=True)
-        for value in (*module._parameters.values(), *module._buffers.values()):
-            if isinstance(value, nn.Parameter):
-                fake = mode.from_tensor(value, static_shapes=True)
-                memo[id(value)] = nn.Parameter(fake, requires_grad=value.requires_grad)
-            elif isinstance(value, torch.Tensor):
-                memo[id(value)] = mode.from_tensor(value, static_shapes=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # pytree specs of exported modules
-        return copy.deepcopy(gm, memo)
+class _Fakes:
+    """Fake stand-ins for the captured module's tensors and modules, made on first use.
+
+    Modules are copied structurally (a shallow copy whose parameters, buffers and children are
+    replaced), which is much cheaper than a deep copy of the whole GraphModule and leaves the
+    user's objects untouched.
+    """
+
+    def __init__(self, mode: FakeTensorMode):
+        self.mode = mode
+        self.memo: dict[int, object] = {}
+
+    def __call__(self, value):
+        key = id(value)
+        if key not in self.memo:
+            self.memo[key] = self._make(value)
+        return self.memo[key]
+
+    def _make(self, value):
+        if isinstance(value, nn.Parameter):
+            fake = self.mode.from_tensor(value, static_shapes=True)
+            return nn.Parameter(fake, requires_grad=value.requires_grad)
+        if isinstance(value, torch.Tensor):
+            return self.mode.from_tensor(value, static_shapes=True)
+        if isinstance(value, nn.Module):
+            module = copy.copy(value)
+            for table in ("_parameters", "_buffers", "_modules"):
+                entries = getattr(value, table).items()
+                setattr(module, table, {k: v if v is None else self(v) for k, v in entries})
+            for name, attribute in vars(value).items():
+                if isinstance(attribute, torch.Tensor):
+                    module.__dict__[name] = self(attribute)
+            return module
+        return value
 
 
 def profile(gm: fx.GraphModule, args: tuple, kwargs: dict | None = None) -> Profile:
@@ -305,35 +329,32 @@ def profile(gm: fx.GraphModule, args: tuple, kwargs: dict | None = None) -> Prof
     fixed_kind: dict[int, str] = {}
     trainable: set[int] = set()
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-        fake = _fake_copy(gm, mode)
-        fake_args, fake_kwargs = tree_map_only(
-            torch.Tensor, lambda t: mode.from_tensor(t, static_shapes=True), (args, kwargs)
-        )
-        for p in fake.parameters():
-            key = storages.key(p)
+        fakes = _Fakes(mode)
+        fake_args, fake_kwargs = tree_map_only(torch.Tensor, fakes, (args, kwargs))
+        for p in gm.parameters():
+            key = storages.key(fakes(p))
             fixed_kind[key] = "parameter"
             if p.requires_grad:
                 trainable.add(key)
-        for b in fake.buffers():
-            fixed_kind.setdefault(storages.key(b), "buffer")
+        for b in gm.buffers():
+            fixed_kind.setdefault(storages.key(fakes(b)), "buffer")
         for t in tree_flatten((fake_args, fake_kwargs))[0]:
             if isinstance(t, torch.Tensor):
                 fixed_kind.setdefault(storages.key(t), "input")
         cost = _CostMode(storages)
-        recorder = _Recorder(fake, storages, cost)
-        with cost:
-            output = recorder.run(*placeholder_values(fake, fake_args, fake_kwargs))
+        recorder = _Recorder(gm, storages, cost, fakes)
+        with cost, warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # pytree specs of exported modules
+            output = recorder.run(*placeholder_values(gm, fake_args, fake_kwargs))
         output_keys = {storages.key(t) for t in tree_flatten(output)[0]} - {None}
         loss = training_loss(output)
         with recorder.backward:
             loss.backward()
         recorder.backward.finish()
     produced, read = set(), set()
-    for fake_node, node in zip(fake.graph.nodes, gm.graph.nodes):
-        if fake_node.op in COMPUTE_OPS:
-            for key in META_KEYS:
-                node.meta[key] = fake_node.meta[key]
-            produced.update(node.meta["planner.created"])
+    for node in gm.graph.nodes:
+        if node.op in COMPUTE_OPS:
+            produced.update(require_meta(node, "planner.created"))
             read.update(node.meta["planner.reads"])
     for key in read - produced - set(fixed_kind):
         fixed_kind[key] = "constant"  # tensors the graph holds, e.g. lifted by torch.export
