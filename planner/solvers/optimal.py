@@ -1,0 +1,512 @@
+"""Least recompute under a budget: dynamic programming over blocks of the topological order.
+
+A plan splits the order into *blocks*: single stored nodes and checkpointed segments. Every
+allowed cut is a candidate segment boundary, so a plan may keep one expensive output and
+recompute the cheap work around it.
+
+Why a block DP can follow ``planner.simulate`` exactly: a storage that autograd keeps is
+*released* at one backward step, the first of its *triggers* in order (a stored node that saves
+it, or the start of another checkpointed segment that reads it). Charge each kept storage to the
+block holding that trigger. Backward visits blocks last to first, so while it works on a block,
+everything charged to earlier blocks is still alive. The live bytes at every instant of a
+block's forward, recompute and backward are therefore ``R`` (the bytes charged to earlier
+blocks) plus a *local* amount that depends only on the block and on which storages crossing its
+first cut were already charged (the *mask*). Graph outputs are read by the loss after the last
+node, so they count as read until the end of forward.
+
+In words, the recurrence: the cheapest way to reach cut ``b`` with mask ``m'`` and charged bytes
+``R'`` is the cheapest way to reach some earlier cut ``c`` (mask ``m``, charged ``R``), plus one
+block ``[c, b)`` (a stored node when ``b = c + 1``, else a checkpointed segment) that fits,
+``R + local(c, b, m) <= budget - fixed``, with ``R' = R + charged(c, b, m)`` and
+``m'`` = the storages crossing ``b`` charged before or by this block::
+
+    best(b, m')[R'] = min over blocks [c, b) of  best(c, m)[R] + recompute(c, b)
+
+Since ``R`` only matters through the checks of later blocks, each state ``(cut, mask)`` keeps
+the Pareto front of (charged bytes, cost) pairs as sorted numpy arrays; a block moves a whole
+front at once, and only a prefix of it (the entries with least ``R``) can fit. When no plan fits,
+the same search scores plans by their highest block peak instead, giving the lowest peak.
+
+Exactness and approximations
+----------------------------
+* Up to ``EXACT_NODES`` nodes the search is exact: fronts are not thinned, every allowed cut is
+  a candidate and recompute peaks are replayed node by node. Its answer is the least recompute
+  over all plans whose ``simulate`` peak fits (tests compare it with exhaustive search), or,
+  when none fits, a plan of the lowest simulated peak.
+* Larger problems use three explicit approximations, each on the safe side:
+
+  - recompute peaks use ``_recompute_bound``, which can only over-estimate (so a plan the
+    search accepts fits);
+  - fronts keep one entry per ``bucket = limit // BUCKETS`` bytes of ``R`` (the cheapest);
+    the kept entry may hold up to ``bucket - 1`` bytes more, so the answer costs no more than
+    the best plan (under the bound) that fits ``budget - blocks * bucket``, where ``blocks``
+    counts that plan's blocks;
+  - with more than ``CANDIDATE_CUTS`` allowed cuts, segment boundaries are searched
+    coarse-to-fine (``_search``): the answer is optimal among plans whose boundaries lie in
+    the last pass's candidates, which include the best plan of every earlier pass.
+
+  The search never relies on these alone: ``solve`` replays its plan with ``simulate`` and
+  also replays the ``greedy`` and ``sqrt_n`` plans, returning the cheapest that fits. So on
+  large problems the result always fits when any of them fits, and never costs more than
+  ``greedy`` or ``sqrt_n`` when they fit.
+* Segments stop growing from a cut as soon as their forward and backward peaks (which only
+  grow with the segment) overflow the budget: no longer segment from there can fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.graph import Problem
+from planner.simulate import Segments, simulate
+from planner.solvers import register
+
+NEVER = np.iinfo(np.int64).max
+EXACT_NODES = 48  # up to this many nodes: exact recompute peaks and unthinned fronts
+CANDIDATE_CUTS = 96  # more allowed cuts than this: search coarse-to-fine
+REFINE = 2  # each refining pass tries cuts this many times closer together, this many each side
+BUCKETS = 256  # fronts of large problems keep one entry per 1/BUCKETS of the limit
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """Plan-independent arrays, computed once per problem."""
+
+    nbytes: np.ndarray
+    producer: np.ndarray
+    last_use: np.ndarray  # last reader; the end of forward for graph outputs (the loss reads them)
+    first_saver: np.ndarray  # NEVER when nothing saves the storage
+    touches: tuple[tuple[int, ...], ...]  # sorted readers and savers of each storage
+    crossing: tuple[tuple[int, ...], ...]  # per cut c: storages with producer < c <= last reader
+    made_at: tuple[tuple[int, ...], ...]  # per node: storages it produces
+    read_at: tuple[tuple[int, ...], ...]  # per node: storages it reads
+    saved_first_at: tuple[tuple[int, ...], ...]  # per node: storages it saves first
+    forward_live: np.ndarray  # per node: bytes alive by being read, plus its workspace
+    backward_live: np.ndarray  # per node: gradients alive at its backward
+    after_backward: np.ndarray  # per cut: gradients alive once backward reaches it
+    saved_prefix: np.ndarray  # per node: cumulative bytes of storages first saved there
+    kept_prefix: np.ndarray  # per node x: bytes of saved storages produced at or before x
+    unsaved_alive: np.ndarray  # per node x: bytes of never-saved storages alive at x
+
+
+def _tables(problem: Problem) -> _Tables:
+    n = problem.size
+    storages = problem.storages
+    nbytes = np.array([s.nbytes for s in storages], dtype=np.int64)
+    producer = np.array([s.producer for s in storages], dtype=np.int64)
+    last_use = np.array([n - 1 if s.is_output else s.last_reader for s in storages], np.int64)
+    first_saver = np.array([min(s.savers, default=NEVER) for s in storages], dtype=np.int64)
+
+    crossing: list[list[int]] = [[] for _ in range(n + 1)]
+    made_at: list[list[int]] = [[] for _ in range(n)]
+    read_at: list[list[int]] = [[] for _ in range(n)]
+    saved_first_at: list[list[int]] = [[] for _ in range(n)]
+    alive = np.zeros(n + 1, dtype=np.int64)
+    for k, s in enumerate(storages):
+        made_at[s.producer].append(k)
+        for j in s.readers:
+            read_at[j].append(k)
+        if s.savers:
+            saved_first_at[min(s.savers)].append(k)
+        for c in range(s.producer + 1, last_use[k] + 1):
+            crossing[c].append(k)
+        alive[s.producer] += s.nbytes
+        alive[last_use[k] + 1] -= s.nbytes
+    forward_live = np.cumsum(alive)[:n] + problem.workspace
+
+    backward_live = np.zeros(n, dtype=np.int64)
+    after_backward = np.zeros(n + 1, dtype=np.int64)
+    grads = 0
+    for i in range(n - 1, -1, -1):
+        grads += int(problem.activation_grad_alloc[i] + problem.grad_bytes_at[i])
+        backward_live[i] = grads
+        grads -= int(problem.activation_grad_free[i])
+        after_backward[i] = grads
+    first_saved = np.zeros(n, dtype=np.int64)
+    kept_made = np.zeros(n, dtype=np.int64)
+    unsaved = np.zeros(n + 1, dtype=np.int64)
+    for k in range(len(storages)):
+        if first_saver[k] != NEVER:
+            first_saved[first_saver[k]] += nbytes[k]
+            kept_made[producer[k]] += nbytes[k]
+        else:
+            unsaved[producer[k]] += nbytes[k]
+            unsaved[last_use[k] + 1] -= nbytes[k]
+    return _Tables(
+        nbytes=nbytes,
+        producer=producer,
+        last_use=last_use,
+        first_saver=first_saver,
+        touches=tuple(tuple(sorted({*s.readers, *s.savers})) for s in storages),
+        crossing=tuple(tuple(c) for c in crossing),
+        made_at=tuple(map(tuple, made_at)),
+        read_at=tuple(map(tuple, read_at)),
+        saved_first_at=tuple(map(tuple, saved_first_at)),
+        forward_live=forward_live,
+        backward_live=backward_live,
+        after_backward=after_backward,
+        saved_prefix=np.cumsum(first_saved),
+        kept_prefix=np.cumsum(kept_made),
+        unsaved_alive=np.cumsum(unsaved)[:n],
+    )
+
+
+def _recompute_peaks(problem: Problem, t: _Tables, c: int, stop: int) -> np.ndarray:
+    """Peak live bytes of the recompute of ``[c, b)`` for every ``b`` in ``(c, stop]``.
+
+    Index ``b - c - 1``; 0 where the segment saves nothing (no recompute). Recomputed copies are
+    alive from their producer until the segment's last saving node when saved inside the
+    segment, else until their last reader that is recomputed. The recompute stops early, at the
+    last saving node; outputs of that node are made again only if it saves one of them.
+    """
+    width = stop - c
+    peaks = np.zeros(width, dtype=np.int64)
+    kept_from = np.zeros(width + 1, dtype=np.int64)  # saved inside: alive from p to the end
+    transient = np.zeros(width + 1, dtype=np.int64)  # difference array of [p, until] intervals
+    until: dict[int, int] = {}  # recomputed, not (yet) saved inside -> last alive position
+    saved_inside: set[int] = set()
+    pending: tuple[int, ...] = ()  # made by the last saving node, not (yet) recomputed
+    end, peak = c - 1, 0
+
+    def start(k: int) -> None:
+        until[k] = int(t.producer[k])
+        transient[until[k] - c] += t.nbytes[k]
+        transient[until[k] - c + 1] -= t.nbytes[k]
+
+    for x in range(c, stop):
+        if problem.saves[x]:
+            for k in t.saved_first_at[x]:
+                if t.producer[k] < c:
+                    continue
+                saved_inside.add(k)
+                kept_from[t.producer[k] - c] += t.nbytes[k]
+                if k in until:
+                    transient[t.producer[k] - c] -= t.nbytes[k]
+                    transient[until.pop(k) - c + 1] += t.nbytes[k]
+            for k in pending:
+                if k not in saved_inside:
+                    start(k)
+            for y in range(end + 1, x + 1):
+                for k in t.read_at[y]:
+                    if k in until:
+                        transient[until[k] - c + 1] += t.nbytes[k]
+                        transient[y - c + 1] -= t.nbytes[k]
+                        until[k] = y
+                if y < x or problem.saves_own[x]:
+                    for k in t.made_at[y]:
+                        if k not in saved_inside:
+                            start(k)
+            pending = () if problem.saves_own[x] else t.made_at[x]
+            end = x
+            span = end - c + 1
+            live = np.cumsum(kept_from[:span]) + np.cumsum(transient[:span])
+            peak = int((live + problem.workspace[c : end + 1]).max())
+        peaks[x - c] = peak
+    return peaks
+
+
+def _recompute_bound(problem: Problem, t: _Tables, c: int, stop: int) -> np.ndarray:
+    """An upper bound on ``_recompute_peaks``, in a few vectorised passes.
+
+    It counts every storage made in the segment that *anything* saves as kept from its producer
+    to the end of the recompute, and every other one as alive from its producer to its last
+    reader; the exact replay keeps some of them for less time (saved only after the segment,
+    not re-created by the early stop), never for more. Over-estimating a peak only makes the
+    search conservative: its plans still fit.
+    """
+    live = t.kept_prefix[c:stop] - (t.kept_prefix[c - 1] if c else 0) + t.unsaved_alive[c:stop]
+    for k in t.crossing[c]:  # never-saved inputs of the segment are not re-created
+        if t.first_saver[k] == NEVER:
+            live[: t.last_use[k] - c + 1] -= t.nbytes[k]
+    running = np.maximum.accumulate(live + problem.workspace[c:stop])
+    last = _last_saving(problem, c, stop)
+    return np.where(last >= 0, running[np.maximum(last, 0)], 0)
+
+
+def _last_saving(problem: Problem, c: int, stop: int) -> np.ndarray:
+    """Per ``b`` in ``(c, stop]`` (index ``b - c - 1``): offset of the last saving node, or -1."""
+    saving_position = np.where(problem.saves[c:stop], np.arange(stop - c), -1)
+    return np.maximum.accumulate(saving_position)
+
+
+def _segment_costs(problem: Problem, t: _Tables, c: int, stop: int, exact: bool):
+    """Mask-independent parts of the segments ``[c, b)`` for every ``b`` in ``(c, stop]``.
+
+    Returns the recompute peak plus the gradients alive then, and the recompute cost: the
+    forward time up to the last saving node (the early stop), as ``simulate`` charges it.
+    """
+    bound = _recompute_peaks if exact else _recompute_bound
+    peaks = bound(problem, t, c, stop)
+    last = _last_saving(problem, c, stop)
+    seconds = np.cumsum(problem.seconds[c:stop])
+    cost = np.where(last >= 0, seconds[np.maximum(last, 0)], 0.0)
+    return peaks + t.after_backward[c + 1 : stop + 1], cost
+
+
+def _segment_locals(
+    problem: Problem, t: _Tables, c: int, mask: frozenset, stop: int, recompute: np.ndarray
+):
+    """Charged bytes, local peak and its monotone part for the segments ``[c, b)``.
+
+    Arrays are indexed ``b - c - 1`` for ``b`` in ``(c, stop]``. The monotone part (forward and
+    backward peaks) never decreases with ``b``, so once it overflows the budget no longer
+    segment from ``c`` can fit: the search stops extending there.
+    """
+    width = stop - c
+    forward = t.forward_live[c:stop].copy()
+    charged = np.zeros(width, dtype=np.int64)
+    saved_here = t.saved_prefix[c:stop] - (t.saved_prefix[c - 1] if c else 0)
+    for k in t.crossing[c]:
+        if c <= t.first_saver[k] < stop:  # recomputed copies only come from inside
+            saved_here[t.first_saver[k] - c :] -= t.nbytes[k]
+        if k in mask:  # charged to an earlier block: do not count it twice while it is read
+            forward[: t.last_use[k] - c + 1] -= t.nbytes[k]
+        else:  # a segment input: charged here, alive until the segment's backward ends
+            forward[t.last_use[k] - c + 1 :] += t.nbytes[k]
+            first = next((j for j in t.touches[k] if j >= c), NEVER)
+            if first < stop:
+                charged[first - c :] += t.nbytes[k]
+    backward = np.maximum.accumulate(t.backward_live[c:stop] + saved_here) + charged
+    monotone = np.maximum(np.maximum.accumulate(forward), backward)
+    return charged, np.maximum(monotone, recompute + charged), monotone
+
+
+def _stored_local(problem: Problem, t: _Tables, c: int, mask: frozenset):
+    """Charged bytes and local peak of keeping node ``c`` outside every segment."""
+    charged = sum(
+        int(t.nbytes[k])
+        for k in (*t.crossing[c], *t.made_at[c])
+        if k not in mask and c in t.touches[k] and _saves(problem, k, c)
+    )
+    forward = int(t.forward_live[c]) - sum(int(t.nbytes[k]) for k in mask)
+    return charged, max(forward, int(t.backward_live[c]) + charged)
+
+
+def _saves(problem: Problem, k: int, j: int) -> bool:
+    return j in problem.storages[k].savers
+
+
+def _next_mask(t: _Tables, b: int, previous: frozenset, triggered) -> frozenset:
+    """Storages crossing cut ``b`` already charged: before, or by the block just chosen."""
+    return frozenset(
+        k for k in t.crossing[b] if k in previous or k in triggered
+    )
+
+
+
+
+def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int) -> np.ndarray:
+    """Indices of the entries no other beats on both charged bytes and value, thinned to the
+    cheapest one per ``bucket`` bytes of charged memory.
+
+    The front comes out sorted by charged bytes, values strictly decreasing. Thinning keeps, of
+    the entries whose charged bytes share one multiple of ``bucket``, the one of least value; it
+    may hold up to ``bucket - 1`` bytes more than a dropped one. With ``bucket == 1`` nothing
+    is thinned and the front is exact.
+    """
+    order = np.lexsort((value, charged))
+    ordered = value[order]
+    keep = np.ones(order.size, dtype=bool)
+    keep[1:] = ordered[1:] < np.minimum.accumulate(ordered)[:-1]
+    order = order[keep]
+    if bucket > 1 and order.size > 1:
+        bins = charged[order] // bucket
+        order = order[np.append(bins[1:] != bins[:-1], True)]
+    return order
+
+
+@dataclass
+class _Search:
+    """One run of the DP over a set of candidate cuts.
+
+    ``limit`` is the memory above fixed bytes that every block must fit. ``peak_mode`` scores a
+    plan by its highest block peak instead of its recompute cost (used when no plan fits the
+    budget, to find the lowest peak).
+    """
+
+    problem: Problem
+    t: _Tables
+    limit: int
+    peak_mode: bool
+    exact: bool
+    bucket: int
+
+    def run(self, cuts: np.ndarray) -> tuple[float, Segments] | None:
+        """(score, segments) of the best plan whose segments start and end in ``cuts``."""
+        problem, t, n = self.problem, self.t, self.problem.size
+        cuts = np.unique(cuts)
+        is_cut = np.zeros(n + 1, dtype=bool)
+        is_cut[cuts] = True
+        self.pending: list[dict[frozenset, list]] = [{} for _ in range(n + 1)]
+        self.states: list[tuple] = []  # (position, charged, value, parent, index, is_segment)
+        self.pending[0][frozenset()] = [(np.zeros(1, np.int64), np.zeros(1), -1, False)]
+        for c in range(n):
+            here = self._settle(c)
+            triggered = {k for k in (*t.crossing[c], *t.made_at[c]) if _saves(problem, k, c)}
+            stop, ends = c, cuts[:0]
+            if problem.cut_allowed[c] and problem.checkpointable[c] and is_cut[c]:
+                stop = c + int(np.argmin(np.append(problem.checkpointable[c:], False)))
+                ends = cuts[(cuts > c) & (cuts <= stop)]
+            if ends.size:
+                recompute, cost = _segment_costs(problem, t, c, stop, self.exact)
+                first_touch = [
+                    (k, next((j for j in t.touches[k] if j >= c), NEVER)) for k in t.crossing[c]
+                ]
+            for mask, state in here:
+                charged, value = self.states[state][1:3]
+                held, local = _stored_local(problem, t, c, mask)
+                following = _next_mask(t, c + 1, mask, triggered)
+                self._extend(state, [c + 1], [following], np.array([local]), np.array([held]),
+                             np.zeros(1), False)
+                if not ends.size:
+                    continue
+                held_b, local_b, monotone = _segment_locals(problem, t, c, mask, stop, recompute)
+                overflow = np.flatnonzero(charged[0] + monotone > self.limit)
+                reach = c + 1 + (int(overflow[0]) if overflow.size else stop)
+                reachable = ends[ends < reach]
+                masks = [
+                    _next_mask(t, b, mask, {k for k, j in first_touch if j < b})
+                    for b in reachable.tolist()
+                ]
+                i = reachable - c - 1
+                self._extend(state, reachable.tolist(), masks, local_b[i], held_b[i], cost[i], True)
+        finals = self._settle(n)
+        if not finals:
+            return None
+        state, index = min(
+            ((s, int(np.argmin(self.states[s][2]))) for _, s in finals),
+            key=lambda si: self.states[si[0]][2][si[1]],
+        )
+        score = float(self.states[state][2][index])
+        segments = []
+        while state >= 0:
+            position, _, _, parent, previous, is_segment = self.states[state]
+            if is_segment[index]:
+                segments.append((self.states[parent[index]][0], position))
+            state, index = int(parent[index]), int(previous[index])
+        return score, tuple(reversed(segments))
+
+    def _extend(self, state, ends, masks, local, held, cost, is_segment) -> None:
+        """Extend the front of ``state`` by one block to each of ``ends``, keeping what fits.
+
+        Charged bytes are sorted, so the entries that fit a block are a prefix of the front.
+        """
+        charged, value = self.states[state][1:3]
+        counts = charged.searchsorted(self.limit - local, side="right").tolist()
+        grown = charged[None, :] + held[:, None]
+        if self.peak_mode:
+            scores = np.maximum(value[None, :], charged[None, :] + local[:, None])
+        else:
+            scores = value[None, :] + cost[:, None]
+        for row, (b, mask, count) in enumerate(zip(ends, masks, counts)):
+            if count:
+                chunk = (grown[row, :count], scores[row, :count], state, is_segment)
+                self.pending[b].setdefault(mask, []).append(chunk)
+
+    def _settle(self, position: int) -> list[tuple[frozenset, int]]:
+        """Turn the blocks that reached ``position`` into Pareto fronts, one state per mask."""
+        settled = []
+        for mask, chunks in self.pending[position].items():
+            sizes = [len(chunk[0]) for chunk in chunks]
+            charged = np.concatenate([chunk[0] for chunk in chunks])
+            value = np.concatenate([chunk[1] for chunk in chunks])
+            parent = np.repeat([chunk[2] for chunk in chunks], sizes)
+            is_segment = np.repeat([chunk[3] for chunk in chunks], sizes)
+            index = np.arange(charged.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+            keep = _pareto(charged, value, self.bucket)
+            self.states.append(
+                (position, charged[keep], value[keep], parent[keep], index[keep], is_segment[keep])
+            )
+            settled.append((mask, len(self.states) - 1))
+        self.pending[position] = {}
+        return settled
+
+
+def _coarse_cuts(problem: Problem, allowed: np.ndarray, spacing: int) -> np.ndarray:
+    """One allowed cut per run of ``spacing`` allowed cuts: the one crossed by fewest bytes."""
+    chosen = [allowed[0], allowed[-1]]
+    for first in range(0, allowed.size, spacing):
+        window = allowed[first : first + spacing]
+        chosen.append(window[int(np.argmin(problem.cut_bytes[window]))])
+    return np.array(chosen)
+
+
+def _search(search: _Search) -> tuple[float, Segments] | None:
+    """Best plan over every allowed cut when there are few, else coarse-to-fine.
+
+    With more than ``CANDIDATE_CUTS`` allowed cuts, a first pass keeps one cut in every
+    ``spacing`` (the one crossed by fewest bytes). Each later pass divides the spacing by
+    ``REFINE`` and adds, around every boundary of the best plan so far, the ``REFINE`` allowed
+    cuts on each side at that spacing, until neighbouring cuts are tried. The best plan so far
+    stays among the candidates, so a pass can only keep or improve it.
+    """
+    allowed = np.flatnonzero(search.problem.cut_allowed)
+    if allowed.size <= CANDIDATE_CUTS:
+        return search.run(allowed)
+    spacing = -(-allowed.size // CANDIDATE_CUTS)
+    coarse = _coarse_cuts(search.problem, allowed, spacing)
+    best = search.run(coarse)
+    while best is not None and spacing > 1:
+        spacing = max(1, spacing // REFINE)
+        bounds = np.searchsorted(allowed, [cut for segment in best[1] for cut in segment])
+        near = (bounds[:, None] + spacing * np.arange(-REFINE, REFINE + 1)).ravel()
+        cuts = np.concatenate([coarse, allowed[np.clip(near, 0, allowed.size - 1)]])
+        found = search.run(cuts)
+        if found is not None and found[0] <= best[0]:
+            best = found
+    return best
+
+
+def _heuristics(problem: Problem, budget_bytes: int) -> list[Segments]:
+    from planner.solvers.greedy import solve as greedy
+    from planner.solvers.sqrt_n import solve as sqrt_n
+
+    return [greedy(problem, budget_bytes), sqrt_n(problem, budget_bytes)]
+
+
+@register("optimal")
+def solve(problem: Problem, budget_bytes: int, **options) -> Segments:
+    """Least recompute whose simulated peak fits ``budget_bytes``; else the lowest peak found.
+
+    Parameters
+    ----------
+    problem
+        The graph to plan.
+    budget_bytes
+        Memory of the whole step, as ``simulate`` counts it (fixed memory included). A budget
+        no plan fits (``0`` included) asks for the plan of lowest peak, which
+        ``planner.pipeline.lowest_peak`` uses to report the minimum.
+
+    Returns
+    -------
+    Segments
+        Checkpointed segments; every plan returned was replayed by ``simulate``, and one that
+        fits the budget is returned whenever the search or a heuristic found one.
+    """
+    if problem.size == 0 or simulate(problem, ()).peak_bytes <= budget_bytes:
+        return ()
+    t = _tables(problem)
+    exact = problem.size <= EXACT_NODES
+    limit = budget_bytes - problem.fixed_bytes
+    bucket = 1 if exact else max(1, limit // BUCKETS)
+    found = _search(_Search(problem, t, limit, False, exact, bucket)) if limit > 0 else None
+    plans = [found[1]] if found is not None else []
+    results = {plan: simulate(problem, plan) for plan in plans}
+    if not exact or not any(r.peak_bytes <= budget_bytes for r in results.values()):
+        for plan in _heuristics(problem, budget_bytes):
+            results[plan] = simulate(problem, plan)
+    fitting = [
+        (r.recompute_seconds, plan) for plan, r in results.items() if r.peak_bytes <= budget_bytes
+    ]
+    if fitting:
+        return min(fitting)[1]
+    known = min(results.values(), key=lambda r: r.peak_bytes).peak_bytes
+    lowest = known - problem.fixed_bytes
+    peak_bucket = 1 if exact else max(1, lowest // BUCKETS)
+    found = _search(_Search(problem, t, lowest, True, exact, peak_bucket))
+    if found is not None:
+        results[found[1]] = simulate(problem, found[1])
+    ranked = {plan: (r.peak_bytes, r.recompute_seconds) for plan, r in results.items()}
+    return min(ranked, key=ranked.get)

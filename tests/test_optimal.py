@@ -1,0 +1,250 @@
+"""The optimal solver against exhaustive search, with ``planner.simulate`` as the only judge.
+
+Problems are generated directly (no torch): chains, where each node reads the one before, and
+small DAGs whose nodes also read an earlier output, so that cuts are crossed by several tensors.
+Set ``HYPOTHESIS_PROFILE=thorough`` for many more examples.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.graph import Problem, Storage
+from planner.simulate import simulate
+from planner.solvers import SOLVERS
+from planner.solvers import optimal  # noqa: F401  (registers "optimal")
+
+settings.register_profile("ci", max_examples=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=2000, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def make_problem(sizes, skips, saver_bits, seconds, workspace, blocked, output) -> Problem:
+    """A problem where node i creates storage i, reads storage i-1 and maybe ``skips[i]``.
+
+    ``saver_bits[i]`` says whether node i saves its own output (bit 0) and its inputs (bit 1),
+    as ReLU and Linear do. Gradient bookkeeping follows ``planner.graph.build_problem``.
+    """
+    n = len(sizes)
+    reads = [set() if i == 0 else {i - 1} | ({skips[i]} if skips[i] is not None else set())
+             for i in range(n)]
+    storages = []
+    for k in range(n):
+        readers = tuple(sorted(i for i in range(n) if k in reads[i]))
+        own = {k} if saver_bits[k] & 1 else set()
+        savers = tuple(sorted(own | {i for i in readers if saver_bits[i] & 2}))
+        storages.append(Storage(nbytes=sizes[k], producer=k, readers=readers, savers=savers,
+                                is_output=output and k == n - 1, requires_grad=True))
+    grad_alloc = np.zeros(n, dtype=np.int64)
+    grad_free = np.zeros(n, dtype=np.int64)
+    cut_delta = np.zeros(n + 2, dtype=np.int64)
+    for s in storages:
+        if s.readers:
+            grad_alloc[s.last_reader] += s.nbytes
+            grad_free[s.producer] += s.nbytes
+        end = n if s.is_output else s.last_reader
+        if end > s.producer:
+            cut_delta[s.producer + 1] += s.nbytes
+            cut_delta[end + 1] -= s.nbytes
+    cut_allowed = np.array([c not in blocked for c in range(n + 1)])
+    return Problem(
+        names=tuple(f"n{i}" for i in range(n)),
+        labels=tuple("op" for _ in range(n)),
+        flops=np.array(seconds, dtype=np.float64) * 1e12,
+        bytes_moved=np.zeros(n),
+        seconds=np.array(seconds, dtype=np.float64),
+        workspace=np.array(workspace, dtype=np.int64),
+        created_bytes=np.array(sizes, dtype=np.int64),
+        saves=np.array([any(i in s.savers for s in storages) for i in range(n)]),
+        saves_own=np.array([i in storages[i].savers for i in range(n)]),
+        grad_bytes_at=np.zeros(n, dtype=np.int64),
+        activation_grad_alloc=grad_alloc,
+        activation_grad_free=grad_free,
+        checkpointable=np.ones(n, dtype=bool),
+        cut_allowed=cut_allowed,
+        cut_bytes=np.cumsum(cut_delta)[: n + 1],
+        articulation_cuts=(),
+        storages=tuple(storages),
+        fixed_bytes=100,
+        parameter_bytes=50,
+        gradient_bytes=50,
+    )
+
+
+@st.composite
+def problems(draw, max_nodes=7, dag=True):
+    n = draw(st.integers(2, max_nodes))
+    sizes = draw(st.lists(st.sampled_from([1, 2, 4, 8, 16]), min_size=n, max_size=n))
+    skips = [None, None] + [
+        draw(st.one_of(st.none(), st.integers(0, i - 2))) if dag else None for i in range(2, n)
+    ]
+    return make_problem(
+        sizes,
+        skips,
+        draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)),
+        draw(st.lists(st.sampled_from([0.5, 1.0, 3.0, 10.0]), min_size=n, max_size=n)),
+        draw(st.lists(st.sampled_from([0, 0, 1, 4]), min_size=n, max_size=n)),
+        set(draw(st.lists(st.integers(1, n - 1), max_size=2))),
+        draw(st.booleans()),
+    )
+
+
+def all_plans(problem: Problem):
+    """Every set of disjoint valid segments."""
+    n = problem.size
+
+    def from_position(start):
+        yield ()
+        for a in range(start, n):
+            for b in range(a + 1, n + 1):
+                if problem.is_valid_segment(a, b):
+                    for rest in from_position(b):
+                        yield ((a, b), *rest)
+
+    return list(dict.fromkeys(from_position(0)))
+
+
+def exhaustive(problem: Problem, budget: int):
+    """(least recompute, lowest peak) over all plans, judged by the simulator."""
+    results = [simulate(problem, plan) for plan in all_plans(problem)]
+    fitting = [r.recompute_seconds for r in results if r.peak_bytes <= budget]
+    return min(fitting, default=None), min(r.peak_bytes for r in results)
+
+
+def budgets(problem: Problem) -> list[int]:
+    """Every peak some plan reaches, and one byte below each: where the answer can change."""
+    peaks = sorted({simulate(problem, plan).peak_bytes for plan in all_plans(problem)})
+    return sorted({b for p in peaks for b in (p - 1, p)})
+
+
+@given(problems(dag=False))
+def test_matches_exhaustive_search_on_chains(problem):
+    for budget in budgets(problem):
+        check_against_exhaustive(problem, budget)
+
+
+@given(problems(dag=True))
+def test_matches_exhaustive_search_on_dags_with_multi_tensor_cuts(problem):
+    for budget in budgets(problem):
+        check_against_exhaustive(problem, budget)
+
+
+def check_against_exhaustive(problem: Problem, budget: int) -> None:
+    least, lowest = exhaustive(problem, budget)
+    result = simulate(problem, SOLVERS["optimal"](problem, budget))
+    if least is None:
+        assert result.peak_bytes == lowest, "when nothing fits, return the lowest peak"
+    else:
+        assert result.peak_bytes <= budget
+        assert math.isclose(result.recompute_seconds, least, rel_tol=1e-9, abs_tol=1e-12)
+
+
+@given(problems(), st.data())
+def test_cost_never_increases_with_budget(problem, data):
+    peaks = budgets(problem)
+    low, high = sorted(data.draw(st.lists(st.sampled_from(peaks), min_size=2, max_size=2)))
+    cost = {b: simulate(problem, SOLVERS["optimal"](problem, b)) for b in (low, high)}
+    if cost[low].peak_bytes <= low:
+        assert cost[high].recompute_seconds <= cost[low].recompute_seconds + 1e-12
+
+
+@given(problems())
+def test_checkpoints_nothing_at_the_baseline_budget(problem):
+    baseline = simulate(problem, ()).peak_bytes
+    assert SOLVERS["optimal"](problem, baseline) == ()
+    assert SOLVERS["optimal"](problem, baseline + 10**9) == ()
+
+
+@given(problems(), st.data())
+def test_heuristics_are_never_cheaper(problem, data):
+    budget = data.draw(st.sampled_from(budgets(problem)))
+    best = simulate(problem, SOLVERS["optimal"](problem, budget))
+    for name in ("greedy", "sqrt_n"):
+        other = simulate(problem, SOLVERS[name](problem, budget))
+        if other.peak_bytes <= budget:
+            assert best.peak_bytes <= budget
+            assert best.recompute_seconds <= other.recompute_seconds + 1e-12
+
+
+@pytest.fixture(scope="module")
+def gpt_problem():
+    from planner import zoo
+    from planner.pipeline import prepare
+
+    return prepare(*zoo.gpt(layers=2))[1]
+
+
+@given(problems())
+def test_budget_zero_gives_the_exhaustive_lowest_peak(problem):
+    # planner.pipeline.lowest_peak asks for the lowest peak this way.
+    _, lowest = exhaustive(problem, 0)
+    assert simulate(problem, SOLVERS["optimal"](problem, 0)).peak_bytes == lowest
+
+
+def long_problem(n: int, seed: int) -> Problem:
+    """A generated DAG too large for the exact search: exercises the coarse-to-fine path."""
+    rng = np.random.default_rng(seed)
+    skips = [None, None] + [int(rng.integers(max(0, i - 12), i - 1)) if rng.random() < 0.3
+                            else None for i in range(2, n)]
+    return make_problem(
+        rng.choice([1, 2, 4, 8, 16], n).tolist(), skips, rng.integers(0, 4, n).tolist(),
+        rng.choice([0.5, 1.0, 3.0, 10.0], n).tolist(), rng.choice([0, 0, 1, 4], n).tolist(),
+        set(rng.integers(1, n - 1, n // 10).tolist()), True,
+    )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_large_problems_fit_and_never_lose_to_the_heuristics(seed):
+    problem = long_problem(300, seed)
+    baseline = simulate(problem, ()).peak_bytes
+    lowest = simulate(problem, SOLVERS["optimal"](problem, 0)).peak_bytes
+    for name in ("greedy", "sqrt_n"):
+        assert lowest <= simulate(problem, SOLVERS[name](problem, 0)).peak_bytes
+    for fraction in (0.0, 0.2, 0.5, 0.8):
+        budget = int(lowest + fraction * (baseline - lowest))
+        best = simulate(problem, SOLVERS["optimal"](problem, budget))
+        assert best.peak_bytes <= budget
+        for name in ("greedy", "sqrt_n"):
+            other = simulate(problem, SOLVERS[name](problem, budget))
+            if other.peak_bytes <= budget:
+                assert best.recompute_seconds <= other.recompute_seconds * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet", "gpt", "bert", "unet"])
+def test_fast_enough_for_auto_on_the_zoo_defaults(name):
+    from planner import zoo
+    from planner.pipeline import prepare
+
+    problem = prepare(*zoo.build(name))[1]
+    baseline = simulate(problem, ()).peak_bytes
+    lowest = simulate(problem, SOLVERS["optimal"](problem, 0)).peak_bytes
+    for budget in (0, (lowest + baseline) // 2, lowest + 9 * (baseline - lowest) // 10):
+        seconds = []
+        for _ in range(2):  # best of two: the machine is shared
+            start = time.perf_counter()
+            SOLVERS["optimal"](problem, budget)
+            seconds.append(time.perf_counter() - start)
+        assert min(seconds) < 1.0, (name, budget, seconds)
+
+
+def test_real_model_plans_fit_and_beat_the_heuristics(gpt_problem):
+    baseline = simulate(gpt_problem, ()).peak_bytes
+    lowest = simulate(gpt_problem, SOLVERS["optimal"](gpt_problem, 0)).peak_bytes
+    assert lowest < baseline
+    for fraction in (0.0, 0.3, 0.6, 0.9):
+        budget = int(lowest + fraction * (baseline - lowest))
+        best = simulate(gpt_problem, SOLVERS["optimal"](gpt_problem, budget))
+        assert best.peak_bytes <= budget
+        for name in ("greedy", "sqrt_n"):
+            other = simulate(gpt_problem, SOLVERS[name](gpt_problem, budget))
+            if other.peak_bytes <= budget:
+                assert best.recompute_seconds <= other.recompute_seconds * (1 + 1e-9)
