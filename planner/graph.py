@@ -116,7 +116,8 @@ def _label(node: fx.Node) -> str:
 def articulation_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """Compute nodes that alone connect what comes before them to what comes after.
 
-    Parameters and buffers (``get_attr``) are left out: they live anyway. A virtual source feeds
+    Parameters and buffers (``get_attr``) are left out: they live anyway; so are edges from
+    nodes that return no tensor (``x.size(1)``), once profiled. A virtual source feeds
     the placeholders and a virtual sink drains the output, so a node counts only if every path
     from inputs to outputs passes through it.
 
@@ -137,7 +138,8 @@ def articulation_nodes(gm: fx.GraphModule) -> set[fx.Node]:
         if node.op == "output":
             graph.add_edge(node, SINK)
         for used in node.all_input_nodes:
-            if used.op != "get_attr":
+            # Sizes and other plain values cost no memory: they do not tie the graph together.
+            if used.op != "get_attr" and used.meta.get("planner.tensor_output", True):
                 graph.add_edge(used, node)
     return {n for n in nx.articulation_points(graph) if getattr(n, "op", None) in COMPUTE_OPS}
 

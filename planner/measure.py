@@ -343,6 +343,12 @@ class _LiveStorageTracker(TorchDispatchMode):
         {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
     )
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Otherwise dynamo runs compiled frames eagerly under this mode, and a compiled module
+        # would measure as the eager one.
+        return True
+
     def __init__(self, *, record_timeline=False):
         super().__init__()
         if not _storage_finalizers_track_storage_lifetime():

@@ -22,6 +22,8 @@ Keys written into ``node.meta`` (the one place they are documented):
     FLOPs (``torch.utils.flop_counter`` formulas) and bytes read plus written by its ATen ops.
 ``planner.requires_grad``
     whether any of its outputs requires grad (then backward allocates a gradient for it).
+``planner.tensor_output``
+    whether it returns any tensor (``x.size(1)`` does not: it holds no memory).
 ``planner.backward_high``, ``planner.backward_net``
     measured in the fake backward that follows the forward: the most bytes the node's backward
     has allocated at once (input and parameter gradients, temporaries), and what of it is still
@@ -56,6 +58,7 @@ META_KEYS = (
     "planner.flops",
     "planner.bytes_moved",
     "planner.requires_grad",
+    "planner.tensor_output",
     "planner.backward_high",
     "planner.backward_net",
 )
@@ -259,6 +262,7 @@ class _Recorder(fx.Interpreter):
         node.meta["planner.flops"] = self.cost.flops
         node.meta["planner.bytes_moved"] = self.cost.bytes_moved
         node.meta["planner.requires_grad"] = any(t.requires_grad for t in tensors)
+        node.meta["planner.tensor_output"] = bool(tensors)
         for grad_fn in {t.grad_fn for t in tensors if t.grad_fn is not None}:
             grad_fn.register_prehook(lambda grads, node=node: self.backward.enter(node))
         return out

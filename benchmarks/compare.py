@@ -1,0 +1,380 @@
+"""Memory and time of one training step: planner against the alternatives users would pick.
+
+    .venv/bin/python benchmarks/compare.py --mode short    # a few minutes
+    .venv/bin/python benchmarks/compare.py --mode full     # the run behind docs/benchmarks.md
+
+For every model of ``planner.zoo`` (configurations in ``CONFIGS``) and every method:
+
+* ``none``: the model as it is;
+* ``per-block``: Hugging Face style, every block under ``torch.utils.checkpoint``;
+* ``ckpt-seq``: ``torch.utils.checkpoint.checkpoint_sequential`` with sqrt(n) segments;
+* ``compile b``: ``torch.compile(backend="aot_eager")`` with ``activation_memory_budget=b``;
+* ``planner``: ``solver="auto"`` and each registered solver, at budgets of 100/50/33/20 % of the
+  baseline activation memory (on top of parameters, buffers, inputs and gradients), at each
+  baseline's measured peak, and at the lowest peak the planner can reach;
+
+it measures the peak memory of one step (the project's CPU live-storage tracker, CUDA allocator
+statistics on CUDA), the step time (all methods interleaved in every repetition; median of the
+per-repetition ratios to ``none``), the FLOPs (separate pass), the planning or compile time, the
+saved-for-backward bytes (plain and compiled modules), and for planner the predicted peak. It
+writes ``benchmarks/results/<mode>.json`` and regenerates ``docs/benchmarks.md`` with one
+memory-vs-time plot per model in ``docs/img/``. ``--page-only`` re-renders the page from a JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # runnable as a script from a fresh clone, without installing
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import baselines, instruments  # noqa: E402
+from benchmarks.report import render_page  # noqa: E402
+from planner import measure, zoo  # noqa: E402
+from planner.pipeline import choose, lowest_peak, plan, prepare  # noqa: E402
+from planner.rewrite import rewrite  # noqa: E402
+from planner.simulate import simulate  # noqa: E402
+
+try:  # the optimal solver registers itself on import, when it exists
+    importlib.import_module("planner.solvers.optimal")
+except ImportError:
+    pass
+from planner.solvers import SOLVERS  # noqa: E402
+
+# The models, identical in both modes: a 100+ layer MLP chain, a ResNet with BatchNorm, a
+# 12-layer GPT decoder, a 12-layer BERT encoder and a U-Net with long skips.
+CONFIGS = {
+    "mlp": dict(depth=128, width=128, batch=256),
+    "resnet": dict(blocks=8, channels=32, batch=16, image=32),
+    "gpt": dict(layers=12, d_model=128, heads=4, seq=128, batch=4),
+    "bert": dict(layers=12, d_model=128, heads=4, seq=128, batch=4),
+    "unet": dict(depth=4, channels=16, batch=4, image=64),
+}
+MODES = {
+    "short": dict(reps=5, compile_budgets=(1.0, 0.5, 0.2, 0.0)),
+    "full": dict(reps=21, compile_budgets=(1.0, 0.8, 0.6, 0.4, 0.2, 0.1, 0.0)),
+}
+FRACTIONS = (("100%", 1.0), ("50%", 0.5), ("33%", 1 / 3), ("20%", 0.2))
+
+
+def _log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+class Variant:
+    """One module to measure, and what is known about it before measuring."""
+
+    def __init__(self, key, method, module, **info):
+        self.key = key
+        self.method = method
+        self.module = module
+        self.info = info
+        self.measured: dict = {}
+        self.times: list[float] = []
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_interleaved(variants, args, reps, device):
+    """One warm-up round, then ``reps`` rounds; each round steps every variant once, in an order
+    rotated from round to round so that no method always follows the same one."""
+    order = list(variants)
+    for r in range(reps + 1):
+        shift = r % len(order)
+        for v in order[shift:] + order[:shift]:
+            measure._clear_grads(v.module)
+            _sync(device)
+            begin = time.perf_counter()
+            measure.training_step(v.module, args)
+            _sync(device)
+            if r > 0:
+                v.times.append(time.perf_counter() - begin)
+
+
+def _parse_overrides(items):
+    out: dict[str, dict] = {}
+    for item in items or ():
+        name, _, rest = item.partition(":")
+        for pair in filter(None, rest.split(",")):
+            k, _, v = pair.partition("=")
+            out.setdefault(name, {})[k] = int(v) if v.lstrip("-").isdigit() else float(v)
+    return out
+
+
+def bench_model(name, config, mode, device, reps):
+    """Measure every method on one model; return its JSON-ready record."""
+    _log(f"== {name} {config}")
+    t0 = time.perf_counter()
+    model, args = zoo.build(name, **config, device=device)
+    variants: list[Variant] = []
+
+    none = Variant("none", "none", model)
+    variants.append(none)
+    none.measured["memory"] = measure.peak_memory(model, args)
+
+    start = time.perf_counter()
+    captured, problem = prepare(model, args)
+    prepare_seconds = time.perf_counter() - start
+    fixed = problem.fixed_bytes + problem.gradient_bytes
+    baseline_sim = simulate(problem, ())
+    lowest = lowest_peak(problem)
+
+    n_blocks = baselines.block_count(name, model)
+    variants.append(Variant("per-block", "per-block", baselines.per_block(name, model),
+                            blocks=n_blocks))
+    variants.append(Variant("ckpt-seq", "ckpt-seq", baselines.checkpoint_sequential(name, model),
+                            blocks=n_blocks, segments=baselines.sqrt_segments(n_blocks)))
+    for i, b in enumerate(MODES[mode]["compile_budgets"]):
+        module = baselines.compiled(model, b, f"{name}_{i}")
+        begin = time.perf_counter()
+        baselines.compile_now(module, b, lambda m: measure.training_step(m, args))
+        variants.append(Variant(f"compile {b:g}", "compile", module, activation_memory_budget=b,
+                                compile_seconds=time.perf_counter() - begin))
+    for v in variants[1:]:
+        v.measured["memory"] = measure.peak_memory(v.module, args)
+    none_peak = none.measured["memory"].peak_bytes
+
+    _log(f"   baselines measured ({time.perf_counter() - t0:.0f} s)")
+    budgets = [(label, fixed + round(f * (none_peak - fixed))) for label, f in FRACTIONS]
+    budgets += [(f"= {v.key}", v.measured["memory"].peak_bytes) for v in variants[1:]]
+    budgets.append(("lowest", lowest.peak_bytes))
+
+    plans = []  # one row per (solver, budget)
+    by_segments: dict = {}
+    for solver in ["auto", *sorted(SOLVERS)]:
+        for label, budget in budgets:
+            begin = time.perf_counter()
+            ran, segments = choose(problem, budget, solver)
+            solve_seconds = time.perf_counter() - begin
+            sim = simulate(problem, segments)
+            row = dict(solver=solver, ran=ran, budget=label, budget_bytes=int(budget),
+                       solve_seconds=solve_seconds, segments=len(segments),
+                       predicted_peak_bytes=int(sim.peak_bytes),
+                       predicted_overhead=sim.recompute_seconds / (3 * float(problem.seconds.sum())))
+            if sim.peak_bytes > budget:
+                row["status"] = "infeasible"
+                plans.append(row)
+                continue
+            row["status"] = "ok"
+            key = tuple(segments)
+            if key not in by_segments:
+                begin = time.perf_counter()
+                module = rewrite(captured.graph_module, model, segments)
+                rewrite_seconds = time.perf_counter() - begin
+                v = Variant(f"planner#{len(by_segments)}", "planner", module,
+                            segments=[list(s) for s in segments],
+                            predicted_peak_bytes=int(sim.peak_bytes),
+                            predicted_overhead=row["predicted_overhead"],
+                            rewrite_seconds=rewrite_seconds)
+                by_segments[key] = v
+                variants.append(v)
+                v.measured["memory"] = measure.peak_memory(module, args)
+            row["variant"] = by_segments[key].key
+            plans.append(row)
+
+    # End-to-end planning time of the public API, once, at the 50 % budget (or the lowest
+    # reachable peak when 50 % cannot be met).
+    plan_budget = max(budgets[1][1], lowest.peak_bytes)
+    begin = time.perf_counter()
+    plan(model, args, budget_bytes=plan_budget)
+    plan_seconds = time.perf_counter() - begin
+
+    _log(f"   {len(variants)} variants planned and measured ({time.perf_counter() - t0:.0f} s); "
+         f"FLOPs, saved bytes, timing x{reps}")
+    flops_check = measure.step_flops(model, args)
+    exclude = measure._state_tensors(model, args, {})
+    for v in variants:
+        v.measured["flops"] = instruments.step_flops(v.module, args)
+        if v.method in ("none", "compile"):
+            v.measured["saved_bytes"] = instruments.saved_bytes(v.module, args, exclude)
+    gc.collect()
+    _time_interleaved(variants, args, reps, torch.device(device or "cpu"))
+
+    _log(f"   done ({time.perf_counter() - t0:.0f} s)")
+    none_times = none.times
+    record_variants = {}
+    for v in variants:
+        mem = v.measured["memory"]
+        ratios = [t / t0 for t, t0 in zip(v.times, none_times)]
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        record_variants[v.key] = dict(
+            method=v.method,
+            **v.info,
+            peak_bytes=mem.peak_bytes,
+            start_bytes=mem.start_bytes,
+            peak_ratio=mem.peak_bytes / none_peak,
+            activation_bytes=mem.peak_bytes - fixed,
+            activation_ratio=(mem.peak_bytes - fixed) / (none_peak - fixed),
+            times=v.times,
+            median_seconds=statistics.median(v.times),
+            time_ratio=statistics.median(ratios),
+            time_ratio_q1=q[0],
+            time_ratio_q3=q[2],
+            flops=v.measured["flops"],
+            flops_ratio=v.measured["flops"] / none.measured["flops"],
+            saved_bytes=v.measured.get("saved_bytes"),
+        )
+        if v.method == "planner":
+            pred = v.info["predicted_peak_bytes"]
+            record_variants[v.key]["prediction_error"] = (pred - mem.peak_bytes) / mem.peak_bytes
+    return dict(
+        config=config,
+        nodes=problem.size,
+        capture=captured.method,
+        fixed_bytes=problem.fixed_bytes,
+        gradient_bytes=problem.gradient_bytes,
+        baseline_predicted_peak_bytes=int(baseline_sim.peak_bytes),
+        lowest_predicted_peak_bytes=int(lowest.peak_bytes),
+        prepare_seconds=prepare_seconds,
+        plan_seconds=plan_seconds,
+        flops_cross_check=dict(planner_measure_step_flops=flops_check,
+                               instruments_step_flops=none.measured["flops"]),
+        variants=record_variants,
+        plans=plans,
+    )
+
+
+def evaluate_targets(models: dict) -> dict:
+    """The issue's targets, per model, computed from the measurements (reported, not asserted)."""
+    out = {}
+    for name, m in models.items():
+        v = m["variants"]
+        planner_keys = [k for k, r in v.items() if r["method"] == "planner"]
+        baseline_keys = [k for k, r in v.items() if r["method"] != "planner"]
+        t: dict = {}
+        # 1. planner at per-block's peak: overhead <= half of per-block's.
+        row = next((p for p in m["plans"] if p["solver"] == "auto"
+                    and p["budget"] == "= per-block" and p["status"] == "ok"), None)
+        pb = v["per-block"]
+        if row:
+            pl = v[row["variant"]]
+            t["at_per_block_peak"] = dict(
+                per_block_overhead=pb["time_ratio"] - 1,
+                planner_overhead=pl["time_ratio"] - 1,
+                planner_peak_ratio=pl["peak_ratio"],
+                per_block_peak_ratio=pb["peak_ratio"],
+                met=(pl["time_ratio"] - 1) <= 0.5 * (pb["time_ratio"] - 1)
+                and pl["peak_bytes"] <= pb["peak_bytes"],
+            )
+        # 2. at per-block's overhead: planner's activation peak >= 5x below none's.
+        within = [k for k in planner_keys if v[k]["time_ratio"] <= pb["time_ratio"]]
+        if within:
+            best = min(within, key=lambda k: v[k]["activation_bytes"])
+            act_none = v["none"]["activation_bytes"]
+            t["at_per_block_overhead"] = dict(
+                variant=best,
+                activation_reduction=act_none / max(v[best]["activation_bytes"], 1),
+                per_block_activation_reduction=act_none / max(pb["activation_bytes"], 1),
+                met=act_none / max(v[best]["activation_bytes"], 1) >= 5,
+            )
+        # 3. no planner point dominated by a baseline point.
+        dominated = []
+        for k in planner_keys:
+            for b in baseline_keys:
+                if (v[b]["peak_bytes"] < v[k]["peak_bytes"]
+                        and v[b]["time_ratio"] < v[k]["time_ratio"]):
+                    clear = (v[b]["peak_bytes"] < 0.99 * v[k]["peak_bytes"]
+                             and v[b]["time_ratio_q3"] < v[k]["time_ratio_q1"])
+                    dominated.append(dict(planner=k, by=b, beyond_noise=clear))
+        t["dominated"] = dict(points=dominated, met=not dominated,
+                              met_beyond_noise=not any(d["beyond_noise"] for d in dominated))
+        # 4. predicted peak within 5 % of measured.
+        errors = {k: v[k]["prediction_error"] for k in planner_keys}
+        worst = max(errors, key=lambda k: abs(errors[k])) if errors else None
+        t["prediction"] = dict(worst_variant=worst,
+                               worst_error=errors[worst] if worst else None,
+                               met=all(abs(e) <= 0.05 for e in errors.values()))
+        out[name] = t
+    return out
+
+
+def machine() -> dict:
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    return dict(cpu=cpu, cores=os.cpu_count(), load_average=load, platform=platform.platform(),
+                python=platform.python_version(), torch=torch.__version__,
+                threads=torch.get_num_threads(),
+                cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=sorted(MODES), default="short")
+    parser.add_argument("--models", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--set", action="append", metavar="MODEL:K=V,...",
+                        help="override a model's configuration, e.g. mlp:depth=8,width=32")
+    parser.add_argument("--reps", type=int, help="timed repetitions (default: by mode)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--device", default=None, help="cpu (default) or cuda")
+    parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/MODE.json)")
+    parser.add_argument("--page", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--img-dir", type=Path, default=ROOT / "docs" / "img")
+    parser.add_argument("--no-page", action="store_true", help="write the JSON only")
+    parser.add_argument("--page-only", type=Path, metavar="JSON",
+                        help="re-render the page from a results JSON, measuring nothing")
+    opts = parser.parse_args(argv)
+
+    if opts.page_only:
+        results = json.loads(opts.page_only.read_text())
+        render_page(results, opts.page, opts.img_dir)
+        return results
+
+    torch.set_num_threads(opts.threads)
+    torch._dynamo.config.recompile_limit = 64
+    reps = opts.reps or MODES[opts.mode]["reps"]
+    overrides = _parse_overrides(opts.set)
+    command = "python benchmarks/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    started = time.perf_counter()
+    results = dict(
+        command=command.strip(),
+        mode=opts.mode,
+        reps=reps,
+        date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        machine=machine(),
+        solvers=["auto", *sorted(SOLVERS)],
+        compile_budgets=list(MODES[opts.mode]["compile_budgets"]),
+        models={},
+    )
+    for name in opts.models:
+        config = {**CONFIGS[name], **overrides.get(name, {})}
+        results["models"][name] = bench_model(name, config, opts.mode, opts.device, reps)
+        gc.collect()
+    results["targets"] = evaluate_targets(results["models"])
+    results["seconds"] = time.perf_counter() - started
+    out = opts.out or ROOT / "benchmarks" / "results" / f"{opts.mode}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    _log(f"wrote {out} ({results['seconds']:.0f} s)")
+    if not opts.no_page:
+        render_page(results, opts.page, opts.img_dir)
+        _log(f"wrote {opts.page}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

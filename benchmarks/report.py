@@ -1,0 +1,254 @@
+"""Render ``docs/benchmarks.md`` and its plots from the results of ``benchmarks/compare.py``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+MIB = 2**20
+
+
+def _mib(n) -> str:
+    return f"{n / MIB:.1f}"
+
+
+def _pct(x) -> str:
+    return f"{x:+.0%}"
+
+
+def plot_model(name: str, model: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    v = model["variants"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    styles = {"none": ("k", "o"), "per-block": ("tab:red", "s"), "ckpt-seq": ("tab:orange", "D"),
+              "compile": ("tab:purple", "^")}
+    for key, r in v.items():
+        if r["method"] in styles:
+            color, marker = styles[r["method"]]
+            ax.errorbar(r["peak_ratio"], r["time_ratio"],
+                        yerr=[[r["time_ratio"] - r["time_ratio_q1"]],
+                              [r["time_ratio_q3"] - r["time_ratio"]]],
+                        color=color, marker=marker, ms=7, ls="none", capsize=2)
+            ax.annotate(key, (r["peak_ratio"], r["time_ratio"]), fontsize=7,
+                        xytext=(4, 3), textcoords="offset points", color=color)
+    colors = ["tab:blue", "tab:green", "tab:cyan", "tab:olive", "tab:brown"]
+    solvers = sorted({p["solver"] for p in model["plans"]}, key=lambda s: (s != "auto", s))
+    for i, solver in enumerate(solvers):
+        keys = sorted({p["variant"] for p in model["plans"]
+                       if p["solver"] == solver and p["status"] == "ok"},
+                      key=lambda k: v[k]["peak_ratio"])
+        if not keys:
+            continue
+        xs = [v[k]["peak_ratio"] for k in keys]
+        ys = [v[k]["time_ratio"] for k in keys]
+        ax.plot(xs, ys, marker="o" if solver == "auto" else ".", ls="-" if solver == "auto" else ":",
+                color=colors[i % len(colors)], label=f"planner {solver}",
+                ms=6 if solver == "auto" else 5, zorder=3 if solver == "auto" else 2)
+    for method, (color, marker) in styles.items():
+        ax.plot([], [], color=color, marker=marker, ls="none", label=method)
+    ax.set_xlabel("peak memory of a training step / no checkpointing")
+    ax.set_ylabel("step time / no checkpointing (median, IQR)")
+    ax.set_title(f"{name}: memory vs time (lower left is better)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _dominated_text(d, auto) -> str:
+    pairs = ", ".join(sorted({f"{x['planner']}{' (auto)' if x['planner'] in auto else ''} by "
+                              f"{x['by']}" + ("" if x["beyond_noise"] else " (within noise)")
+                              for x in d["points"]}))
+    return f"dominated: {pairs}"
+
+
+def _target_lines(results) -> list[str]:
+    t = results["targets"]
+    lines = []
+    g = t.get("gpt", {})
+    a = g.get("at_per_block_peak")
+    if a:
+        lines.append(
+            f"- **GPT, at per-block's peak** ({a['per_block_peak_ratio']:.2f}x of none): planner "
+            f"(auto) overhead {_pct(a['planner_overhead'])} vs per-block {_pct(a['per_block_overhead'])}"
+            f" at {a['planner_peak_ratio']:.2f}x peak; target (at most half, at no higher peak): "
+            f"**{'met' if a['met'] else 'missed'}**."
+        )
+    b = g.get("at_per_block_overhead")
+    if b:
+        lines.append(
+            f"- **GPT, at per-block's overhead**: planner's activation peak is "
+            f"{b['activation_reduction']:.1f}x below none (per-block: "
+            f"{b['per_block_activation_reduction']:.1f}x); target (5x): "
+            f"**{'met' if b['met'] else 'missed'}**."
+        )
+    elif g:
+        lines.append("- **GPT, at per-block's overhead**: no planner point was as fast as "
+                     "per-block: **missed**.")
+    for name, m in t.items():
+        model = results["models"][name]
+        v = model["variants"]
+        auto = {p["variant"] for p in model["plans"] if p["solver"] == "auto" and p["status"] == "ok"}
+        d = m["dominated"]
+        p = m["prediction"]
+        at = m.get("at_per_block_peak")
+        parts = []
+        if at:
+            row = next(p for p in model["plans"] if p["solver"] == "auto"
+                       and p["budget"] == "= per-block" and p["status"] == "ok")
+            text = (f"at per-block's peak: planner overhead {_pct(at['planner_overhead'])} vs "
+                    f"{_pct(at['per_block_overhead'])} ({'met' if at['met'] else 'missed'}")
+            if not at["met"]:
+                act = (model["lowest_predicted_peak_bytes"] - model["fixed_bytes"]
+                       - model["gradient_bytes"]) / max(v["none"]["activation_bytes"], 1)
+                extra_pl = v[row["variant"]]["flops_ratio"] - 1
+                extra_pb = v["per-block"]["flops_ratio"] - 1
+                if extra_pl <= 0.55 * extra_pb:  # at (or within rounding of) half
+                    text += (f": extra FLOPs {extra_pl:+.0%} vs {extra_pb:+.0%} are about half; "
+                             f"the time does not, as recomputed elementwise/norm ops cost more "
+                             f"than their FLOPs, and the IQRs overlap")
+                else:
+                    text += (f": per-block already keeps only "
+                             f"{v['per-block']['activation_ratio']:.0%} of the activations and "
+                             f"the lowest plan {act:.0%}, so at that memory planner must "
+                             f"recompute almost as much: extra FLOPs {extra_pl:+.0%} vs "
+                             f"{extra_pb:+.0%}")
+            parts.append(text + ")")
+        if d["met"]:
+            parts.append("never dominated")
+        elif not any(x["planner"] in auto and x["beyond_noise"] for x in d["points"]):
+            parts.append("planner auto never dominated beyond noise; "
+                         + _dominated_text(d, auto))
+        else:
+            parts.append(_dominated_text(d, auto))
+        if p["worst_variant"]:
+            parts.append(f"worst prediction error {p['worst_error']:+.1%} ({p['worst_variant']}; "
+                         f"{'met' if p['met'] else 'missed'})")
+        lines.append(f"- {name}: " + "; ".join(parts) + ".")
+    return lines
+
+
+def render_page(results: dict, page: Path, img_dir: Path) -> None:
+    page = Path(page)
+    img_dir = Path(img_dir)
+    mach = results["machine"]
+    load = mach.get("load_average")
+    load_text = f", load average {load[0]:.1f} at the start" if load else ""
+    out = [
+        "# Benchmarks: planner against the alternatives",
+        "",
+        "<!-- generated by benchmarks/compare.py; do not edit by hand -->",
+        "",
+        f"- **Command:** `{results['command']}` (mode `{results['mode']}`, {results['reps']} "
+        f"timed repetitions per method, interleaved; run took {results['seconds'] / 60:.1f} min)",
+        f"- **Machine:** {mach['cpu']}, {mach['cores']} cores shared with other jobs{load_text}; "
+        f"torch threads {mach['threads']}; {mach['platform']}"
+        + (f"; GPU {mach['cuda']}" if mach.get("cuda") else ""),
+        f"- **torch** {mach['torch']}, Python {mach['python']}; **date** {results['date']}",
+        f"- **Solvers:** {', '.join(results['solvers'])}; torch.compile budgets "
+        f"{', '.join(f'{b:g}' for b in results['compile_budgets'])}",
+        "",
+        "Regenerate: `.venv/bin/python benchmarks/compare.py --mode full` (writes "
+        "`benchmarks/results/full.json`, this page and `docs/img/benchmarks_*.png`); "
+        "`--mode short` takes a few minutes.",
+        "",
+        "## Targets",
+        "",
+        *_target_lines(results),
+        "",
+        "## How it is measured",
+        "",
+        "- **One training step** = forward, `planner.measure.training_loss`, backward "
+        "(no optimizer), from `.grad = None`.",
+        "- **Peak**: the project's CPU live-storage tracker (`planner.measure.peak_memory`); "
+        "CUDA allocator statistics on CUDA. Dynamo runs compiled frames eagerly whenever a "
+        "`TorchDispatchMode` is active unless the mode declares `ignore_compile_internals()`; "
+        "the tracker does, so for `torch.compile` it sees the compiled graph's operators (checked against `torch.profiler` memory events: equal to the byte).",
+        "- **Activations** = peak minus parameters, buffers, inputs and gradients "
+        "(`problem.fixed_bytes + problem.gradient_bytes`). Planner budgets of X % are "
+        "fixed + gradients + X % of no checkpointing's measured activation peak; `= m` is method "
+        "m's measured peak; `lowest` the lowest peak the planner predicts it can reach.",
+        "- **Time**: each repetition steps every method once (order rotated), after one warm-up "
+        "round; the ratio to `none` is taken per repetition, then the median (IQR in brackets). "
+        "The machine is shared: read differences of a few percent as noise.",
+        "- **FLOPs**: separate pass, `torch.utils.flop_counter` formulas (matmul/conv only; "
+        "elementwise ops count 0), also inside compiled graphs.",
+        "- **Saved**: bytes autograd saves for backward during forward (saved-tensors hook), for "
+        "`none` and `torch.compile` (inside `checkpoint` regions the checkpoint's own hooks "
+        "take over, so it is not comparable for checkpointed modules).",
+        "- **per-block**: every block under `checkpoint(use_reentrant=False)`: mlp (Linear, ReLU) "
+        "pairs, resnet `blocks.*`, gpt `blocks.*`, bert `layers.*`, unet `down.*`, "
+        "`bottleneck`, `dec.*`. As in Hugging Face models, BatchNorm running statistics are "
+        "updated twice per step under recompute (planner restores them).",
+        "- **ckpt-seq**: `checkpoint_sequential(blocks, round(sqrt(n)))` over the same blocks "
+        "(stem/embeddings and head outside). bert's layers take `(x, mask)` and unet has long "
+        "skips, so for them an adapter chunks the blocks exactly as `checkpoint_sequential` "
+        "does (last chunk not checkpointed); a unet chunk takes and returns the pending skips.",
+        "- **compile b**: `torch.compile(model, backend=\"aot_eager\", fullgraph=True)` with "
+        "`torch._functorch.config.activation_memory_budget = b` while compiling; each budget "
+        "gets its own wrapper code object, else dynamo reuses the first budget's graph. Time "
+        "column `plan/compile s` is the first (compiling) step. aot_eager runs the graph "
+        "without fusion, so its time reflects recompute, not inductor speed.",
+        "",
+    ]
+    for name, m in results["models"].items():
+        v = m["variants"]
+        img = img_dir / f"benchmarks_{name}.png"
+        plot_model(name, m, img)
+        rel = os.path.relpath(img, page.parent)
+        none = v["none"]
+        out += [
+            f"## {name}",
+            "",
+            f"`zoo.{name}({', '.join(f'{k}={x}' for k, x in m['config'].items())})`: "
+            f"{m['nodes']} graph nodes (captured by {m['capture']}); fixed "
+            f"{_mib(m['fixed_bytes'])} MiB + gradients {_mib(m['gradient_bytes'])} MiB; "
+            f"no checkpointing: peak {_mib(none['peak_bytes'])} MiB (predicted "
+            f"{_mib(m['baseline_predicted_peak_bytes'])}), activations "
+            f"{_mib(none['activation_bytes'])} MiB, step {none['median_seconds'] * 1e3:.0f} ms. "
+            f"Planning: prepare {m['prepare_seconds']:.2f} s, `planner.plan(...)` end to end "
+            f"{m['plan_seconds']:.2f} s.",
+            "",
+            f"![{name}: memory vs time]({rel})",
+            "",
+            "| method | peak MiB | peak / none | activations / none | time / none | FLOPs / none "
+            "| predicted peak (error) | plan/compile s | saved MiB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for key, r in v.items():
+            if r["method"] == "planner":
+                budgets = sorted({f"{p['solver']}@{p['budget']}" for p in m["plans"]
+                                  if p.get("variant") == key})
+                label = f"{key} ({len(r['segments'])} seg; " + ", ".join(budgets) + ")"
+                pred = (f"{_mib(r['predicted_peak_bytes'])} ({r['prediction_error']:+.1%})")
+                secs = min(p["solve_seconds"] for p in m["plans"] if p.get("variant") == key)
+                secs_text = f"{secs + r['rewrite_seconds']:.3f}"
+            else:
+                label = key
+                pred = ""
+                secs_text = f"{r['compile_seconds']:.1f}" if "compile_seconds" in r else ""
+            saved = _mib(r["saved_bytes"]) if r.get("saved_bytes") is not None else ""
+            out.append(
+                f"| {label} | {_mib(r['peak_bytes'])} | {r['peak_ratio']:.2f} | "
+                f"{r['activation_ratio']:.2f} | {r['time_ratio']:.2f} "
+                f"[{r['time_ratio_q1']:.2f}-{r['time_ratio_q3']:.2f}] | {r['flops_ratio']:.2f} | "
+                f"{pred} | {secs_text} | {saved} |"
+            )
+        infeasible = [p for p in m["plans"] if p["status"] != "ok"]
+        if infeasible:
+            by_budget: dict = {}
+            for p in infeasible:
+                by_budget.setdefault((p["budget"], p["budget_bytes"]), []).append(p)
+            out += ["", "Budgets a solver could not meet (its predicted peak in brackets): " + "; ".join(
+                f"{label} = {_mib(nbytes)} MiB: " + ", ".join(
+                    f"{p['solver']} ({_mib(p['predicted_peak_bytes'])})" for p in ps)
+                for (label, nbytes), ps in by_budget.items()) + "."]
+        out.append("")
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text("\n".join(out) + "\n")

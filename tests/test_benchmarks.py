@@ -1,0 +1,87 @@
+"""Smoke test of benchmarks/compare.py: the short mode on one tiny model, through its entry point.
+
+Checks the structure and internal consistency of the results and that the page and plot are
+written; never timings (the machine is shared and noisy).
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_compare():
+    spec = importlib.util.spec_from_file_location("benchmarks_compare", ROOT / "benchmarks" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_short_mode_on_a_tiny_mlp_writes_consistent_results_and_page(tmp_path):
+    compare = _load_compare()
+    out = tmp_path / "results.json"
+    page = tmp_path / "docs" / "benchmarks.md"
+    img = tmp_path / "docs" / "img"
+    returned = compare.main([
+        "--mode", "short", "--models", "mlp", "--set", "mlp:depth=6,width=16,batch=32",
+        "--reps", "2", "--out", str(out), "--page", str(page), "--img-dir", str(img),
+    ])
+
+    results = json.loads(out.read_text())
+    assert results["models"].keys() == {"mlp"} == returned["models"].keys()
+    assert results["mode"] == "short" and results["reps"] == 2
+    assert results["machine"]["torch"] and results["command"].startswith("python benchmarks/compare.py")
+    assert results["solvers"][0] == "auto" and {"greedy", "sqrt_n"} <= set(results["solvers"])
+
+    m = results["models"]["mlp"]
+    v = m["variants"]
+    methods = {r["method"] for r in v.values()}
+    assert {"none", "per-block", "ckpt-seq", "compile", "planner"} <= methods
+    compile_budgets = sorted(r["activation_memory_budget"] for r in v.values() if r["method"] == "compile")
+    assert compile_budgets == sorted(results["compile_budgets"])
+
+    none = v["none"]
+    assert none["peak_ratio"] == 1.0 and none["time_ratio"] == 1.0 and none["flops_ratio"] == 1.0
+    fixed = m["fixed_bytes"] + m["gradient_bytes"]
+    for key, r in v.items():
+        assert len(r["times"]) == 2, key
+        assert r["peak_bytes"] >= r["start_bytes"] > 0, key
+        assert r["peak_ratio"] == pytest.approx(r["peak_bytes"] / none["peak_bytes"]), key
+        assert r["activation_bytes"] == r["peak_bytes"] - fixed, key
+        assert r["time_ratio_q1"] <= r["time_ratio"] <= r["time_ratio_q3"], key
+        assert r["flops"] >= none["flops"] > 0, key  # recompute only adds FLOPs
+        if r["method"] == "planner":
+            err = (r["predicted_peak_bytes"] - r["peak_bytes"]) / r["peak_bytes"]
+            assert r["prediction_error"] == pytest.approx(err), key
+    # the FLOP instrument that sees compiled code agrees with planner.measure on eager code
+    check = m["flops_cross_check"]
+    assert check["planner_measure_step_flops"] == check["instruments_step_flops"]
+    # every feasible plan row points at a measured variant; infeasible ones are over budget
+    solvers = {p["solver"] for p in m["plans"]}
+    assert solvers == set(results["solvers"])
+    for p in m["plans"]:
+        if p["status"] == "ok":
+            assert v[p["variant"]]["method"] == "planner"
+            assert p["predicted_peak_bytes"] <= p["budget_bytes"]
+        else:
+            assert p["status"] == "infeasible" and p["predicted_peak_bytes"] > p["budget_bytes"]
+    assert any(p["status"] == "ok" for p in m["plans"])
+
+    t = results["targets"]["mlp"]
+    assert {"dominated", "prediction"} <= t.keys()
+
+    text = page.read_text()
+    assert "## mlp" in text and "torch" in text and results["command"] in text
+    assert (img / "benchmarks_mlp.png").stat().st_size > 0
+    assert "img/benchmarks_mlp.png" in text
+
+    # the page re-renders from the JSON alone
+    page2 = page.parent / "again.md"
+    compare.main(["--page-only", str(out), "--page", str(page2), "--img-dir", str(img)])
+    assert page2.read_text() == text
