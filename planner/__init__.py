@@ -13,24 +13,28 @@ from planner.pipeline import Plan, plan
 from planner.accumulate import MicroBatch, accumulation_windows, micro_batches
 from planner.batch import BatchOption, BatchPlan, plan_batch
 from planner.serialize import load
+from planner.sweep import Frontier, frontier, frontier_of
 from planner.simulate import Simulation
 from planner.solvers import SOLVERS, register
 
 __all__ = [
+    "accumulation_windows",
     "BatchOption",
     "BatchPlan",
-    "MicroBatch",
-    "accumulation_windows",
+    "CostModel",
+    "Frontier",
+    "frontier",
+    "frontier_of",
     "load",
     "micro_batches",
-    "plan_batch",
-    "CostModel",
+    "MicroBatch",
     "Plan",
+    "plan",
+    "plan_batch",
     "PlanningError",
     "Problem",
-    "SOLVERS",
-    "Simulation",
-    "plan",
     "register",
+    "Simulation",
+    "SOLVERS",
     "zoo",
 ]

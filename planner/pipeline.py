@@ -176,8 +176,8 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
-def lowest_peak(problem: Problem) -> Simulation:
-    """The lowest simulated peak among the candidate plans the heuristics consider."""
+def lowest_peak_plan(problem: Problem) -> tuple[Segments, Simulation]:
+    """The candidate plan with the lowest simulated peak, among those the strategies consider."""
     from planner.solvers.greedy import solve as greedy
 
     candidates = [
@@ -187,7 +187,12 @@ def lowest_peak(problem: Problem) -> Simulation:
     ]
     if "optimal" in SOLVERS:
         candidates.append(SOLVERS["optimal"](problem, 0))
-    return min((simulate(problem, c) for c in candidates), key=lambda s: s.peak_bytes)
+    return min(((c, simulate(problem, c)) for c in candidates), key=lambda r: r[1].peak_bytes)
+
+
+def lowest_peak(problem: Problem) -> Simulation:
+    """The lowest simulated peak found: the minimum budget ``plan`` reports and accepts."""
+    return lowest_peak_plan(problem)[1]
 
 
 def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str, Segments]:
@@ -208,6 +213,10 @@ def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str
         key = (not fits, result.recompute_seconds if fits else result.peak_bytes)
         if best is None or key < best[0]:
             best = (key, f"auto:{name}", segments)
+    if best[0][0]:  # nothing fits: the plan with the lowest peak may still (the stated minimum)
+        segments, result = lowest_peak_plan(problem)
+        if result.peak_bytes <= budget:
+            return "auto:lowest_peak", segments
     return best[1], best[2]
 
 

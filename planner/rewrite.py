@@ -53,6 +53,31 @@ class Segment:
         return f"Segment({len(self.body.graph.nodes)} nodes, restores {len(self.buffers)} buffers)"
 
 
+class _Box:
+    """Hands a buffer to a checkpointed segment as a non-tensor argument.
+
+    ``checkpoint`` saves its tensor arguments for the recompute, and autograd checks their
+    version counters when it unpacks them. A segment that updates a buffer in place (the
+    ``num_batches_tracked += 1`` and running statistics of a BatchNorm captured by
+    ``torch.export``) would bump the version of its own saved input, and backward would fail with
+    "modified by an inplace operation". Boxed, the buffer is passed by reference and read when
+    the segment runs, exactly as a ``call_module`` BatchNorm reads its own buffers.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _box(value):
+    return _Box(value)
+
+
+def _unbox(box):
+    return box.value
+
+
 def _share_user_state(planned: nn.Module, model: nn.Module) -> None:
     """Make ``planned`` own the user's children, parameters and buffers (same objects, same
     order, so that ``state_dict`` keys come out identical); anything only the captured graph
@@ -76,6 +101,14 @@ def _holder(captured: fx.GraphModule, model: nn.Module) -> nn.Module:
         if not hasattr(holder, top):
             setattr(holder, top, getattr(captured, top))
     return holder
+
+
+def _is_buffer(holder: nn.Module, node: fx.Node) -> bool:
+    """Whether ``node`` reads a tensor of ``holder`` that is not a parameter (a buffer)."""
+    if node.op != "get_attr":
+        return False
+    value = operator.attrgetter(node.target)(holder)
+    return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
 
 
 def _segment_buffers(holder: nn.Module, members: list[fx.Node], inputs: list[fx.Node]):
@@ -115,6 +148,8 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, segments) -> fx.GraphMod
 
     planned = fx.GraphModule(holder, graph, class_name=f"Planned{type(model).__name__}")
     _share_user_state(planned, model)
+    # Only the flag, not .train()/.eval(): those would recurse into the user's own children.
+    planned.training = holder.training = model.training
     planned.graph.lint()
     planned.recompile()
     return planned
@@ -127,8 +162,12 @@ def _checkpoint_segment(graph, env, holder, name: str, members: list[fx.Node]) -
         dict.fromkeys(a for m in members for a in m.all_input_nodes if a not in member_set)
     )
     outputs = [m for m in members if any(u not in member_set for u in m.users)]
+    boxed = {a for a in inputs if _is_buffer(holder, a)}
     body = fx.Graph()
     body_env = {a: body.placeholder(a.name) for a in inputs}
+    for a in inputs:
+        if a in boxed:
+            body_env[a] = body.call_function(_unbox, (body_env[a],))
     for m in members:
         body_env[m] = body.node_copy(m, lambda n: body_env[n])
     body.output(tuple(body_env[m] for m in outputs))
@@ -142,7 +181,10 @@ def _checkpoint_segment(graph, env, holder, name: str, members: list[fx.Node]) -
     kwargs = {"use_reentrant": False, "preserve_rng_state": True}
     if segment.buffers:
         kwargs["context_fn"] = graph.call_function(getattr, (callee, "contexts"))
-    args = (callee, *[env[a] for a in inputs])
+    args = (
+        callee,
+        *[graph.call_function(_box, (env[a],)) if a in boxed else env[a] for a in inputs],
+    )
     call = graph.create_node("call_function", checkpoint, args, kwargs, name=f"{name}_outputs")
     for index, m in enumerate(outputs):
         env[m] = graph.create_node("call_function", operator.getitem, (call, index), name=m.name)

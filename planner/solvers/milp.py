@@ -1,0 +1,481 @@
+"""Least recompute under a budget as a mixed-integer linear program, solved by HiGHS (scipy).
+
+An independent second exact solver: it shares no code with the dynamic program of
+``planner.solvers.optimal``, so on small graphs each checks the other, and its dual bound is a
+certified lower bound on the least recompute for the budget even when a time limit stops it.
+The formulation reproduces ``planner.simulate`` exactly; docs/solvers.md derives it. In short:
+
+* ``z[c, i]`` (binary) is 1 when node ``i`` lies in a checkpointed segment that starts at cut
+  ``c``; it is non-increasing in ``i``, and the segment ``[c, b)`` is chosen exactly when
+  ``x[c, b] = z[c, b-1] - z[c, b]`` is 1 (allowed cuts only; at most one segment per node).
+* ``a[s, i]`` (continuous in [0, 1]) is 1 when storage ``s`` is still held for backward when
+  backward reaches node ``i``: the simulator keeps a storage until the first (in position
+  order) of its *release points*, a saver outside every segment or the start of another
+  segment that reads or saves it; so ``a[s, i]`` is the OR of the release points at or before
+  ``i``, written as lower bounds. Memory only grows with ``a``, so an optimum takes the OR.
+* Every high point of the replay is one row ``live <= peak``: a forward node (created minus
+  freed bytes plus workspace, plus the storages kept for backward), a backward node (gradients,
+  storages held, and recomputed copies kept by a saver at or before it in the same segment),
+  and the recompute of each segment (what is held then plus the segment's own recompute peak,
+  a constant of the segment).
+
+The objective is the recompute time of the chosen segments (each a constant of its segment).
+With ``budget_bytes=None`` the program minimises the peak instead.
+
+scipy is optional: ``pip install scipy`` (or ``pip install 'planner[milp]'``). The model has
+about n**2 / 2 binaries for ``n`` nodes: use it on graphs of up to a few hundred nodes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.graph import Problem
+from planner.simulate import Segments, simulate
+from planner.solvers import register
+
+__all__ = ["MilpResult", "milp_plan", "solve"]
+
+
+def _scipy_milp():
+    """scipy's ``milp`` and its helpers; a clear error when scipy is missing."""
+    try:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import csr_array
+    except ImportError as error:
+        raise ImportError(
+            "the 'milp' solver needs scipy (HiGHS): pip install scipy "
+            "(or pip install 'planner[milp]')"
+        ) from error
+    return milp, Bounds, LinearConstraint, csr_array
+
+
+@dataclass(frozen=True)
+class MilpResult:
+    """What one MILP solve established, judged again by ``planner.simulate``.
+
+    Attributes
+    ----------
+    segments
+        The decoded plan; ``()`` when the solver found none.
+    status
+        ``"optimal"`` (proven within the relative gap), ``"time limit"`` (stopped early; the
+        plan, if any, is the best found), ``"infeasible"`` (proven: no plan fits the budget).
+    fits
+        Whether ``simulate`` puts the plan's peak within the budget (always checked, never
+        assumed from the model).
+    peak_bytes, recompute_seconds
+        The plan's simulated peak and recompute time.
+    bound_seconds
+        A lower bound on the least recompute time of any plan that fits the budget: the
+        solver's dual bound, valid even when stopped by the time limit; ``inf`` when no plan
+        fits.
+    """
+
+    segments: Segments
+    status: str
+    fits: bool
+    peak_bytes: int
+    recompute_seconds: float
+    bound_seconds: float
+
+
+@dataclass(frozen=True)
+class _Storage:
+    """Plan-independent facts about one storage that the rows need."""
+
+    nbytes: int
+    producer: int
+    touches: tuple[int, ...]  # readers and savers, sorted: where a release can come from
+    savers: tuple[int, ...]
+    first_saver: int  # n when nothing saves it
+    freed_in_forward: int  # where the forward frees it when nothing keeps it
+
+
+@dataclass(frozen=True)
+class _Formulation:
+    """The program, in scipy's terms, plus how to read a plan out of a solution.
+
+    ``z`` maps ``(c, i)`` to the column of ``z[c, i]``; ``peak`` is the column of the peak (in
+    units of ``scale`` bytes above fixed memory); ``seconds`` the objective coefficients of the
+    recompute time (in units of ``time_scale`` seconds).
+    """
+
+    seconds: np.ndarray
+    peak: int
+    matrix: object
+    row_lower: np.ndarray
+    row_upper: np.ndarray
+    integrality: np.ndarray
+    z: dict[tuple[int, int], int]
+    scale: float
+    time_scale: float
+
+    def decode(self, x: np.ndarray) -> Segments:
+        """Segments from a solution: ``[c, b)`` where ``z[c, b-1]`` is the last 1 from ``c``."""
+        last: dict[int, int] = {}
+        for (c, i), column in self.z.items():
+            if x[column] > 0.5:
+                last[c] = max(last.get(c, c), i)
+        return tuple(sorted((c, i + 1) for c, i in last.items()))
+
+
+class _Rows:
+    """Sparse rows ``lower <= sum(value * x[column]) <= upper``, collected as triplets."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.columns: list[int] = []
+        self.values: list[float] = []
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+
+    def add(self, terms, lower: float, upper: float) -> None:
+        row = len(self.lower)
+        for column, value in terms:
+            self.rows.append(row)
+            self.columns.append(column)
+            self.values.append(float(value))
+        self.lower.append(lower)
+        self.upper.append(upper)
+
+
+def _storages(problem: Problem) -> list[_Storage]:
+    n = problem.size
+    return [
+        _Storage(
+            nbytes=s.nbytes,
+            producer=s.producer,
+            touches=tuple(sorted({*s.readers, *s.savers})),
+            savers=tuple(sorted(set(s.savers))),
+            first_saver=min(s.savers, default=n),
+            freed_in_forward=n - 1 if s.is_output else s.last_reader,
+        )
+        for s in problem.storages
+    ]
+
+
+def _recompute_peak(problem: Problem, storages: list[_Storage], made_at, c: int, end: int) -> int:
+    """Peak bytes the recompute of a segment from ``c`` adds, when it runs up to ``end``.
+
+    As in the simulator: each recomputed storage is allocated by its producer; one saved inside
+    the segment stays (its saver is at or before ``end``, the last saving node), the others are
+    freed after their last reader that is recomputed. The outputs of ``end`` itself are made
+    again only when ``end`` saves one of them (early stop).
+    """
+    width = end - c + 1
+    allocated = np.zeros(width, dtype=np.int64)
+    freed = np.zeros(width, dtype=np.int64)
+    for p in range(c, end + 1):
+        if p == end and not problem.saves_own[end]:
+            continue
+        for k in made_at[p]:
+            s = storages[k]
+            allocated[p - c] += s.nbytes
+            if s.first_saver > end:  # no saver up to end: its touches there are readers
+                after = max((j for j in s.touches if j <= end), default=p)
+                freed[after - c] += s.nbytes
+    live = np.cumsum(allocated) - np.concatenate(([0], np.cumsum(freed)[:-1]))
+    return int((live + problem.workspace[c : end + 1]).max())
+
+
+def _formulate(problem: Problem) -> _Formulation:
+    """Build the program for ``problem``; the budget only bounds the peak column later."""
+    _, _, _, csr_array = _scipy_milp()
+    n = problem.size
+    storages = _storages(problem)
+    made_at: list[list[int]] = [[] for _ in range(n)]
+    for k, s in enumerate(storages):
+        made_at[s.producer].append(k)
+    scale = float(max(1, simulate(problem, ()).peak_bytes - problem.fixed_bytes))
+    time_scale = float(problem.seconds.sum()) or 1.0
+
+    columns = 0
+
+    def new_columns(count: int) -> range:
+        nonlocal columns
+        columns += count
+        return range(columns - count, columns)
+
+    # z[c, i]: node i in the segment that starts at c. ``last_end[c]``: the furthest cut a
+    # segment from c can reach (all nodes checkpointable, cut allowed).
+    z: dict[tuple[int, int], int] = {}
+    last_end: dict[int, int] = {}
+    for c in range(n):
+        if not (problem.cut_allowed[c] and problem.checkpointable[c]):
+            continue
+        stop = c
+        while stop < n and problem.checkpointable[stop]:
+            stop += 1
+        ends = [b for b in range(c + 1, stop + 1) if problem.cut_allowed[b]]
+        if ends:
+            last_end[c] = ends[-1]
+            for i, column in zip(range(c, ends[-1]), new_columns(ends[-1] - c)):
+                z[c, i] = column
+    starts_covering: list[list[int]] = [[] for _ in range(n)]  # node i -> starts c with z[c, i]
+    for c, i in z:
+        starts_covering[i].append(c)
+
+    # a[s, i] for i from the producer to the last touch; kept[s] = a[s, last touch].
+    a: dict[tuple[int, int], int] = {}
+    for k, s in enumerate(storages):
+        if s.touches:
+            for i, column in zip(range(s.producer, s.touches[-1] + 1),
+                                 new_columns(s.touches[-1] - s.producer + 1)):
+                a[k, i] = column
+    # Running sums of kept bytes: freed-in-forward before i (forward rows), and last touch
+    # before i (backward rows), so that each memory row stays short.
+    kept_forward = new_columns(n)
+    kept_backward = new_columns(n)
+    peak = new_columns(1)[0]
+
+    rows = _Rows()
+    seconds = np.zeros(columns)
+
+    def segment_terms(c: int, b: int, value: float):
+        """``value * x[c, b]`` as terms in z."""
+        terms = [(z[c, b - 1], value)]
+        if (c, b) in z:
+            terms.append((z[c, b], -value))
+        return terms
+
+    last_saving = np.maximum.accumulate(np.where(problem.saves, np.arange(n), -1))
+    prefix_seconds = np.concatenate(([0.0], np.cumsum(problem.seconds)))
+    recompute_peaks: dict[tuple[int, int], int] = {}
+    ending_at: list[list[tuple[int, int]]] = [[] for _ in range(n + 1)]  # b -> [(c, peak)]
+    for c, end_cut in last_end.items():
+        for b in range(c + 1, end_cut + 1):
+            if b < end_cut:  # z[c, .] never increases, and cannot drop at a forbidden cut
+                upper = math.inf if problem.cut_allowed[b] else 0.0
+                rows.add([(z[c, b - 1], 1.0), (z[c, b], -1.0)], 0.0, upper)
+            if not problem.cut_allowed[b]:
+                continue
+            end = int(last_saving[b - 1])
+            if end < c:
+                continue  # saves nothing: no recompute, nothing to pay
+            for column, value in segment_terms(c, b, prefix_seconds[end + 1] - prefix_seconds[c]):
+                seconds[column] += value / time_scale
+            if (c, end) not in recompute_peaks:
+                recompute_peaks[c, end] = _recompute_peak(problem, storages, made_at, c, end)
+            ending_at[b].append((c, recompute_peaks[c, end]))
+
+    for i in range(n):  # a node lies in at most one segment
+        if starts_covering[i]:
+            rows.add([(z[c, i], 1.0) for c in starts_covering[i]], -math.inf, 1.0)
+
+    held_at: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # i -> [(a column, bytes)]
+    for k, s in enumerate(storages):
+        if not s.touches:
+            continue
+        for i in range(s.producer, s.touches[-1] + 1):
+            held_at[i].append((a[k, i], s.nbytes))
+            if i > s.producer:
+                rows.add([(a[k, i], 1.0), (a[k, i - 1], -1.0)], 0.0, math.inf)  # stays held
+                first = next(j for j in s.touches if j >= i)
+                if (i, first) in z:  # another segment starting at i reads or saves s
+                    rows.add([(a[k, i], 1.0), (z[i, first], -1.0)], 0.0, math.inf)
+        for j in s.savers:  # a saver outside every segment keeps s
+            rows.add([(a[k, j], 1.0)] + [(z[c, j], 1.0) for c in starts_covering[j]],
+                     1.0, math.inf)
+
+    def kept(k: int) -> int:
+        return a[k, storages[k].touches[-1]]
+
+    for i in range(n):
+        terms = [(kept_forward[i], 1.0)]
+        if i:
+            terms.append((kept_forward[i - 1], -1.0))
+        terms += [(kept(k), -storages[k].nbytes / scale) for k, s in enumerate(storages)
+                  if s.touches and s.freed_in_forward == i - 1]
+        rows.add(terms, 0.0, 0.0)
+        terms = [(kept_backward[i], 1.0)]
+        if i:
+            terms.append((kept_backward[i - 1], -1.0))
+        terms += [(kept(k), -storages[k].nbytes / scale) for k, s in enumerate(storages)
+                  if s.touches and s.touches[-1] == i - 1]
+        rows.add(terms, 0.0, 0.0)
+
+    # Plan-independent parts of the replay, in bytes above fixed memory.
+    created = np.cumsum(problem.created_bytes)
+    freed_before = np.zeros(n + 1, dtype=np.int64)
+    for s in storages:
+        freed_before[s.freed_in_forward + 1] += s.nbytes
+    freed_before = np.cumsum(freed_before)
+    grads = problem.activation_grad_alloc + problem.grad_bytes_at
+    grads_after = np.concatenate((np.cumsum((grads - problem.activation_grad_free)[::-1])[::-1],
+                                  [0]))  # gradients alive once backward has passed node i
+    saved_weight = np.zeros((n + 1, n + 1))  # [c, i]: bytes made at >= c, first saved at <= i
+    for s in storages:
+        if s.first_saver < n:
+            saved_weight[s.producer, s.first_saver] += s.nbytes
+    saved_weight = np.cumsum(np.cumsum(saved_weight[::-1], axis=0)[::-1], axis=1)
+
+    def memory_row(terms, constant: float) -> None:
+        rows.add(terms + [(peak, -1.0)], -math.inf, -constant / scale)
+
+    for i in range(n):
+        memory_row([(kept_forward[i], 1.0)],
+                   created[i] - freed_before[i] + problem.workspace[i])
+        held = [(column, nbytes / scale) for column, nbytes in held_at[i]]
+        held.append((kept_backward[i], 1.0))
+        recomputed = [(z[c, i], saved_weight[c, i] / scale) for c in starts_covering[i]]
+        memory_row(held + recomputed, grads_after[i + 1] + grads[i])
+        recompute = [t for c, value in ending_at[i + 1]
+                     for t in segment_terms(c, i + 1, value / scale)]
+        if recompute:
+            memory_row(held + recompute, grads_after[i + 1])
+
+    integrality = np.zeros(columns)
+    integrality[list(z.values())] = 1
+    matrix = csr_array((rows.values, (rows.rows, rows.columns)), shape=(len(rows.lower), columns))
+    return _Formulation(
+        seconds=seconds,
+        peak=peak,
+        matrix=matrix,
+        row_lower=np.array(rows.lower),
+        row_upper=np.array(rows.upper),
+        integrality=integrality,
+        z=z,
+        scale=scale,
+        time_scale=time_scale,
+    )
+
+
+def _run(form: _Formulation, objective: np.ndarray, peak_limit: float, time_limit: float):
+    """One HiGHS solve with the peak column bounded by ``peak_limit`` (scaled bytes)."""
+    milp, Bounds, LinearConstraint, _ = _scipy_milp()
+    upper = np.where(form.integrality > 0, 1.0, math.inf)
+    upper[form.peak] = peak_limit
+    return milp(
+        objective,
+        integrality=form.integrality,
+        bounds=Bounds(np.zeros(len(objective)), upper),
+        constraints=LinearConstraint(form.matrix, form.row_lower, form.row_upper),
+        options={"time_limit": max(time_limit, 0.01), "mip_rel_gap": 1e-4},
+    )
+
+
+_STATUS = {0: "optimal", 1: "time limit", 2: "infeasible"}
+
+
+def _least_recompute(problem: Problem, form: _Formulation, budget_bytes: int, deadline: float,
+                     retries: int) -> MilpResult:
+    limit = budget_bytes - problem.fixed_bytes
+    answer = _run(form, form.seconds, limit / form.scale, deadline - time.perf_counter())
+    status = _STATUS.get(answer.status, "failed")
+    dual = answer.mip_dual_bound if answer.mip_dual_bound is not None else 0.0
+    bound = math.inf if status == "infeasible" else form.time_scale * max(0.0, dual)
+    segments, simulated = (), None
+    for attempt in range(retries + 1):
+        if answer.x is None:
+            break
+        segments = form.decode(answer.x)
+        simulated = simulate(problem, segments)
+        if simulated.peak_bytes <= budget_bytes or attempt == retries:
+            break
+        limit -= simulated.peak_bytes - budget_bytes  # take the overshoot off and solve again
+        answer = _run(form, form.seconds, limit / form.scale, deadline - time.perf_counter())
+    if simulated is None:
+        return MilpResult((), status, False, 0, 0.0, bound)
+    return MilpResult(segments, status, simulated.peak_bytes <= budget_bytes,
+                      simulated.peak_bytes, simulated.recompute_seconds, bound)
+
+
+def milp_plan(
+    problem: Problem,
+    budget_bytes: int | None,
+    *,
+    time_limit: float = 60.0,
+    retries: int = 3,
+) -> MilpResult:
+    """Solve the program for one budget and check the plan with ``simulate``.
+
+    Parameters
+    ----------
+    problem
+        The graph to plan.
+    budget_bytes
+        Memory of the whole step, as ``simulate`` counts it. ``None`` asks for the lowest peak
+        first, then the least recompute at that peak: how ``solve`` answers a budget that
+        nothing fits (the status is then that of the lowest-peak solve when it is not optimal).
+    time_limit
+        Seconds for HiGHS, over all the solves this call makes. A solve stopped by it still
+        returns its best plan and a valid lower bound.
+    retries
+        HiGHS accepts a row violated within its feasibility tolerance, so a plan can exceed the
+        budget by a few bytes in ``simulate``; it is then solved again with the budget lowered
+        by the excess, at most this many times.
+
+    Returns
+    -------
+    MilpResult
+        The plan, whether it fits (by ``simulate``), and the lower bound on its recompute.
+
+    Examples
+    --------
+    >>> from planner import zoo
+    >>> from planner.pipeline import prepare
+    >>> problem = prepare(*zoo.mlp_chain(depth=3, width=8, batch=2))[1]
+    >>> result = milp_plan(problem, None)
+    >>> result.status, result.fits, result.recompute_seconds >= result.bound_seconds
+    ('optimal', True, True)
+    """
+    _scipy_milp()  # fail early and the same way whatever the budget
+    baseline = simulate(problem, ())
+    if budget_bytes is not None and baseline.peak_bytes <= budget_bytes:
+        return MilpResult((), "optimal", True, baseline.peak_bytes, 0.0, 0.0)
+    deadline = time.perf_counter() + time_limit
+    form = _formulate(problem)
+    if budget_bytes is not None:
+        return _least_recompute(problem, form, budget_bytes, deadline, retries)
+    objective = np.zeros(len(form.seconds))
+    objective[form.peak] = 1.0
+    lowest = _run(form, objective, math.inf, time_limit)
+    if lowest.x is None:
+        return MilpResult((), _STATUS.get(lowest.status, "failed"), False, 0, 0.0, 0.0)
+    peak = simulate(problem, form.decode(lowest.x)).peak_bytes
+    if peak >= baseline.peak_bytes:
+        return MilpResult((), _STATUS.get(lowest.status, "failed"), True, baseline.peak_bytes,
+                          0.0, 0.0)
+    result = _least_recompute(problem, form, peak, deadline, retries)
+    if lowest.status == 0:
+        return result
+    return MilpResult(result.segments, _STATUS.get(lowest.status, "failed"), result.fits,
+                      result.peak_bytes, result.recompute_seconds, result.bound_seconds)
+
+
+@register("milp")
+def solve(problem: Problem, budget_bytes: int, *, time_limit: float = 60.0, **options) -> Segments:
+    """Least recompute whose simulated peak fits ``budget_bytes``; else the lowest peak.
+
+    Parameters
+    ----------
+    problem
+        The graph to plan.
+    budget_bytes
+        Memory of the whole step, as ``simulate`` counts it (fixed memory included).
+    time_limit
+        Seconds for HiGHS. When it finds no plan that fits in time (or none exists), the answer
+        is the MILP's lowest-peak plan, or, when that too fails, the greedy solver's, with a
+        warning: a plan is never passed off as fitting without ``simulate`` agreeing.
+    """
+    result = milp_plan(problem, budget_bytes, time_limit=time_limit)
+    if result.fits:
+        return result.segments
+    if result.status == "infeasible":
+        lowest = milp_plan(problem, None, time_limit=time_limit)
+        if lowest.status == "optimal":
+            return lowest.segments
+    from planner.solvers.greedy import solve as greedy
+
+    warnings.warn(
+        f"the MILP found no plan within {time_limit:g} s (status: {result.status}); using the "
+        "greedy solver's plan instead. Raise time_limit= or use solver='optimal'.",
+        stacklevel=2,
+    )
+    return greedy(problem, budget_bytes)

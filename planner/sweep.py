@@ -1,0 +1,274 @@
+"""The memory/recompute trade-off of one model: the best plan at each of a sweep of budgets.
+
+``frontier(model, inputs)`` captures and profiles the model once, then solves for budgets from
+the lowest peak the planner can reach to the peak without checkpointing, so that a user can
+pick a budget by looking at what each one costs, rather than guessing one and re-planning.
+
+What the sweep guarantees, whatever the solver:
+
+* every point's simulated peak is within its budget (a budget no plan fits raises
+  ``PlanningError`` with the lowest peak found);
+* recompute never grows with the budget: a plan that fits a smaller budget fits every larger
+  one, so each point keeps the cheaper of its solver's plan and the previous point's;
+* the first default point is the lowest peak found by any strategy (``pipeline.lowest_peak``),
+  or, for a named solver that cannot reach it, the lowest peak that solver reaches;
+* the last default point is the baseline: nothing checkpointed, no recompute.
+
+Peaks are *not* monotone in the budget (a larger budget buys less recompute with a higher
+peak, or finds the same plan); only ``peak <= budget`` holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from planner.errors import PlanningError
+from planner.graph import CostModel, Problem
+from planner.pipeline import choose, lowest_peak, prepare
+from planner.progress import bar
+from planner.simulate import simulate
+
+__all__ = ["Frontier", "FrontierPoint", "frontier", "frontier_of"]
+
+MIB = 2**20
+
+
+def _decimals(nbytes) -> int:
+    """Fewest decimals (1 to 4) that keep distinct sizes distinct when printed in MiB."""
+    distinct = sorted(set(nbytes))
+    for decimals in range(1, 4):
+        if len({f"{b / MIB:.{decimals}f}" for b in distinct}) == len(distinct):
+            return decimals
+    return 4
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """The plan chosen for one budget, as ``simulate`` judges it.
+
+    ``recompute_overhead`` is the recompute time as a fraction of a step without checkpointing
+    (forward + backward, taken as three forwards), as in ``Plan.predicted_overhead``.
+    """
+
+    budget_bytes: int
+    peak_bytes: int
+    recompute_seconds: float
+    recompute_overhead: float
+    recompute_flops: float
+    segments: int
+    solver: str
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """Points of the trade-off, by increasing budget, with the two ends for reference."""
+
+    points: tuple[FrontierPoint, ...]
+    baseline_peak_bytes: int
+    lowest_peak_bytes: int
+
+    def to_rows(self) -> list[dict]:
+        """One plain dict per point (for ``pandas.DataFrame``, CSV or JSON)."""
+        return [asdict(point) for point in self.points]
+
+    def _mib(self, nbytes: int) -> str:
+        sizes = [self.baseline_peak_bytes, self.lowest_peak_bytes]
+        sizes += [b for p in self.points for b in (p.budget_bytes, p.peak_bytes)]
+        return f"{nbytes / MIB:,.{_decimals(sizes)}f}"
+
+    def __str__(self) -> str:
+        lines = [
+            f"Frontier: {len(self.points)} budgets from the lowest peak "
+            f"{self._mib(self.lowest_peak_bytes)} MiB to the baseline "
+            f"{self._mib(self.baseline_peak_bytes)} MiB",
+            f"  {'budget MiB':>12} {'peak MiB':>12} {'recompute':>10} {'FLOPs':>10} "
+            f"{'segments':>8}  solver",
+        ]
+        for p in self.points:
+            lines.append(
+                f"  {self._mib(p.budget_bytes):>12} {self._mib(p.peak_bytes):>12} "
+                f"{p.recompute_overhead:>10.1%} {p.recompute_flops:>10.3g} {p.segments:>8}  "
+                f"{p.solver}"
+            )
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def plot(self, ax=None, path=None):
+        """Recompute overhead against peak memory, one marker per budget.
+
+        Each plan is drawn at its simulated peak, joined to the budget it was asked for (a
+        hollow tick) by a thin line: the gap is memory the budget allowed and the plan left
+        unused. The baseline (no checkpointing) and the lowest reachable peak are marked.
+
+        Parameters
+        ----------
+        ax : matplotlib Axes, optional
+            Draw into it instead of a new figure.
+        path : str or path-like, optional
+            Also write the figure there (PNG, SVG, PDF: by the extension).
+
+        Returns
+        -------
+        matplotlib.figure.Figure
+        """
+        from planner.viz import _BASELINE_COLOUR, _BUDGET_COLOUR, _PLAN_COLOUR, _matplotlib
+
+        new_figure = _matplotlib()
+        own_figure = ax is None
+        if ax is None:
+            figure = new_figure((8.0, 4.6))
+            ax = figure.add_subplot()
+        else:
+            figure = ax.figure
+        peaks = np.array([p.peak_bytes for p in self.points]) / MIB
+        asked = np.array([p.budget_bytes for p in self.points]) / MIB
+        overhead = np.array([p.recompute_overhead for p in self.points]) * 100
+        for x0, x1, y in zip(peaks, asked, overhead):
+            ax.plot([x0, x1], [y, y], color=_BUDGET_COLOUR, lw=0.8, alpha=0.5)
+        ax.plot(asked, overhead, ls="none", marker="|", ms=12, mew=1.5, color=_BUDGET_COLOUR,
+                label="budget asked")
+        ax.plot(peaks, overhead, marker="o", ms=6, lw=1.8, color=_PLAN_COLOUR,
+                label="plan (simulated peak)")
+        ax.axvline(self.lowest_peak_bytes / MIB, color=_BASELINE_COLOUR, ls=":", lw=1.0)
+        ax.annotate(f"lowest peak\n{self._mib(self.lowest_peak_bytes)} MiB",
+                    (self.lowest_peak_bytes / MIB, 1.0), xycoords=("data", "axes fraction"),
+                    xytext=(4, -4), textcoords="offset points", ha="left", va="top",
+                    fontsize=8, color="#555555")
+        ax.plot([self.baseline_peak_bytes / MIB], [0.0], marker="*", ms=15, ls="none",
+                color=_BASELINE_COLOUR, zorder=5,
+                label=f"no checkpointing ({self._mib(self.baseline_peak_bytes)} MiB)")
+        span = self.baseline_peak_bytes - self.lowest_peak_bytes
+        margin = max(span * 0.06, self.baseline_peak_bytes * 0.005) / MIB
+        ax.set_xlim(self.lowest_peak_bytes / MIB - margin, self.baseline_peak_bytes / MIB + margin)
+        ax.set_ylim(-max(overhead.max(initial=0.0), 1.0) * 0.06,
+                    max(overhead.max(initial=0.0), 1.0) * 1.15)
+        ax.set_xlabel("peak memory of a training step (MiB, parameters and gradients included)")
+        ax.set_ylabel("recompute overhead (% of a step)")
+        ax.set_title("Memory against recompute: the best plan at each budget", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
+        if own_figure:
+            figure.tight_layout()
+        if path is not None:
+            figure.savefig(path, dpi=130, bbox_inches="tight")
+        return figure
+
+
+def _budgets(lowest: int, baseline: int, points: int) -> list[int]:
+    """``points`` budgets evenly spaced from ``lowest`` to ``baseline``, both included."""
+    if points < 1:
+        raise ValueError(f"points must be at least 1, got {points}")
+    if points == 1 or baseline <= lowest:
+        return [baseline]
+    return sorted({int(round(b)) for b in np.linspace(lowest, baseline, points)})
+
+
+def frontier_of(problem: Problem, *, budgets=None, points: int = 12, solver="auto",
+                **options) -> Frontier:
+    """The frontier of a prepared ``problem``; see :func:`frontier`.
+
+    Parameters
+    ----------
+    problem
+        From ``planner.pipeline.prepare`` (reused across sweeps and benchmarks).
+    budgets
+        Budgets in bytes (whole step, as ``simulate`` counts it); default: ``points`` budgets
+        evenly spaced from the lowest peak found (``pipeline.lowest_peak``; for a solver that
+        cannot reach it, the lowest peak that solver reaches) to the baseline peak.
+    points
+        Number of default budgets.
+    solver
+        ``"auto"``, a registered name or a callable, as for ``planner.plan``.
+    **options
+        Passed to the solver.
+
+    Raises
+    ------
+    PlanningError
+        When the solver's plan does not fit one of ``budgets``.
+    """
+    baseline = simulate(problem, ()).peak_bytes
+    lowest = lowest_peak(problem).peak_bytes
+    if budgets is None:
+        # A heuristic may not reach the lowest peak (found by any strategy): start its sweep
+        # where it can, at the peak of the plan it returns for the lowest peak.
+        start = simulate(problem, choose(problem, lowest, solver, **options)[1]).peak_bytes
+        budgets = _budgets(min(max(lowest, start), baseline), baseline, points)
+    budgets = sorted(map(int, budgets))
+    step_seconds = 3 * float(problem.seconds.sum())
+    found: list[FrontierPoint] = []
+    previous = None  # (simulation, segment count, solver) of the last point
+    for budget in bar(budgets, total=len(budgets), desc="budgets"):
+        name, segments = choose(problem, budget, solver, **options)
+        result = simulate(problem, segments)
+        if result.peak_bytes > budget:
+            raise PlanningError(
+                f"no plan fits a budget of {budget / MIB:,.1f} MiB ({budget} bytes): solver "
+                f"{name} reaches {result.peak_bytes / MIB:,.1f} MiB and the lowest peak found "
+                f"is {lowest / MIB:,.1f} MiB (budget_bytes={lowest}); drop the smaller budgets."
+            )
+        chosen = (result, len(segments), name)
+        if previous is not None and previous[0].recompute_seconds < result.recompute_seconds:
+            chosen = previous  # it fits this larger budget too, and costs less
+        previous = chosen
+        result, count, name = chosen
+        found.append(FrontierPoint(
+            budget_bytes=budget,
+            peak_bytes=result.peak_bytes,
+            recompute_seconds=result.recompute_seconds,
+            recompute_overhead=result.recompute_seconds / step_seconds if step_seconds else 0.0,
+            recompute_flops=result.recompute_flops,
+            segments=count,
+            solver=name,
+        ))
+    return Frontier(points=tuple(found), baseline_peak_bytes=baseline, lowest_peak_bytes=lowest)
+
+
+def frontier(
+    model,
+    example_inputs,
+    *,
+    example_kwargs: dict | None = None,
+    budgets=None,
+    points: int = 12,
+    solver="auto",
+    optimizer_state_bytes: int = 0,
+    cost_model: CostModel | None = None,
+) -> Frontier:
+    """Sweep budgets for ``model``: the least recompute at each, from the lowest peak to none.
+
+    One capture and profile (``planner.pipeline.prepare``), then one solve per budget, so a
+    sweep costs little more than one ``plan``. Pick a budget from the result and call
+    ``planner.plan(model, inputs, budget_bytes=...)`` with it.
+
+    Parameters
+    ----------
+    model, example_inputs, example_kwargs, optimizer_state_bytes, cost_model
+        As for ``planner.plan``.
+    budgets
+        Budgets in bytes; default: ``points`` budgets evenly spaced from the lowest peak found
+        to the peak without checkpointing (both included).
+    points
+        Number of default budgets.
+    solver
+        ``"auto"`` (default), a registered name or a callable.
+
+    Returns
+    -------
+    Frontier
+        ``print`` it for a table, ``.plot()`` it, or ``.to_rows()`` for data.
+
+    Examples
+    --------
+    >>> import planner
+    >>> model, inputs = planner.zoo.mlp_chain(depth=6, width=16, batch=128)
+    >>> f = frontier(model, inputs, points=4)
+    >>> f.points[-1].recompute_seconds, f.points[-1].peak_bytes == f.baseline_peak_bytes
+    (0.0, True)
+    """
+    _, problem = prepare(model, example_inputs, example_kwargs, cost_model=cost_model,
+                         optimizer_state_bytes=optimizer_state_bytes)
+    return frontier_of(problem, budgets=budgets, points=points, solver=solver)

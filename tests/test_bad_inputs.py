@@ -1,0 +1,235 @@
+"""Bad input, end to end: what each mistake gets, and the user's model left untouched.
+
+"Untouched" is checked by ``strategies.model_state``: parameter values, identities,
+``requires_grad`` and ``.grad``; buffers; every module's ``training`` flag; hook dicts.
+See docs/guarantees.md for the table these tests pin down.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+import planner
+from planner.errors import PlanningError
+from planner.pipeline import lowest_peak, prepare
+from strategies import ModelSpec, assert_equivalent, assert_same_state, build, inputs, model_state
+
+
+def small(untraceable=False, output="tensor"):
+    spec = ModelSpec(
+        kind="dense", width=8, batch=4, spatial=3,
+        ops=(("layer", True), ("norm", "bn"), ("dropout", 0.5), ("push",), ("layer", False),
+             ("act", "gelu"), ("add",), ("scale",), ("flag",)),
+        frozen=1, tie=False, output=output, extra_input=True, scale=0.5, flag=True,
+        untraceable=untraceable, input_requires_grad=True, seed=3,
+    )
+    model = build(spec)
+    model.layers[0].weight.grad = torch.ones_like(model.layers[0].weight)  # a stale .grad
+    args, kwargs = inputs(spec)
+    return model, args, kwargs
+
+
+def plan_of(model, args, kwargs, **options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return planner.plan(model, args, example_kwargs=kwargs, **options)
+
+
+@pytest.mark.parametrize(
+    "budget",
+    [
+        {},
+        {"budget_gb": 1.0, "budget_bytes": 2**30},
+        {"budget_bytes": 0},
+        {"budget_bytes": -5},
+        {"budget_gb": math.nan},
+        {"budget_gb": math.inf},
+        {"budget_bytes": "1GB"},
+        {"budget_bytes": True},
+    ],
+    ids=["none", "both", "zero", "negative", "nan", "inf", "string", "bool"],
+)
+def test_invalid_budget_is_a_value_error(budget):
+    model, args, kwargs = small()
+    before = model_state(model)
+    with pytest.raises(ValueError, match="budget"):
+        plan_of(model, args, kwargs, **budget)
+    assert_same_state(before, model_state(model))
+
+
+def test_infeasible_budget_states_the_minimum():
+    model, args, kwargs = small()
+    before = model_state(model)
+    _, problem = prepare(model, args, kwargs)
+    lowest = lowest_peak(problem).peak_bytes
+    with pytest.raises(PlanningError, match=f"budget_bytes={lowest}"):
+        plan_of(model, args, kwargs, budget_bytes=lowest - 1)
+    assert_same_state(before, model_state(model))
+
+
+def test_the_minimum_the_error_states_is_accepted():
+    model, args, kwargs = small()
+    _, problem = prepare(model, args, kwargs)
+    lowest = lowest_peak(problem).peak_bytes
+    assert plan_of(model, args, kwargs, budget_bytes=lowest).predicted_peak_bytes <= lowest
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum() > 0:  # a Python branch on a tensor value: neither fx nor export can capture
+            h = h * 2
+        return h
+
+
+def test_untraceable_model_says_why_and_what_to_try():
+    model = DataDependent()
+    before = model_state(model)
+    with pytest.raises(PlanningError) as info:
+        plan_of(model, (torch.randn(3, 4),), {}, budget_gb=1)
+    message = str(info.value)
+    assert "symbolic_trace" in message and "torch.export" in message  # both reasons
+    assert "example_kwargs" in message and "leaf" in message and "strict=False" in message
+    assert_same_state(before, model_state(model))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class ManualCheckpoint(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.blocks = nn.Sequential(Block(), Block())
+
+    def forward(self, x):
+        if self.how == "non-reentrant":
+            return checkpoint(self.blocks, x, use_reentrant=False)
+        if self.how == "reentrant":
+            return checkpoint(self.blocks, x, use_reentrant=True)
+        return checkpoint_sequential(self.blocks, 2, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "sequential"])
+def test_manual_checkpoint_is_detected_not_dropped(how):
+    model = ManualCheckpoint(how)
+    x = torch.randn(3, 4, requires_grad=True)
+    before = model_state(model)
+    with pytest.raises(PlanningError, match="already calls torch.utils.checkpoint"):
+        plan_of(model, (x,), {}, budget_gb=1)
+    assert_same_state(before, model_state(model))
+    model(x).sum().backward()  # torch.utils.checkpoint is intact after the refusal
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_planned_module_cannot_be_planned_again():
+    """Its forward calls torch.utils.checkpoint: planning it again would drop the plan."""
+    model, args, kwargs = small()
+    p = plan_of(model, args, kwargs, budget_gb=1, solver="sqrt_n")
+    assert p.segments
+    with pytest.raises(PlanningError, match="already calls torch.utils.checkpoint"):
+        plan_of(p.module, args, kwargs, budget_gb=1)
+
+
+@pytest.mark.parametrize("where", ["root", "inlined submodule"])
+def test_hooks_the_planned_module_would_drop_are_refused(where):
+    model = nn.Sequential(Block(), nn.Linear(4, 4))
+    target = model if where == "root" else model[0]
+    target.register_forward_hook(lambda module, args, out: out * 2)
+    before = model_state(model)
+    with pytest.raises(PlanningError, match="hooks"):
+        plan_of(model, (torch.randn(3, 4),), {}, budget_gb=1)
+    assert_same_state(before, model_state(model))
+
+
+def test_hooks_on_leaf_modules_keep_running():
+    model = nn.Sequential(Block(), nn.Linear(4, 4))
+    calls = []
+    model[1].register_forward_hook(lambda module, args, out: calls.append(1) or out * 2)
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    p = plan_of(model, (x,), {}, budget_gb=1, solver="sqrt_n")
+    calls.clear()
+    assert_equivalent(reference, model, p.module, (x,), {})
+    assert calls  # the hook ran on the planned module's calls
+
+
+def test_eval_mode_warns_and_plans_eval_behaviour():
+    model, args, kwargs = small()
+    model.eval()
+    reference = copy.deepcopy(model)
+    before = model_state(model)
+    with pytest.warns(UserWarning, match="eval mode"):
+        p = plan_of(model, args, kwargs, budget_gb=1, solver="sqrt_n")
+    assert_same_state(before, model_state(model))
+    assert not p.module.training
+    assert_equivalent(reference, model, p.module, args, kwargs)
+
+
+def test_no_trainable_parameters_is_refused():
+    model, args, kwargs = small()
+    model.requires_grad_(False)
+    before = model_state(model)
+    with pytest.raises(PlanningError, match="no parameter that requires grad"):
+        plan_of(model, args, kwargs, budget_gb=1)
+    assert_same_state(before, model_state(model))
+
+
+def test_inputs_on_different_devices_are_refused():
+    model, args, kwargs = small()
+    kwargs = dict(kwargs, y=kwargs["y"].to("meta"))  # the meta device stands in for a GPU
+    before = model_state(model)
+    with pytest.raises(PlanningError, match="different devices"):
+        plan_of(model, args, kwargs, budget_gb=1)
+    assert_same_state(before, model_state(model))
+
+
+def test_non_tensor_arguments_keep_their_names_and_are_checked():
+    """Regression: symbolic_trace renamed ``flag`` to ``flag_1``, so planning a model called with
+    ``flag=True`` failed, and a parameter left at its default (``y=None``) was traced as a
+    tensor input."""
+    model, args, kwargs = small()
+    reference = copy.deepcopy(model)
+    kwargs.pop("y")  # left at its default, None
+    p = plan_of(model, args, kwargs, budget_gb=1, solver="sqrt_n")
+    assert_equivalent(reference, model, p.module, args, kwargs)
+    for changed in ({"flag": False}, {"scale": 3.0}, {"y": args[0]}):
+        with pytest.raises(AssertionError, match="specialized"):
+            p.module(*args, **{**kwargs, **changed})
+
+
+def test_traced_plan_on_another_batch_size_is_exact():
+    """A symbolically traced plan is shape-generic: it computes the same ops on other shapes."""
+    model, args, kwargs = small()
+    reference = copy.deepcopy(model)
+    p = plan_of(model, args, kwargs, budget_gb=1, solver="sqrt_n")
+    assert p.capture_method == "symbolic_trace" and p.segments
+    other = (torch.randn(7, 8, requires_grad=True),)
+    assert_equivalent(reference, model, p.module, other, dict(kwargs, y=torch.randn(7, 8)))
+
+
+def test_exported_plan_on_another_shape_fails_clearly():
+    model, args, kwargs = small(untraceable=True)
+    p = plan_of(model, args, kwargs, budget_gb=1, solver="sqrt_n")
+    assert p.capture_method == "export"
+    with pytest.raises(Exception, match="Guard failed"):
+        p.module(torch.randn(7, 8), **dict(kwargs, y=torch.randn(7, 8)))
+    with pytest.raises(Exception, match="Guard failed"):
+        p.module(*args, **dict(kwargs, flag=False))

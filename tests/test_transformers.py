@@ -1,0 +1,106 @@
+"""Real third-party models: Hugging Face ``transformers`` GPT-2 and BERT, built from small configs
+(random weights, nothing downloaded), planned through the capture fallback (``torch.export``)
+and checked exactly like the generated models: outputs (same ``ModelOutput`` type), loss, every
+parameter gradient, RNG state (dropout is on), buffers, ``state_dict`` both ways.
+
+``transformers`` is a test-only dependency (``pip install -e '.[test]'``); without it these
+tests are skipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is a test-only dependency: pip install -e '.[test]'"
+)
+
+from planner.errors import PlanningError  # noqa: E402
+from planner.pipeline import choose, lowest_peak, plan, prepare  # noqa: E402
+from planner.rewrite import rewrite  # noqa: E402
+from planner.simulate import simulate  # noqa: E402
+from strategies import assert_equivalent, assert_same_state, model_state  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
+    ],
+)
+
+
+def gpt2(device="cpu"):
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=64, use_cache=False
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train().to(device)
+    ids = torch.randint(0, 64, (2, 12), device=device)
+    return model, (ids,), {}
+
+
+def bert(device="cpu"):
+    config = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+        vocab_size=64, max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).train().to(device)
+    ids = torch.randint(0, 64, (2, 12), device=device)
+    mask = torch.ones(2, 12, dtype=torch.long, device=device)
+    mask[1, 9:] = 0  # padding: the attention mask matters
+    return model, (ids,), {"attention_mask": mask}
+
+
+MODELS = {"gpt2": gpt2, "bert": bert}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_planned_transformer_trains_exactly_like_the_original(name, device):
+    model, args, kwargs = MODELS[name](device)
+    reference = copy.deepcopy(model)
+    before = model_state(model)
+    captured, problem = prepare(model, args, kwargs)
+    assert_same_state(before, model_state(model))
+    assert captured.method == "export"  # symbolic_trace cannot capture transformers
+    low, high = lowest_peak(problem).peak_bytes, simulate(problem, ()).peak_bytes
+    for solver, budget in [("greedy", (low + high) // 2), ("auto", low), ("sqrt_n", high)]:
+        _, segments = choose(problem, budget, solver)
+        assert segments, f"{solver} checkpointed nothing: the test would prove nothing"
+        planned = rewrite(captured.graph_module, model, segments)
+        assert_equivalent(reference, model, planned, args, kwargs)
+
+
+@pytest.mark.slow
+def test_plan_returns_the_same_model_output_type():
+    model, args, kwargs = gpt2()
+    _, problem = prepare(model, args, kwargs)
+    budget = lowest_peak(problem).peak_bytes
+    p = plan(model, args, budget_bytes=budget, example_kwargs=kwargs)
+    assert p.predicted_peak_bytes <= budget
+    out, expected = p.module(*args, **kwargs), model(*args, **kwargs)
+    assert type(out) is type(expected)
+    assert isinstance(out, transformers.modeling_outputs.ModelOutput)
+    assert list(out.keys()) == list(expected.keys())
+    assert out.logits.shape == expected.logits.shape
+
+
+def test_gradient_checkpointing_enabled_in_transformers_is_refused():
+    """A model that checkpoints itself: planner must not drop those checkpoints silently."""
+    model, args, kwargs = gpt2()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    before = model_state(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(PlanningError, match="already calls torch.utils.checkpoint"):
+            prepare(model, args, kwargs)
+    assert_same_state(before, model_state(model))
