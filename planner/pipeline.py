@@ -22,6 +22,7 @@ from planner.solvers import SOLVERS, get_solver
 from planner.solvers.sqrt_n import segments_between
 
 GIB = 2**30
+AUTO_OPTIMAL_MAX_NODES = 3000
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ def lowest_peak_plan(problem: Problem) -> tuple[Segments, Simulation]:
         segments_between(problem, problem.articulation_cuts),
         segments_between(problem, [c for c in range(problem.size) if problem.cut_allowed[c]]),
     ]
-    if "optimal" in SOLVERS:
+    if "optimal" in SOLVERS and problem.size <= AUTO_OPTIMAL_MAX_NODES:
         candidates.append(SOLVERS["optimal"](problem, 0))
     return min(((c, simulate(problem, c)) for c in candidates), key=lambda r: r[1].peak_bytes)
 
@@ -198,14 +199,16 @@ def lowest_peak(problem: Problem) -> Simulation:
 def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str, Segments]:
     """Run ``solver`` (a name, ``"auto"``, or a callable) and return (name that ran, segments).
 
-    ``"auto"`` runs every registered strategy and keeps the cheapest plan that fits the budget.
+    ``"auto"`` runs ``optimal`` (on graphs of at most ``AUTO_OPTIMAL_MAX_NODES`` nodes: its
+    search grows about quadratically, minutes at 10,000 nodes), ``greedy`` and ``sqrt_n``, and
+    keeps the cheapest plan that fits the budget. Name ``solver="optimal"`` to run it anyway.
     """
     if solver != "auto":
         name, solve = get_solver(solver)
         return name, tuple(solve(problem, budget, **options))
     best = None
     for name in ("optimal", "greedy", "sqrt_n"):
-        if name not in SOLVERS:
+        if name not in SOLVERS or (name == "optimal" and problem.size > AUTO_OPTIMAL_MAX_NODES):
             continue
         segments = tuple(SOLVERS[name](problem, budget, **options))
         result = simulate(problem, segments)

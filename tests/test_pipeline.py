@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import planner
+import planner.pipeline
 from planner import zoo
 from planner.measure import peak_memory, training_step
 from planner.pipeline import lowest_peak, prepare
@@ -300,3 +301,17 @@ def test_measured_node_times_replace_the_roofline_estimate():
     assert set(times) == set(measured.names)
     assert list(measured.seconds) == [times[name] for name in measured.names]
     assert not (measured.seconds == roofline.seconds).all()
+
+
+def test_auto_leaves_optimal_out_on_graphs_too_large_for_it(monkeypatch):
+    model, inputs = SMALL["gpt"]()
+    _, problem = prepare(model, inputs)
+
+    def too_slow(problem, budget_bytes, **options):
+        raise AssertionError("auto must not run optimal on a graph this large")
+
+    budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
+    monkeypatch.setattr(planner.pipeline, "AUTO_OPTIMAL_MAX_NODES", problem.size - 1)
+    monkeypatch.setitem(planner.SOLVERS, "optimal", too_slow)
+    name, _ = planner.pipeline.choose(problem, budget, "auto")
+    assert name in ("auto:greedy", "auto:sqrt_n", "auto:lowest_peak")
