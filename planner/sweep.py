@@ -114,15 +114,9 @@ class Frontier:
         -------
         matplotlib.figure.Figure
         """
-        from planner.viz import _BASELINE_COLOUR, _BUDGET_COLOUR, _PLAN_COLOUR, _matplotlib
+        from planner.viz import _BASELINE_COLOUR, _BUDGET_COLOUR, _PLAN_COLOUR, _axes, _finish
 
-        new_figure = _matplotlib()
-        own_figure = ax is None
-        if ax is None:
-            figure = new_figure((8.0, 4.6))
-            ax = figure.add_subplot()
-        else:
-            figure = ax.figure
+        figure, ax, own_figure = _axes(ax, (8.0, 4.6))
         peaks = np.array([p.peak_bytes for p in self.points]) / MIB
         asked = np.array([p.budget_bytes for p in self.points]) / MIB
         overhead = np.array([p.recompute_overhead for p in self.points]) * 100
@@ -150,11 +144,7 @@ class Frontier:
         ax.set_title("Memory against recompute: the best plan at each budget", fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
-        if own_figure:
-            figure.tight_layout()
-        if path is not None:
-            figure.savefig(path, dpi=130, bbox_inches="tight")
-        return figure
+        return _finish(figure, own_figure, path)
 
 
 def _budgets(lowest: int, baseline: int, points: int) -> list[int]:

@@ -73,6 +73,23 @@ def _matplotlib():
     return new_figure
 
 
+def _axes(ax, figsize):
+    """(figure, axes, whether the figure is ours): a new figure unless ``ax`` is given."""
+    if ax is not None:
+        return ax.figure, ax, False
+    figure = _matplotlib()(figsize)
+    return figure, figure.add_subplot(), True
+
+
+def _finish(figure, own_figure: bool, path):
+    """Lay out a figure we made, and save it when asked."""
+    if own_figure:
+        figure.tight_layout()
+    if path is not None:
+        figure.savefig(path, dpi=130, bbox_inches="tight")
+    return figure
+
+
 def _mib(nbytes: float) -> str:
     return f"{nbytes / MIB:,.1f} MiB"
 
@@ -442,7 +459,7 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
     """
     import networkx as nx
 
-    new_figure = _matplotlib()
+    _matplotlib()  # fail early, before any work, when matplotlib is missing
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -474,12 +491,7 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
     position = {g: ((g % columns) * 1.6, -(g // columns) * 1.5) for g in range(count)}
     row_of = {g: g // columns for g in range(count)}
 
-    own_figure = ax is None
-    if ax is None:
-        figure = new_figure((max(6.5, 1.55 * columns + 0.6), 1.2 * rows + 2.0))
-        ax = figure.add_subplot()
-    else:
-        figure = ax.figure
+    figure, ax, own_figure = _axes(ax, (max(6.5, 1.55 * columns + 0.6), 1.2 * rows + 2.0))
 
     inputs_from_afar: dict[int, int] = {}  # group -> bytes of boundary edges not drawn
     for a, b, data in graph.edges(data=True):
@@ -587,11 +599,7 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
         f"{plan.predicted_overhead:.1%} of a step; solver {plan.solver}",
         fontsize=9,
     )
-    if own_figure:
-        figure.tight_layout()
-    if path is not None:
-        figure.savefig(path, dpi=130, bbox_inches="tight")
-    return figure
+    return _finish(figure, own_figure, path)
 
 
 def _model_name(plan) -> str:
@@ -690,18 +698,13 @@ def plot_memory(plan, measured=None, ax=None, *, measured_baseline=None, path=No
     -------
     matplotlib.figure.Figure
     """
-    new_figure = _matplotlib()
+    _matplotlib()  # fail early, before any work, when matplotlib is missing
     curves = memory_timeline(plan)
     base, planned = curves["baseline"], curves["plan"]
     peak = max(plan.budget_bytes, base.peak_bytes, planned.peak_bytes)
     unit, unit_name = (2**30, "GiB") if peak >= 10 * 2**30 else (MIB, "MiB")
 
-    own_figure = ax is None
-    if ax is None:
-        figure = new_figure((9.0, 4.8))
-        ax = figure.add_subplot()
-    else:
-        figure = ax.figure
+    figure, ax, own_figure = _axes(ax, (9.0, 4.8))
 
     end = max(base.x[-1], planned.x[-1])
     fixed = plan.problem.fixed_bytes / unit
@@ -763,8 +766,4 @@ def plot_memory(plan, measured=None, ax=None, *, measured_baseline=None, path=No
     )
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
-    if own_figure:
-        figure.tight_layout()
-    if path is not None:
-        figure.savefig(path, dpi=130, bbox_inches="tight")
-    return figure
+    return _finish(figure, own_figure, path)
