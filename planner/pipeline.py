@@ -199,9 +199,10 @@ def lowest_peak(problem: Problem) -> Simulation:
 def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str, Segments]:
     """Run ``solver`` (a name, ``"auto"``, or a callable) and return (name that ran, segments).
 
-    ``"auto"`` runs ``optimal`` (on graphs of at most ``AUTO_OPTIMAL_MAX_NODES`` nodes: its
-    search grows faster than linearly: 3 s at 938 nodes, 18 s at 1,863), ``greedy`` and ``sqrt_n``, and
-    keeps the cheapest plan that fits the budget. Name ``solver="optimal"`` to run it anyway.
+    ``"auto"`` runs ``optimal`` on graphs of at most ``AUTO_OPTIMAL_MAX_NODES`` nodes (its
+    search grows faster than linearly: 3 s at 938 nodes, 18 s at 1,863), then ``greedy`` and
+    ``sqrt_n``, and keeps the cheapest plan that fits the budget. Name ``solver="optimal"`` to
+    run it on larger graphs anyway.
     """
     if solver != "auto":
         name, solve = get_solver(solver)
