@@ -4,7 +4,6 @@ import builtins
 import io
 
 import pytest
-import torch
 
 import planner
 from planner import progress, viz
