@@ -174,6 +174,7 @@ def plan_batch(
     solver="auto",
     optimizer_state_bytes: int = 0,
     cost_model: CostModel | None = None,
+    leaf_modules: tuple = (),
 ) -> BatchPlan:
     """Choose micro-batch size, accumulation steps and checkpoint plan for a global batch.
 
@@ -205,7 +206,7 @@ def plan_batch(
         prediction is per rank and leaves out communication.
     micro_batches
         Candidate micro-batch sizes, each dividing the per-rank batch (default: all divisors).
-    solver, optimizer_state_bytes, cost_model
+    solver, optimizer_state_bytes, cost_model, leaf_modules
         As in :func:`planner.plan`.
 
     Returns
@@ -265,6 +266,7 @@ def plan_batch(
             _inputs(make_inputs, m),
             cost_model=cost_model,
             optimizer_state_bytes=optimizer_state_bytes,
+            leaf_modules=leaf_modules,
         )
         if steps > 1:
             problem = accumulation_problem(problem)

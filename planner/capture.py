@@ -114,9 +114,24 @@ def _refusing_manual_checkpoints(model: nn.Module):
             del module.CheckpointFunction.apply
 
 
-def _trace(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+class _Tracer(fx.Tracer):
+    """``symbolic_trace``'s tracer, also keeping instances of ``leaf_modules`` as single nodes."""
+
+    def __init__(self, leaf_modules: tuple[type, ...]):
+        super().__init__()
+        self.leaf_modules = leaf_modules
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return isinstance(module, self.leaf_modules) or super().is_leaf_module(
+            module, qualified_name
+        )
+
+
+def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> fx.GraphModule:
     concrete = _non_tensor_arguments(model, args, kwargs)
-    gm = fx.symbolic_trace(model, concrete_args=concrete or None)
+    tracer = _Tracer(leaf_modules)
+    graph = tracer.trace(model, concrete_args=concrete or None)
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _restore_argument_names(gm, concrete)
     return gm
 
@@ -167,8 +182,14 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
         )
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
+def capture(
+    model: nn.Module, args: tuple, kwargs: dict | None = None, *, leaf_modules: tuple = ()
+) -> Captured:
     """Capture ``model`` called as ``model(*args, **kwargs)`` as a GraphModule.
+
+    ``leaf_modules`` (module classes) stay single ``call_module`` nodes under ``symbolic_trace``
+    instead of being traced through: plans then checkpoint whole blocks, and hooks on those
+    blocks (e.g. FSDP2's ``fully_shard`` per block) keep running. ``torch.export`` ignores it.
 
     Raises
     ------
@@ -179,7 +200,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
     kwargs = kwargs or {}
     with _refusing_manual_checkpoints(model):
         try:
-            captured = Captured(_trace(model, args, kwargs), "symbolic_trace")
+            captured = Captured(_trace(model, args, kwargs, tuple(leaf_modules)), "symbolic_trace")
         except PlanningError:
             raise
         except Exception as trace_error:  # noqa: BLE001 - any tracing failure means: try export

@@ -231,12 +231,13 @@ def prepare(
     *,
     cost_model: CostModel | None = None,
     optimizer_state_bytes: int = 0,
+    leaf_modules: tuple = (),
 ):
     """Capture, profile and analyse once: (captured, Problem). Reused by sweeps over budgets."""
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
     _check_model(model, args, kwargs)
-    captured = capture(model, args, kwargs)
+    captured = capture(model, args, kwargs, leaf_modules=leaf_modules)
     prof = profile(captured.graph_module, args, kwargs)
     problem = build_problem(
         captured.graph_module,
@@ -257,6 +258,7 @@ def plan(
     solver="auto",
     optimizer_state_bytes: int = 0,
     cost_model: CostModel | None = None,
+    leaf_modules: tuple = (),
 ) -> Plan:
     """Plan which activations of ``model`` to recompute so that a training step fits a budget.
 
@@ -275,6 +277,10 @@ def plan(
     solver
         ``"auto"`` (default: the cheapest fitting plan of all strategies), a registered name
         (``"sqrt_n"``, ``"greedy"``, ...), or a callable ``solve(problem, budget_bytes)``.
+    leaf_modules
+        Module classes to keep whole (e.g. a transformer block class): segments then start and
+        end at their boundaries, and hooks on them, such as FSDP2 sharding per block, keep
+        running. Only for models ``symbolic_trace`` captures.
 
     Raises
     ------
@@ -300,6 +306,7 @@ def plan(
         example_kwargs,
         cost_model=cost_model,
         optimizer_state_bytes=optimizer_state_bytes,
+        leaf_modules=leaf_modules,
     )
     baseline = simulate(problem, ())
     solve_start = time.perf_counter()

@@ -42,9 +42,9 @@ def rank_slice(batch, rank):
     return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in batch)
 
 
-def planned(model, batch):
+def planned(model, batch, **options):
     """A plan that really checkpoints (sqrt_n under a generous budget) for one rank's batch."""
-    p = planner.plan(model, rank_slice(batch, 0), budget_bytes=2**30, solver="sqrt_n")
+    p = planner.plan(model, rank_slice(batch, 0), budget_bytes=2**30, solver="sqrt_n", **options)
     assert p.segments, "the test needs a plan with checkpointed segments"
     return p
 
@@ -225,11 +225,21 @@ def _fsdp_worker(rank, port, out):
                 fully_shard(module, mesh=mesh)
         fully_shard([model.wte, model.lm_head], mesh=mesh)
 
-    for name in ("root", "leaves"):
+    def shard_blocks(model):
+        # The usual transformer recipe; the plan keeps blocks whole (leaf_modules), so the
+        # planned graph calls them and their FSDP2 hooks run, in recompute too.
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard([model.wte, model.lm_head], mesh=mesh)
+
+    for name in ("root", "leaves", "blocks"):
         model, batch = tiny_gpt()
-        module = planned(model, batch).module
+        options = {"leaf_modules": (type(model.blocks[0]),)} if name == "blocks" else {}
+        module = planned(model, batch, **options).module
         if name == "leaves":
             shard_leaves(model)
+        if name == "blocks":
+            shard_blocks(model)
         fully_shard(module, mesh=mesh)
         optimizer = torch.optim.SGD(module.parameters(), lr=LR)
         module(*rank_slice(batch, rank)).backward()
@@ -259,7 +269,7 @@ def fsdp_results(tmp_path_factory):
     return run_ranks(_fsdp_worker, tmp_path_factory.mktemp("fsdp"))
 
 
-@pytest.mark.parametrize("sharding", ["root", "leaves"])
+@pytest.mark.parametrize("sharding", ["root", "leaves", "blocks"])
 def test_planned_module_under_fsdp2_trains_a_step_like_the_reference(fsdp_results, sharding):
     expected_grads = reference_gradients()
     expected_params = reference_after_sgd_step(LR)

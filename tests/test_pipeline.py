@@ -315,3 +315,18 @@ def test_auto_leaves_optimal_out_on_graphs_too_large_for_it(monkeypatch):
     monkeypatch.setitem(planner.SOLVERS, "optimal", too_slow)
     name, _ = planner.pipeline.choose(problem, budget, "auto")
     assert name in ("auto:greedy", "auto:sqrt_n", "auto:lowest_peak")
+
+
+def test_leaf_modules_keep_whole_blocks_as_single_checkpointable_nodes():
+    model, inputs = SMALL["gpt"]()
+    original = copy.deepcopy(model)
+    block = type(model.blocks[0])
+    budget = midpoint_budget(model, inputs)
+    plan = planner.plan(model, inputs, budget_bytes=budget, leaf_modules=(block,))
+    assert sum(label.startswith("blocks.") for label in plan.problem.labels) == len(model.blocks)
+    assert plan.segments
+    _, grads_original = step_with_grads(original, original, inputs)
+    _, grads_planned = step_with_grads(plan.module, model, inputs)
+    for key in grads_original:
+        torch.testing.assert_close(grads_planned[key], grads_original[key], rtol=0, atol=0)
+    assert peak_memory(plan.module, inputs).peak_bytes <= budget
