@@ -92,6 +92,14 @@ class Problem:
     def size(self) -> int:
         return len(self.names)
 
+    def saved_bytes_per_node(self) -> np.ndarray:
+        """Bytes each node creates that autograd saves for backward: what checkpointing drops."""
+        saved = np.zeros(self.size, dtype=np.int64)
+        for s in self.storages:
+            if s.savers:
+                saved[s.producer] += s.nbytes
+        return saved
+
     def is_valid_segment(self, start: int, stop: int) -> bool:
         return (
             0 <= start < stop <= self.size

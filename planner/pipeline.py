@@ -57,7 +57,7 @@ class Plan:
 
     def segment_table(self) -> list[dict]:
         """One row per checkpointed segment: positions, node names, boundary and dropped bytes."""
-        saved = _saved_bytes(self.problem)
+        saved = self.problem.saved_bytes_per_node()
         return [
             {
                 "segment": k,
@@ -126,12 +126,6 @@ class Plan:
 
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
-
-
-def _saved_bytes(problem: Problem):
-    from planner.solvers.greedy import saved_bytes_per_node
-
-    return saved_bytes_per_node(problem)
 
 
 def budget_in_bytes(budget_gb, budget_bytes) -> int:

@@ -101,15 +101,6 @@ def _segment_of(size: int, segments) -> np.ndarray:
     return segment_of
 
 
-def _saved_per_node(problem) -> np.ndarray:
-    """Bytes each node creates that autograd saves for backward (what checkpointing can drop)."""
-    saved = np.zeros(problem.size, dtype=np.int64)
-    for s in problem.storages:
-        if s.savers:
-            saved[s.producer] += s.nbytes
-    return saved
-
-
 def _boundary_storages(problem, start: int, stop: int) -> list:
     """Activation storages made before ``start`` and read inside ``[start, stop)``: the inputs a
     checkpointed segment keeps alive until its backward."""
@@ -139,7 +130,7 @@ class _Row:
 
 def _segment_rows(plan) -> list[_Row]:
     problem = plan.problem
-    saved = _saved_per_node(problem)
+    saved = problem.saved_bytes_per_node()
     step_seconds = 3 * float(problem.seconds.sum()) or 1.0
     rows = []
     for k, (start, stop) in enumerate(plan.segments):
@@ -188,7 +179,7 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
     """
     problem = plan.problem
     e = html.escape
-    saved = _saved_per_node(problem)
+    saved = problem.saved_bytes_per_node()
     rows = _segment_rows(plan)
     dropped = sum(r.dropped_bytes for r in rows)
     boundary = sum(r.boundary_bytes for r in rows)
@@ -469,7 +460,7 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
     group_of = np.empty(problem.size, dtype=np.int64)
     for g, group in enumerate(groups):
         group_of[group.start : group.stop] = g
-    saved = _saved_per_node(problem)
+    saved = problem.saved_bytes_per_node()
 
     graph = nx.DiGraph()
     graph.add_nodes_from(range(len(groups)))

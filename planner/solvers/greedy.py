@@ -16,17 +16,8 @@ from planner.solvers import register
 from planner.solvers.sqrt_n import segments_between
 
 
-def saved_bytes_per_node(problem: Problem) -> np.ndarray:
-    """Bytes of storages each node creates that some node saves (what checkpointing can drop)."""
-    saved = np.zeros(problem.size, dtype=np.int64)
-    for s in problem.storages:
-        if s.savers:
-            saved[s.producer] += s.nbytes
-    return saved
-
-
 def greedy_cuts(problem: Problem, threshold: float) -> list[int]:
-    saved = saved_bytes_per_node(problem)
+    saved = problem.saved_bytes_per_node()
     cuts, running = [], 0
     for position in range(1, problem.size):
         running += saved[position - 1]
@@ -38,7 +29,7 @@ def greedy_cuts(problem: Problem, threshold: float) -> list[int]:
 
 @register("greedy")
 def solve(problem: Problem, budget_bytes: int, *, thresholds: int = 24, **options) -> Segments:
-    saved = saved_bytes_per_node(problem)
+    saved = problem.saved_bytes_per_node()
     total = float(saved.sum())
     if total <= 0:
         return ()
