@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_flatten
 
 from planner.capture import capture
 from planner.errors import PlanningError
@@ -166,17 +167,13 @@ def _check_model(model: nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 def _tensors(tree) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 def lowest_peak_plan(problem: Problem) -> tuple[Segments, Simulation]:
     """The candidate plan with the lowest simulated peak, among those the strategies consider."""
-    from planner.solvers.greedy import solve as greedy
-
     candidates = [
-        greedy(problem, 0),
+        SOLVERS["greedy"](problem, 0),
         segments_between(problem, problem.articulation_cuts),
         segments_between(problem, [c for c in range(problem.size) if problem.cut_allowed[c]]),
     ]
