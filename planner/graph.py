@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import networkx as nx
 import numpy as np
@@ -60,6 +61,41 @@ class Storage:
         return max(self.readers, default=self.producer)
 
 
+@dataclass(frozen=True)
+class StorageArrays:
+    """Per-storage facts as arrays, and every read and save as a (storage, node) pair."""
+
+    nbytes: np.ndarray
+    producer: np.ndarray
+    last_use: np.ndarray  # last reader; the last node for graph outputs (the loss reads them)
+    is_output: np.ndarray
+    read_storage: np.ndarray
+    read_node: np.ndarray
+    save_storage: np.ndarray
+    save_node: np.ndarray
+
+    @classmethod
+    def of(cls, storages: tuple[Storage, ...], n: int) -> "StorageArrays":
+        def pairs(attribute: str) -> tuple[np.ndarray, np.ndarray]:
+            lists = [getattr(s, attribute) for s in storages]
+            owners = np.repeat(np.arange(len(storages)), [len(nodes) for nodes in lists])
+            return owners, np.fromiter((j for nodes in lists for j in nodes), np.int64)
+
+        read_storage, read_node = pairs("readers")
+        save_storage, save_node = pairs("savers")
+        return cls(
+            nbytes=np.array([s.nbytes for s in storages], dtype=np.int64),
+            producer=np.array([s.producer for s in storages], dtype=np.int64),
+            last_use=np.array([n - 1 if s.is_output else s.last_reader for s in storages],
+                              dtype=np.int64),
+            is_output=np.array([s.is_output for s in storages], dtype=bool),
+            read_storage=read_storage,
+            read_node=read_node,
+            save_storage=save_storage,
+            save_node=save_node,
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class Problem:
     """Everything a solver may use; built once per model by ``build_problem``."""
@@ -91,6 +127,11 @@ class Problem:
     @property
     def size(self) -> int:
         return len(self.names)
+
+    @cached_property
+    def storage_arrays(self) -> "StorageArrays":
+        """The storages as flat arrays, for vectorised passes (``simulate``)."""
+        return StorageArrays.of(self.storages, self.size)
 
     def saved_bytes_per_node(self) -> np.ndarray:
         """Bytes each node creates that autograd saves for backward: what checkpointing drops."""

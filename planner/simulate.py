@@ -61,89 +61,116 @@ def last_recomputed(problem: Problem, start: int, stop: int) -> int:
     return start + int(saving[-1]) if saving.size else start - 1
 
 
+def _total_at(positions: np.ndarray, nbytes: np.ndarray, n: int) -> np.ndarray:
+    """Bytes per position: ``nbytes`` summed by ``positions`` (exact integers, unlike bincount)."""
+    total = np.zeros(n, dtype=np.int64)
+    np.add.at(total, positions, nbytes)
+    return total
+
+
+def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray):
+    """Where each storage is freed: bytes freed after each node's forward and backward, and
+    after each node of a recompute, plus the bytes each recompute node re-creates.
+
+    A storage kept for backward is released at its first trigger: a saver outside any segment,
+    or the start of another segment that saves or reads it. Recomputed copies are freed by
+    their first saver inside the segment, else after their last reader the recompute runs.
+    """
+    n, a = problem.size, problem.storage_arrays
+    never = n  # beyond every position: "no such node"
+    starts = np.array([start for start, _ in segments] + [never], dtype=np.int64)
+    ends = np.array([last_recomputed(problem, *segment) for segment in segments] + [-1], np.int64)
+    home = segment_of[a.producer]
+
+    def first(storage: np.ndarray, position: np.ndarray) -> np.ndarray:
+        result = np.full(a.nbytes.size, never, dtype=np.int64)
+        np.minimum.at(result, storage, position)
+        return result
+
+    saver_segment = segment_of[a.save_node]
+    reader_segment = segment_of[a.read_node]
+    elsewhere = np.where(saver_segment != home[a.save_storage], starts[saver_segment], never)
+    release = np.minimum(
+        first(a.save_storage, np.where(saver_segment < 0, a.save_node, elsewhere)),
+        first(a.read_storage, np.where(
+            (reader_segment >= 0) & (reader_segment != home[a.read_storage]),
+            starts[reader_segment], never,
+        )),
+    )
+    kept = release < never
+    backward_free = _total_at(release[kept], a.nbytes[kept], n)
+    forward_free = _total_at(a.last_use[~kept], a.nbytes[~kept], n)
+
+    end = ends[home]  # -1 outside segments: nothing is recomputed
+    recomputed = (a.producer < end) | ((a.producer == end) & problem.saves_own[end])
+    inner_saver = first(
+        a.save_storage, np.where(saver_segment == home[a.save_storage], a.save_node, never)
+    )
+    by_saver = recomputed & (inner_saver < never)
+    backward_free += _total_at(inner_saver[by_saver], a.nbytes[by_saver], n)
+    last_read = a.producer.copy()
+    np.maximum.at(last_read, a.read_storage,
+                  np.where(a.read_node <= end[a.read_storage], a.read_node, -1))
+    by_reader = recomputed & (inner_saver == never)
+    recompute_alloc = _total_at(a.producer[recomputed], a.nbytes[recomputed], n)
+    recompute_free = _total_at(last_read[by_reader], a.nbytes[by_reader], n)
+    return forward_free, backward_free, recompute_alloc, recompute_free, ends[:-1]
+
+
 def simulate(problem: Problem, segments, *, record: bool = False) -> Simulation:
-    """Replay one training step with ``segments`` checkpointed; see the module docstring."""
+    """Replay one training step with ``segments`` checkpointed; see the module docstring.
+
+    The replay is a sequence of steps (forward nodes, then backward nodes with each segment's
+    recompute before its last node's backward), each allocating, peaking and freeing; the live
+    bytes are a running sum over that sequence.
+    """
     segments = validate_segments(problem, segments)
     n = problem.size
     segment_of = np.full(n, -1, dtype=np.int64)
     for k, (start, stop) in enumerate(segments):
         segment_of[start:stop] = k
+    forward_free, backward_free, recompute_alloc, recompute_free, ends = _releases(
+        problem, segments, segment_of
+    )
 
-    forward_free = np.zeros(n, dtype=np.int64)  # freed after node i's forward
-    backward_free = np.zeros(n, dtype=np.int64)  # freed after node i's backward
-    recompute_alloc: dict[int, list[tuple[int, int]]] = {}  # segment -> [(producer, bytes)]
-    recompute_free: dict[int, list[tuple[int, int]]] = {}  # segment -> [(after, bytes)]
-    for s in problem.storages:
-        home = segment_of[s.producer]
-        release = []
-        for j in s.savers:
-            if segment_of[j] < 0:
-                release.append(j)
-            elif segment_of[j] != home:
-                release.append(segments[segment_of[j]][0])
-        for j in s.readers:
-            if segment_of[j] >= 0 and segment_of[j] != home:
-                release.append(segments[segment_of[j]][0])
-        if release:
-            backward_free[min(release)] += s.nbytes
-        elif s.is_output:
-            forward_free[n - 1] += s.nbytes  # read by the loss, then dropped before backward
-        else:
-            forward_free[s.last_reader] += s.nbytes
-        if home >= 0:
-            start, stop = segments[home]
-            end = last_recomputed(problem, start, stop)
-            if s.producer > end or (s.producer == end and not problem.saves_own[end]):
-                continue  # early stop: the recompute ends at the last save, before this exists
-            inner_savers = [j for j in s.savers if start <= j < stop]
-            recompute_alloc.setdefault(home, []).append((s.producer, s.nbytes))
-            if inner_savers:
-                backward_free[min(inner_savers)] += s.nbytes
-            else:
-                inner_readers = [j for j in s.readers if j <= end]
-                after = max(inner_readers, default=s.producer)
-                recompute_free.setdefault(home, []).append((after, s.nbytes))
+    # The order of steps: forward 0..n-1, then from n-1 down to 0 the backward of each node,
+    # preceded by its segment's recompute (start..end) when it is the segment's last node.
+    phases, positions = [np.zeros(n, np.int8)], [np.arange(n)]
+    upper = n
+    for (start, stop), end in zip(reversed(segments), reversed(ends.tolist())):
+        phases += [np.full(upper - stop, 2, np.int8), np.ones(end - start + 1, np.int8)]
+        positions += [np.arange(upper - 1, stop - 1, -1), np.arange(start, end + 1)]
+        upper = stop
+    phases.append(np.full(upper, 2, np.int8))
+    positions.append(np.arange(upper - 1, -1, -1))
+    phase, position = np.concatenate(phases), np.concatenate(positions)
 
-    timeline = [] if record else None
-    live = 0
-    peak = 0
-    for i in range(n):
-        live += int(problem.created_bytes[i])
-        peak = max(peak, live + int(problem.workspace[i]))
-        if record:
-            timeline.append(("forward", i, live + int(problem.workspace[i])))
-        live -= int(forward_free[i])
+    backward = phase == 2
+    recompute = phase == 1
+    alloc = np.select(
+        [phase == 0, recompute],
+        [problem.created_bytes[position], recompute_alloc[position]],
+        (problem.activation_grad_alloc + problem.grad_bytes_at)[position],
+    )
+    free = np.select(
+        [phase == 0, recompute],
+        [forward_free[position], recompute_free[position]],
+        (problem.activation_grad_free + backward_free)[position],
+    )
+    transient = np.where(backward, 0, problem.workspace[position])
+    live = np.cumsum(alloc - free) + free + transient  # at each step's high point
+    peak = int(live.max(initial=0))
 
-    recompute_seconds = 0.0
-    recompute_flops = 0.0
-    for i in range(n - 1, -1, -1):
-        k = segment_of[i]
-        if k >= 0 and i == segments[k][1] - 1:
-            start, _ = segments[k]
-            end = last_recomputed(problem, start, i + 1)
-            allocs = np.zeros(n, dtype=np.int64)
-            frees = np.zeros(n, dtype=np.int64)
-            for position, nbytes in recompute_alloc.get(k, ()):
-                allocs[position] += nbytes
-            for position, nbytes in recompute_free.get(k, ()):
-                frees[position] += nbytes
-            for j in range(start, end + 1):
-                live += int(allocs[j])
-                peak = max(peak, live + int(problem.workspace[j]))
-                if record:
-                    timeline.append(("recompute", j, live + int(problem.workspace[j])))
-                live -= int(frees[j])
-            recompute_seconds += float(problem.seconds[start : end + 1].sum())
-            recompute_flops += float(problem.flops[start : end + 1].sum())
-        live += int(problem.activation_grad_alloc[i] + problem.grad_bytes_at[i])
-        peak = max(peak, live)
-        if record:
-            timeline.append(("backward", i, live))
-        live -= int(problem.activation_grad_free[i] + backward_free[i])
-
+    # Summed in the order backward meets them (last segment first).
+    recomputed = [slice(start, end + 1) for (start, _), end in zip(segments, ends.tolist())][::-1]
+    timeline = None
+    if record:
+        names = ("forward", "recompute", "backward")
+        timeline = tuple(zip([names[p] for p in phase.tolist()], position.tolist(),
+                             live.tolist()))
     return Simulation(
         peak_bytes=int(problem.fixed_bytes + peak),
-        recompute_seconds=recompute_seconds,
-        recompute_flops=recompute_flops,
-        timeline=tuple(timeline) if record else None,
+        recompute_seconds=sum(float(problem.seconds[span].sum()) for span in recomputed),
+        recompute_flops=sum(float(problem.flops[span].sum()) for span in recomputed),
+        timeline=timeline,
     )

@@ -20,6 +20,7 @@ from planner.graph import Problem, Storage
 from planner.simulate import simulate
 from planner.solvers import SOLVERS
 from planner.solvers import optimal  # noqa: F401  (registers "optimal")
+from problems import all_plans, budgets
 
 settings.register_profile("ci", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -98,32 +99,11 @@ def problems(draw, max_nodes=7, dag=True):
     )
 
 
-def all_plans(problem: Problem):
-    """Every set of disjoint valid segments."""
-    n = problem.size
-
-    def from_position(start):
-        yield ()
-        for a in range(start, n):
-            for b in range(a + 1, n + 1):
-                if problem.is_valid_segment(a, b):
-                    for rest in from_position(b):
-                        yield ((a, b), *rest)
-
-    return list(dict.fromkeys(from_position(0)))
-
-
 def exhaustive(problem: Problem, budget: int):
     """(least recompute, lowest peak) over all plans, judged by the simulator."""
     results = [simulate(problem, plan) for plan in all_plans(problem)]
     fitting = [r.recompute_seconds for r in results if r.peak_bytes <= budget]
     return min(fitting, default=None), min(r.peak_bytes for r in results)
-
-
-def budgets(problem: Problem) -> list[int]:
-    """Every peak some plan reaches, and one byte below each: where the answer can change."""
-    peaks = sorted({simulate(problem, plan).peak_bytes for plan in all_plans(problem)})
-    return sorted({b for p in peaks for b in (p - 1, p)})
 
 
 @given(problems(dag=False))

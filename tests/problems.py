@@ -1,0 +1,84 @@
+"""Small random ``Problem``s built directly (no torch), and exhaustive enumeration of plans:
+the shared ground truth of the solver and simulator tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from planner.graph import Problem, Storage
+from planner.simulate import simulate
+
+
+def random_problem(seed: int, nodes: int | None = None) -> Problem:
+    """A small random graph: node i makes storage i, reads i-1 and maybe an earlier one.
+
+    It covers what the formulation must get right: cuts crossed by several tensors (skips),
+    storages saved by their producer and/or by readers, graph outputs, workspaces, gradient
+    bookkeeping, forbidden cuts and nodes that may not be checkpointed. ``nodes`` fixes the
+    size (3 to 7 nodes when not given).
+    """
+    rng = np.random.default_rng(seed)
+    n = nodes or int(rng.integers(3, 8))
+    reads = [set() if i == 0 else {i - 1} for i in range(n)]
+    for i in range(2, n):
+        if rng.random() < 0.4:
+            reads[i].add(int(rng.integers(0, i - 1)))
+    saves_input = [rng.random() < 0.5 for _ in range(n)]
+    outputs = {n - 1} | ({int(rng.integers(0, n))} if rng.random() < 0.2 else set())
+    storages = []
+    for k in range(n):
+        readers = tuple(i for i in range(n) if k in reads[i])
+        savers = ({k} if rng.random() < 0.5 else set()) | {i for i in readers if saves_input[i]}
+        storages.append(Storage(nbytes=int(rng.choice([1, 2, 4, 8, 16])), producer=k,
+                                readers=readers, savers=tuple(sorted(savers)),
+                                is_output=k in outputs, requires_grad=True))
+    saves = np.array([any(i in s.savers for s in storages) for i in range(n)])
+    cut_delta = np.zeros(n + 2, dtype=np.int64)
+    for s in storages:
+        end = n if s.is_output else s.last_reader
+        cut_delta[s.producer + 1] += s.nbytes
+        cut_delta[end + 1] -= s.nbytes
+    seconds = rng.choice([0.5, 1.0, 3.0, 10.0], n)
+    return Problem(
+        names=tuple(f"n{i}" for i in range(n)),
+        labels=("op",) * n,
+        flops=seconds * 1e12,
+        bytes_moved=np.zeros(n),
+        seconds=seconds,
+        workspace=rng.choice([0, 0, 1, 4], n).astype(np.int64),
+        created_bytes=np.array([s.nbytes for s in storages], dtype=np.int64),
+        saves=saves,
+        saves_own=np.array([i in storages[i].savers for i in range(n)]),
+        grad_bytes_at=rng.choice([0, 0, 2], n).astype(np.int64),
+        activation_grad_alloc=rng.integers(0, 9, n).astype(np.int64),
+        activation_grad_free=rng.integers(0, 9, n).astype(np.int64),
+        checkpointable=rng.random(n) > 0.1,
+        cut_allowed=rng.random(n + 1) > 0.15,
+        cut_bytes=np.cumsum(cut_delta)[: n + 1],
+        articulation_cuts=(),
+        storages=tuple(storages),
+        fixed_bytes=100,
+        parameter_bytes=50,
+        gradient_bytes=50,
+    )
+
+
+def all_plans(problem: Problem):
+    """Every set of disjoint valid segments."""
+    n = problem.size
+
+    def from_position(start):
+        yield ()
+        for a in range(start, n):
+            for b in range(a + 1, n + 1):
+                if problem.is_valid_segment(a, b):
+                    for rest in from_position(b):
+                        yield ((a, b), *rest)
+
+    return list(dict.fromkeys(from_position(0)))
+
+
+def budgets(problem: Problem, plans=None) -> list[int]:
+    """Every peak some plan reaches, and one byte below each: where the answer can change."""
+    peaks = {simulate(problem, plan).peak_bytes for plan in plans or all_plans(problem)}
+    return sorted({b for p in peaks for b in (p - 1, p)})

@@ -1,0 +1,107 @@
+"""The simulator against a plain step-by-step replay of the rules in its module docstring.
+
+``simulate`` computes the replay with array operations (it runs inside every solver's loop);
+``replay`` below walks the same rules one node and one storage at a time, as a reader would.
+They must agree exactly, peak, recompute cost and timeline, on random problems and real models.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.graph import Problem
+from planner.simulate import last_recomputed, simulate, validate_segments
+from problems import random_problem
+from strategies import random_segments
+
+
+def replay(problem: Problem, segments) -> tuple[int, float, list]:
+    """(peak bytes, recompute seconds, timeline), one step at a time."""
+    segments = validate_segments(problem, segments)
+    n = problem.size
+    segment_of = [-1] * n
+    for k, (start, stop) in enumerate(segments):
+        segment_of[start:stop] = [k] * (stop - start)
+    forward_free, backward_free = [0] * n, [0] * n
+    recompute_alloc, recompute_free = [0] * n, [0] * n
+    for s in problem.storages:
+        home = segment_of[s.producer]
+        # Kept for backward until the first trigger: an outside saver, or another segment's
+        # start when that segment saves or reads it.
+        triggers = [j if segment_of[j] < 0 else segments[segment_of[j]][0]
+                    for j in s.savers if segment_of[j] != home or segment_of[j] < 0]
+        triggers += [segments[segment_of[j]][0] for j in s.readers
+                     if segment_of[j] >= 0 and segment_of[j] != home]
+        if triggers:
+            backward_free[min(triggers)] += s.nbytes
+        else:
+            forward_free[n - 1 if s.is_output else s.last_reader] += s.nbytes
+        if home < 0:
+            continue
+        start, stop = segments[home]
+        end = last_recomputed(problem, start, stop)
+        if s.producer > end or (s.producer == end and not problem.saves_own[end]):
+            continue  # the recompute stops before re-creating it
+        recompute_alloc[s.producer] += s.nbytes
+        inner_savers = [j for j in s.savers if start <= j < stop]
+        if inner_savers:
+            backward_free[min(inner_savers)] += s.nbytes
+        else:
+            recompute_free[max([j for j in s.readers if j <= end], default=s.producer)] += s.nbytes
+
+    live = peak = 0
+    seconds, timeline = 0.0, []
+
+    def step(phase, position, alloc, transient, free):
+        nonlocal live, peak
+        live += int(alloc)
+        peak = max(peak, live + int(transient))
+        timeline.append((phase, position, live + int(transient)))
+        live -= int(free)
+
+    for i in range(n):
+        step("forward", i, problem.created_bytes[i], problem.workspace[i], forward_free[i])
+    for i in range(n - 1, -1, -1):
+        k = segment_of[i]
+        if k >= 0 and i == segments[k][1] - 1:
+            start = segments[k][0]
+            end = last_recomputed(problem, start, i + 1)
+            for j in range(start, end + 1):
+                step("recompute", j, recompute_alloc[j], problem.workspace[j], recompute_free[j])
+            seconds += float(problem.seconds[start : end + 1].sum())
+        step("backward", i, problem.activation_grad_alloc[i] + problem.grad_bytes_at[i], 0,
+             problem.activation_grad_free[i] + backward_free[i])
+    return problem.fixed_bytes + peak, seconds, timeline
+
+
+def assert_agree(problem: Problem, segments) -> None:
+    result = simulate(problem, segments, record=True)
+    peak, seconds, timeline = replay(problem, segments)
+    assert result.peak_bytes == peak
+    assert result.recompute_seconds == seconds
+    assert list(result.timeline) == timeline
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10**6), st.integers(3, 40), st.data())
+def test_agrees_with_the_step_by_step_replay_on_random_problems(seed, nodes, data):
+    problem = random_problem(seed, nodes)
+    assert_agree(problem, data.draw(random_segments(problem)))
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet", "gpt", "bert", "unet"])
+def test_agrees_with_the_step_by_step_replay_on_zoo_models(name):
+    from planner import zoo
+    from planner.pipeline import prepare
+    from planner.solvers import SOLVERS
+
+    problem = prepare(*zoo.build(name))[1]
+    allowed = np.flatnonzero(problem.cut_allowed)
+    everything = [(int(a), int(b)) for a, b in zip(allowed, allowed[1:])
+                  if problem.is_valid_segment(a, b)]
+    for segments in ((), SOLVERS["sqrt_n"](problem, 0), SOLVERS["greedy"](problem, 0),
+                     everything, everything[::3]):
+        assert_agree(problem, segments)
