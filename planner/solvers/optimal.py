@@ -27,6 +27,10 @@ the Pareto front of (charged bytes, cost) pairs as sorted numpy arrays; a block 
 front at once, and only a prefix of it (the entries with least ``R``) can fit. When no plan fits,
 the same search scores plans by their highest block peak instead, giving the lowest peak.
 
+The search visits only candidate cuts. The stored nodes between two neighbouring candidates
+form one block (each node must fit on top of what the nodes before it charged), so a search
+pass costs per candidate and per segment tried, not per node.
+
 Exactness and approximations
 ----------------------------
 * Up to ``EXACT_NODES`` nodes the search is exact: fronts are not thinned, every allowed cut is
@@ -37,13 +41,15 @@ Exactness and approximations
 
   - recompute peaks use ``_recompute_bound``, which can only over-estimate (so a plan the
     search accepts fits);
-  - fronts keep one entry per ``bucket = limit // BUCKETS`` bytes of ``R`` (the cheapest);
-    the kept entry may hold up to ``bucket - 1`` bytes more, so the answer costs no more than
-    the best plan (under the bound) that fits ``budget - blocks * bucket``, where ``blocks``
-    counts that plan's blocks;
-  - with more than ``CANDIDATE_CUTS`` allowed cuts, segment boundaries are searched
-    coarse-to-fine (``_search``): the answer is optimal among plans whose boundaries lie in
-    the last pass's candidates, which include the best plan of every earlier pass.
+  - fronts keep two entries per ``bucket = limit // BUCKETS`` bytes of ``R`` (the cheapest
+    and the least ``R``); the cheapest may hold up to ``bucket - 1`` bytes more than a dropped
+    entry, so the answer costs no more than the best plan (under the bound) that fits
+    ``budget - blocks * bucket``, where ``blocks`` counts that plan's blocks;
+  - with more than ``CANDIDATE_CUTS`` allowed cuts, segments are searched coarse-to-fine
+    (``_search``): a coarse pass over ``CANDIDATE_CUTS`` evenly spread cuts, then passes
+    that move the best plan's boundaries to ever closer cuts (``_corridors``). Each pass is
+    optimal among the segments it tries, which include the best plan so far; the answer is
+    the best of all passes.
 
   The search never relies on these alone: ``solve`` replays its plan with ``simulate`` and
   also replays the ``greedy`` and ``sqrt_n`` plans, returning the cheapest that fits. So on
@@ -55,7 +61,7 @@ Exactness and approximations
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -83,6 +89,7 @@ class _Tables:
     made_at: tuple[tuple[int, ...], ...]  # per node: storages it produces
     read_at: tuple[tuple[int, ...], ...]  # per node: storages it reads
     saved_first_at: tuple[tuple[int, ...], ...]  # per node: storages it saves first
+    triggered_at: tuple[frozenset, ...]  # per node: storages crossing or made there it saves
     forward_live: np.ndarray  # per node: bytes alive by being read, plus its workspace
     backward_live: np.ndarray  # per node: gradients alive at its backward
     after_backward: np.ndarray  # per cut: gradients alive once backward reaches it
@@ -93,10 +100,8 @@ class _Tables:
 
 def _tables(problem: Problem) -> _Tables:
     n = problem.size
-    storages = problem.storages
-    nbytes = np.array([s.nbytes for s in storages], dtype=np.int64)
-    producer = np.array([s.producer for s in storages], dtype=np.int64)
-    last_use = np.array([n - 1 if s.is_output else s.last_reader for s in storages], np.int64)
+    storages, arrays = problem.storages, problem.storage_arrays
+    nbytes, producer, last_use = arrays.nbytes, arrays.producer, arrays.last_use
     first_saver = np.array([min(s.savers, default=NEVER) for s in storages], dtype=np.int64)
 
     crossing: list[list[int]] = [[] for _ in range(n + 1)]
@@ -144,6 +149,10 @@ def _tables(problem: Problem) -> _Tables:
         made_at=tuple(map(tuple, made_at)),
         read_at=tuple(map(tuple, read_at)),
         saved_first_at=tuple(map(tuple, saved_first_at)),
+        triggered_at=tuple(
+            frozenset(k for k in (*crossing[x], *made_at[x]) if x in storages[k].savers)
+            for x in range(n)
+        ),
         forward_live=forward_live,
         backward_live=backward_live,
         after_backward=after_backward,
@@ -298,13 +307,13 @@ def _next_mask(t: _Tables, b: int, previous: frozenset, triggered) -> frozenset:
 
 
 def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int) -> np.ndarray:
-    """Indices of the entries no other beats on both charged bytes and value, thinned to the
-    cheapest one per ``bucket`` bytes of charged memory.
+    """Indices of the entries no other beats on both charged bytes and value, thinned to two
+    per ``bucket`` bytes of charged memory.
 
     The front comes out sorted by charged bytes, values strictly decreasing. Thinning keeps, of
-    the entries whose charged bytes share one multiple of ``bucket``, the one of least value; it
-    may hold up to ``bucket - 1`` bytes more than a dropped one. With ``bucket == 1`` nothing
-    is thinned and the front is exact.
+    the entries whose charged bytes share one multiple of ``bucket``, the one of least value
+    (it may hold up to ``bucket - 1`` bytes more than a dropped one) and the one of least
+    memory (what a tight budget needs). With ``bucket == 1`` nothing is thinned.
     """
     order = np.lexsort((value, charged))
     ordered = value[order]
@@ -313,7 +322,8 @@ def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int) -> np.ndarray:
     order = order[keep]
     if bucket > 1 and order.size > 1:
         bins = charged[order] // bucket
-        order = order[np.append(bins[1:] != bins[:-1], True)]
+        change = bins[1:] != bins[:-1]
+        order = order[np.append(True, change) | np.append(change, True)]
     return order
 
 
@@ -332,33 +342,37 @@ class _Search:
     peak_mode: bool
     exact: bool
     bucket: int
+    segment_memo: dict = field(default_factory=dict)
+    step_memo: dict = field(default_factory=dict)
 
-    def run(self, cuts: np.ndarray) -> tuple[float, Segments] | None:
-        """(score, segments) of the best plan whose segments start and end in ``cuts``."""
+    def run(self, corridors: dict[int, np.ndarray]) -> tuple[float, Segments] | None:
+        """(score, segments) of the best plan whose segments are ``[c, b)`` with ``b`` in
+        ``corridors[c]``.
+
+        Only the cuts named there are visited: between two neighbours every node is stored, a
+        run that ``_stored_run`` turns into one block, so a pass costs nothing per node beyond.
+        """
         problem, t, n = self.problem, self.t, self.problem.size
-        cuts = np.unique(cuts)
-        is_cut = np.zeros(n + 1, dtype=bool)
-        is_cut[cuts] = True
-        self.pending: list[dict[frozenset, list]] = [{} for _ in range(n + 1)]
+        named = [np.array([0, n]), np.fromiter(corridors, int), *corridors.values()]
+        positions = np.unique(np.concatenate(named)).tolist()
+        self.pending = {p: {} for p in positions}
         self.states: list[tuple] = []  # (position, charged, value, parent, index, is_segment)
         self.pending[0][frozenset()] = [(np.zeros(1, np.int64), np.zeros(1), -1, False)]
-        for c in range(n):
+        for c, following in zip(positions, positions[1:]):
             here = self._settle(c)
-            triggered = {k for k in (*t.crossing[c], *t.made_at[c]) if _saves(problem, k, c)}
-            stop, ends = c, cuts[:0]
-            if problem.cut_allowed[c] and problem.checkpointable[c] and is_cut[c]:
+            stop, ends = c, np.zeros(0, dtype=np.int64)
+            if c in corridors and problem.cut_allowed[c] and problem.checkpointable[c]:
                 stop = c + int(np.argmin(np.append(problem.checkpointable[c:], False)))
-                ends = cuts[(cuts > c) & (cuts <= stop)]
+                ends = corridors[c][(corridors[c] > c) & (corridors[c] <= stop)]
             if ends.size:
-                recompute, cost = _segment_costs(problem, t, c, stop, self.exact)
+                recompute, cost = self._segment_costs(c, stop)
                 first_touch = [
                     (k, next((j for j in t.touches[k] if j >= c), NEVER)) for k in t.crossing[c]
                 ]
             for mask, state in here:
-                charged, value = self.states[state][1:3]
-                held, local = _stored_local(problem, t, c, mask)
-                following = _next_mask(t, c + 1, mask, triggered)
-                self._extend(state, [c + 1], [following], np.array([local]), np.array([held]),
+                charged = self.states[state][1]
+                local, held, after = self._stored_run(c, following, mask)
+                self._extend(state, [following], [after], np.array([local]), np.array([held]),
                              np.zeros(1), False)
                 if not ends.size:
                     continue
@@ -387,6 +401,32 @@ class _Search:
                 segments.append((self.states[parent[index]][0], position))
             state, index = int(parent[index]), int(previous[index])
         return score, tuple(reversed(segments))
+
+    def _segment_costs(self, c: int, stop: int):
+        """``_segment_costs`` of the segments from ``c``, computed once for all passes."""
+        if c not in self.segment_memo:
+            self.segment_memo[c] = _segment_costs(self.problem, self.t, c, stop, self.exact)
+        return self.segment_memo[c]
+
+    def _stored_run(self, c: int, end: int, mask: frozenset) -> tuple[int, int, frozenset]:
+        """Local peak, charged bytes and mask at ``end`` of keeping every node of ``[c, end)``.
+
+        The nodes are blocks one after the other: node ``x`` must fit on top of the bytes the
+        nodes before it in the run charged, so the run's local peak is the highest of those
+        sums. Steps are memoised by (node, mask), since passes revisit the same runs.
+        """
+        peak, held = None, 0
+        for x in range(c, end):
+            step = self.step_memo.get((x, mask))
+            if step is None:
+                charged, local = _stored_local(self.problem, self.t, x, mask)
+                triggered = self.t.triggered_at[x]
+                step = charged, local, _next_mask(self.t, x + 1, mask, triggered)
+                self.step_memo[(x, mask)] = step
+            charged, local, mask = step
+            peak = held + local if peak is None else max(peak, held + local)
+            held += charged
+        return peak, held, mask
 
     def _extend(self, state, ends, masks, local, held, cost, is_segment) -> None:
         """Extend the front of ``state`` by one block to each of ``ends``, keeping what fits.
@@ -430,7 +470,30 @@ def _coarse_cuts(problem: Problem, allowed: np.ndarray, spacing: int) -> np.ndar
     for first in range(0, allowed.size, spacing):
         window = allowed[first : first + spacing]
         chosen.append(window[int(np.argmin(problem.cut_bytes[window]))])
-    return np.array(chosen)
+    return np.unique(chosen)
+
+
+def _corridors(
+    allowed: np.ndarray, coarse: np.ndarray, plan: Segments, spacing: int
+) -> dict[int, np.ndarray]:
+    """The segments a refining pass may use: those of the coarse pass, plus every segment that
+    starts near the start of a segment of ``plan`` and ends near its end or the next one's.
+
+    "Near" is ``REFINE`` allowed cuts each side, ``spacing`` apart. So a pass moves the plan's
+    boundaries, merges neighbouring segments or falls back to coarse ones, and its number of
+    segments to try grows with the plan, not with the square of the candidates.
+    """
+
+    def near(cut: int) -> np.ndarray:
+        index = np.searchsorted(allowed, cut) + spacing * np.arange(-REFINE, REFINE + 1)
+        return allowed[np.clip(index, 0, allowed.size - 1)]
+
+    ends: dict[int, list[np.ndarray]] = {int(c): [coarse] for c in coarse}
+    for (start, end), (_, following) in zip(plan, (*plan[1:], plan[-1])):
+        targets = np.concatenate([near(end), near(following)])
+        for c in near(start).tolist():
+            ends.setdefault(c, []).append(targets)
+    return {c: np.unique(np.concatenate(arrays)) for c, arrays in ends.items()}
 
 
 def _search(search: _Search) -> tuple[float, Segments] | None:
@@ -438,22 +501,19 @@ def _search(search: _Search) -> tuple[float, Segments] | None:
 
     With more than ``CANDIDATE_CUTS`` allowed cuts, a first pass keeps one cut in every
     ``spacing`` (the one crossed by fewest bytes). Each later pass divides the spacing by
-    ``REFINE`` and adds, around every boundary of the best plan so far, the ``REFINE`` allowed
-    cuts on each side at that spacing, until neighbouring cuts are tried. The best plan so far
-    stays among the candidates, so a pass can only keep or improve it.
+    ``REFINE`` and searches the ``_corridors`` around the best plan so far, until neighbouring
+    cuts are tried. The best plan so far is always among the segments tried, so a pass can
+    only keep or improve it.
     """
     allowed = np.flatnonzero(search.problem.cut_allowed)
     if allowed.size <= CANDIDATE_CUTS:
-        return search.run(allowed)
+        return search.run({int(c): allowed for c in allowed})
     spacing = -(-allowed.size // CANDIDATE_CUTS)
     coarse = _coarse_cuts(search.problem, allowed, spacing)
-    best = search.run(coarse)
-    while best is not None and spacing > 1:
+    best = search.run({int(c): coarse for c in coarse})
+    while best is not None and best[1] and spacing > 1:
         spacing = max(1, spacing // REFINE)
-        bounds = np.searchsorted(allowed, [cut for segment in best[1] for cut in segment])
-        near = (bounds[:, None] + spacing * np.arange(-REFINE, REFINE + 1)).ravel()
-        cuts = np.concatenate([coarse, allowed[np.clip(near, 0, allowed.size - 1)]])
-        found = search.run(cuts)
+        found = search.run(_corridors(allowed, coarse, best[1], spacing))
         if found is not None and found[0] <= best[0]:
             best = found
     return best
