@@ -1,0 +1,82 @@
+"""Specification of ``planner.profile``: what the annotations count, and that a model already on
+the meta device (profiled on meta copies, without ``FakeTensorMode``) is annotated exactly like the
+same model on the CPU (profiled on fake tensors)."""
+
+import pytest
+
+import planner.profile
+from planner import zoo
+from planner.capture import capture
+from planner.profile import COMPUTE_OPS, META_KEYS, profile
+
+SMALL = {
+    "gpt": lambda device: zoo.gpt(
+        layers=2, d_model=32, heads=2, seq=16, vocab=64, batch=2, device=device
+    ),
+    "resnet": lambda device: zoo.resnet(blocks=2, channels=8, batch=2, image=16, device=device),
+    "untraceable": lambda device: zoo.untraceable_mlp(steps=4, width=16, batch=4, device=device),
+}
+
+
+def annotations(gm, inputs):
+    """Every annotation of every compute node, and the Profile's fields but its timing."""
+    result = profile(gm, inputs)
+    nodes = [
+        (node.name, {key: node.meta[key] for key in META_KEYS})
+        for node in gm.graph.nodes
+        if node.op in COMPUTE_OPS
+    ]
+    return nodes, (result.storage_bytes, result.fixed_kind, result.trainable,
+                   result.output_storages)
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_a_meta_model_is_annotated_like_the_same_model_on_the_cpu(name):
+    on_meta, meta_inputs = SMALL[name]("meta")
+    on_cpu, cpu_inputs = SMALL[name](None)
+    assert annotations(capture(on_meta, meta_inputs).graph_module, meta_inputs) == annotations(
+        capture(on_cpu, cpu_inputs).graph_module, cpu_inputs
+    )
+
+
+def test_a_meta_model_is_profiled_without_fake_tensors(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("FakeTensorMode entered for a model on the meta device")
+
+    monkeypatch.setattr(planner.profile, "FakeTensorMode", refuse)
+    model, inputs = zoo.mlp_chain(depth=3, device="meta")
+    profile(capture(model, inputs).graph_module, inputs)
+
+
+def test_the_users_meta_model_and_inputs_are_untouched():
+    # BatchNorm updates its buffers in place; an input that requires grad would get a .grad.
+    model, (images,) = zoo.resnet(blocks=2, channels=8, batch=2, image=16, device="meta")
+    images.requires_grad_()
+    tensors = dict([*model.named_parameters(), *model.named_buffers(), ("images", images)])
+    versions = {name: t._version for name, t in tensors.items()}
+    profile(capture(model, (images,)).graph_module, (images,))
+    after = dict([*model.named_parameters(), *model.named_buffers(), ("images", images)])
+    assert all(after[name] is t for name, t in tensors.items())
+    assert {name: t._version for name, t in after.items()} == versions
+    assert all(t.grad is None for t in after.values())
+
+
+@pytest.mark.parametrize("device", [None, "meta"])
+def test_bytes_moved_counts_what_the_ops_read_and_write(device):
+    # One Linear: addmm reads the input, the weight (through a transposed view) and the bias,
+    # and writes the output. Fake tensors dispatch ``tensor.device`` like an op: it moves nothing.
+    batch, width = 8, 16
+    model, inputs = zoo.mlp_chain(depth=1, width=width, batch=batch, device=device)
+    gm = capture(model, inputs).graph_module
+    profile(gm, inputs)
+    (linear,) = [node for node in gm.graph.nodes if node.op in COMPUTE_OPS]
+    float_bytes = 4
+    moved = float_bytes * (batch * width + width * width + width + batch * width)
+    assert linear.meta["planner.bytes_moved"] == moved
+
+
+@pytest.mark.parametrize("device", [None, "meta"])
+def test_profiling_the_same_graph_twice_gives_the_same_annotations(device):
+    model, inputs = SMALL["gpt"](device)
+    gm = capture(model, inputs).graph_module
+    assert annotations(gm, inputs) == annotations(gm, inputs)
