@@ -304,8 +304,6 @@ def _next_mask(t: _Tables, b: int, previous: frozenset, triggered) -> frozenset:
     )
 
 
-
-
 def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int) -> np.ndarray:
     """Indices of the entries no other beats on both charged bytes and value, thinned to two
     per ``bucket`` bytes of charged memory.
@@ -315,11 +313,14 @@ def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int) -> np.ndarray:
     (it may hold up to ``bucket - 1`` bytes more than a dropped one) and the one of least
     memory (what a tight budget needs). With ``bucket == 1`` nothing is thinned.
     """
-    order = np.lexsort((value, charged))
+    order = np.argsort(charged)
     ordered = value[order]
     keep = np.ones(order.size, dtype=bool)
     keep[1:] = ordered[1:] < np.minimum.accumulate(ordered)[:-1]
     order = order[keep]
+    # Of entries with equal charged bytes, the last kept is the cheapest (values decrease).
+    sizes = charged[order]
+    order = order[np.append(sizes[1:] != sizes[:-1], True)]
     if bucket > 1 and order.size > 1:
         bins = charged[order] // bucket
         change = bins[1:] != bins[:-1]
