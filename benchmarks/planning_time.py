@@ -1,13 +1,14 @@
 """How long planning takes: capture + profile (``prepare``) and each solver, on large graphs.
 
-    .venv/bin/python benchmarks/planning_time.py --quick           # about 20 s
-    .venv/bin/python benchmarks/planning_time.py                   # the full run, about 100 s
-    .venv/bin/python benchmarks/planning_time.py --cap 1200 --out docs/planning_time.md
+    .venv/bin/python benchmarks/planning_time.py --quick           # about 10 s
+    .venv/bin/python benchmarks/planning_time.py                   # the full run, about 30 s
+    .venv/bin/python benchmarks/planning_time.py --nodes 1000 10000 20000
 
 For deep MLPs (``zoo.mlp_chain``: a plain chain, every layer an articulation point) and
 GPT-style stacks (``zoo.gpt``: a pre-LN decoder whose residual stream crosses every cut inside a
-block) built on the meta device (no memory, shapes only) at about 1,000 and 10,000 graph nodes,
-it times ``prepare`` once per graph and then each solver (``sqrt_n``, ``greedy``, ``optimal``)
+block) built on the meta device (no memory, shapes only) at about 1,000 and 10,000 graph
+nodes, after planning a tiny model once (a fresh process pays about 1 s of one-time imports,
+reported apart), it times ``prepare`` once per graph and then each solver (``sqrt_n``, ``greedy``, ``optimal``)
 at one budget that forces checkpointing (greedy's lowest peak plus ``--fraction`` of the way to
 the baseline: every solver can fit it). A solver whose time, extrapolated quadratically from the
 smaller graph of its family, would exceed ``--cap`` seconds is skipped and marked so; one that
@@ -172,6 +173,9 @@ def main(argv=None) -> None:
         args.cap = min(args.cap, 60.0)
 
     started = time.perf_counter()
+    warm_up = time.perf_counter()
+    prepare(*zoo.mlp_chain(depth=2, device="meta"))
+    warm_up = time.perf_counter() - warm_up
     rows = [r for family in args.families
             for r in run_family(family, args.nodes, args.fraction, args.cap)]
     report = [
@@ -181,7 +185,9 @@ def main(argv=None) -> None:
         f"{platform.machine()} ({torch.get_num_threads()} torch threads), torch "
         f"{torch.__version__}, Python {platform.python_version()}. Graphs built on the meta "
         f"device; budget = greedy's lowest peak + {args.fraction:.0%} of the way to the baseline; "
-        f"cap {args.cap:g} s per solve.",
+        f"cap {args.cap:g} s per solve. Before the first graph, planning a 2-layer MLP took "
+        f"{warm_up:.2f} s: the one-time cost of a fresh process (PyTorch imports torch._dynamo "
+        "on the first meta kernel), which the times below do not include.",
         "",
         table(rows),
     ]
