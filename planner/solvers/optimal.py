@@ -47,7 +47,8 @@ Exactness and approximations
     ``budget - blocks * bucket``, where ``blocks`` counts that plan's blocks;
   - with more than ``CANDIDATE_CUTS`` allowed cuts, segments are searched coarse-to-fine
     (``_search``): a coarse pass over ``CANDIDATE_CUTS`` evenly spread cuts, then passes
-    that move the best plan's boundaries to ever closer cuts (``_corridors``). Each pass is
+    that move the best plan's boundaries to ever closer cuts and add short segments near the
+    coarse cuts (``_corridors``). Each pass is
     optimal among the segments it tries, which include the best plan so far; the answer is
     the best of all passes.
 
@@ -73,6 +74,7 @@ NEVER = np.iinfo(np.int64).max
 EXACT_NODES = 48  # up to this many nodes: exact recompute peaks and unthinned fronts
 CANDIDATE_CUTS = 96  # more allowed cuts than this: search coarse-to-fine
 REFINE = 2  # each refining pass tries cuts this many times closer together, this many each side
+SHORT = 8  # refining passes at this spacing or closer also try short segments near coarse cuts
 BUCKETS = 256  # fronts of large problems keep one entry per 1/BUCKETS of the limit
 
 
@@ -346,6 +348,12 @@ class _Search:
     segment_memo: dict = field(default_factory=dict)
     step_memo: dict = field(default_factory=dict)
 
+    @property
+    def segment_tie(self) -> float:
+        """Added to each segment's cost: of plans with equal recompute, prefer fewer segments
+        (a segment that recomputes nothing still costs a checkpoint call and holds its inputs)."""
+        return 1e-12 * float(self.problem.seconds.sum())
+
     def run(self, corridors: dict[int, np.ndarray]) -> tuple[float, Segments] | None:
         """(score, segments) of the best plan whose segments are ``[c, b)`` with ``b`` in
         ``corridors[c]``.
@@ -386,7 +394,8 @@ class _Search:
                     for b in reachable.tolist()
                 ]
                 i = reachable - c - 1
-                self._extend(state, reachable.tolist(), masks, local_b[i], held_b[i], cost[i], True)
+                self._extend(state, reachable.tolist(), masks, local_b[i], held_b[i],
+                             cost[i] + self.segment_tie, True)
         finals = self._settle(n)
         if not finals:
             return None
@@ -450,16 +459,16 @@ class _Search:
         """Turn the blocks that reached ``position`` into Pareto fronts, one state per mask."""
         settled = []
         for mask, chunks in self.pending[position].items():
-            sizes = [len(chunk[0]) for chunk in chunks]
-            charged = np.concatenate([chunk[0] for chunk in chunks])
-            value = np.concatenate([chunk[1] for chunk in chunks])
-            parent = np.repeat([chunk[2] for chunk in chunks], sizes)
-            is_segment = np.repeat([chunk[3] for chunk in chunks], sizes)
-            index = np.arange(charged.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+            fronts, values, parents, segment_flags = zip(*chunks)
+            starts = np.cumsum([0, *map(len, fronts)])[:-1]
+            charged, value = np.concatenate(fronts), np.concatenate(values)
             keep = _pareto(charged, value, self.bucket)
-            self.states.append(
-                (position, charged[keep], value[keep], parent[keep], index[keep], is_segment[keep])
-            )
+            # The chunk each kept entry came from, and its index there (= in the parent front).
+            chunk = np.searchsorted(starts, keep, side="right") - 1
+            self.states.append((
+                position, charged[keep], value[keep], np.array(parents)[chunk],
+                keep - starts[chunk], np.array(segment_flags)[chunk],
+            ))
             settled.append((mask, len(self.states) - 1))
         self.pending[position] = {}
         return settled
@@ -477,12 +486,15 @@ def _coarse_cuts(problem: Problem, allowed: np.ndarray, spacing: int) -> np.ndar
 def _corridors(
     allowed: np.ndarray, coarse: np.ndarray, plan: Segments, spacing: int
 ) -> dict[int, np.ndarray]:
-    """The segments a refining pass may use: those of the coarse pass, plus every segment that
-    starts near the start of a segment of ``plan`` and ends near its end or the next one's.
+    """The segments a refining pass may use: those of the coarse pass, every segment that
+    starts near the start of a segment of ``plan`` and ends near its end or the next one's, and,
+    once ``spacing <= SHORT``, short segments near every coarse cut.
 
     "Near" is ``REFINE`` allowed cuts each side, ``spacing`` apart. So a pass moves the plan's
-    boundaries, merges neighbouring segments or falls back to coarse ones, and its number of
-    segments to try grows with the plan, not with the square of the candidates.
+    boundaries, merges neighbouring segments, falls back to coarse ones or adds short segments
+    (a few cheap ops whose outputs are large: what the coarse grid cannot express), and its
+    number of segments to try grows with the plan and the grid, not with the square of the
+    candidates.
     """
 
     def near(cut: int) -> np.ndarray:
@@ -490,6 +502,10 @@ def _corridors(
         return allowed[np.clip(index, 0, allowed.size - 1)]
 
     ends: dict[int, list[np.ndarray]] = {int(c): [coarse] for c in coarse}
+    for cut in coarse.tolist() if spacing <= SHORT else ():
+        around = near(cut)
+        for c in around.tolist():
+            ends.setdefault(c, []).append(around)
     for (start, end), (_, following) in zip(plan, (*plan[1:], plan[-1])):
         targets = np.concatenate([near(end), near(following)])
         for c in near(start).tolist():
@@ -503,8 +519,9 @@ def _search(search: _Search) -> tuple[float, Segments] | None:
     With more than ``CANDIDATE_CUTS`` allowed cuts, a first pass keeps one cut in every
     ``spacing`` (the one crossed by fewest bytes). Each later pass divides the spacing by
     ``REFINE`` and searches the ``_corridors`` around the best plan so far, until neighbouring
-    cuts are tried. The best plan so far is always among the segments tried, so a pass can
-    only keep or improve it.
+    cuts are tried. The best plan so far is always among the segments tried, but a pass can
+    still miss it (its fronts are thinned at more cuts), so the answer is the best of all
+    passes.
     """
     allowed = np.flatnonzero(search.problem.cut_allowed)
     if allowed.size <= CANDIDATE_CUTS:
