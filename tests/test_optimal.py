@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from planner.graph import Problem, Storage
 from planner.simulate import simulate
 from planner.solvers import SOLVERS
-from planner.solvers import optimal  # noqa: F401  (registers "optimal")
+from planner.solvers import optimal  # registers "optimal"
 from problems import all_plans, budgets
 
 settings.register_profile("ci", max_examples=60, deadline=None,
@@ -210,3 +210,19 @@ def test_real_model_plans_fit_and_beat_the_heuristics(gpt_problem):
             other = simulate(gpt_problem, SOLVERS[name](gpt_problem, budget))
             if other.peak_bytes <= budget:
                 assert best.recompute_seconds <= other.recompute_seconds * (1 + 1e-9)
+
+
+def test_candidate_cuts_sets_the_first_pass_and_every_plan_fits(gpt_problem, monkeypatch):
+    passes = []
+    run = optimal._Search.run
+    monkeypatch.setattr(optimal._Search, "run", lambda self, corridors: passes.append(
+        len(corridors)) or run(self, corridors))
+    allowed = int(gpt_problem.cut_allowed.sum())
+    baseline = simulate(gpt_problem, ()).peak_bytes
+    budget = (simulate(gpt_problem, SOLVERS["optimal"](gpt_problem, 0)).peak_bytes + baseline) // 2
+    for candidate_cuts, first_pass in ((allowed // 4, allowed // 4), (allowed, allowed)):
+        passes.clear()
+        plan = SOLVERS["optimal"](gpt_problem, budget, candidate_cuts=candidate_cuts)
+        assert simulate(gpt_problem, plan).peak_bytes <= budget
+        assert abs(passes[0] - first_pass) <= 2  # one cut per window, plus both ends
+    assert len(passes) == 1  # every allowed cut a candidate: one pass, nothing to refine

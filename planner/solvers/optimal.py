@@ -345,6 +345,7 @@ class _Search:
     peak_mode: bool
     exact: bool
     bucket: int
+    candidate_cuts: int = CANDIDATE_CUTS
     segment_memo: dict = field(default_factory=dict)
     step_memo: dict = field(default_factory=dict)
 
@@ -516,7 +517,7 @@ def _corridors(
 def _search(search: _Search) -> tuple[float, Segments] | None:
     """Best plan over every allowed cut when there are few, else coarse-to-fine.
 
-    With more than ``CANDIDATE_CUTS`` allowed cuts, a first pass keeps one cut in every
+    With more than ``candidate_cuts`` allowed cuts, a first pass keeps one cut in every
     ``spacing`` (the one crossed by fewest bytes). Each later pass divides the spacing by
     ``REFINE`` and searches the ``_corridors`` around the best plan so far, until neighbouring
     cuts are tried. The best plan so far is always among the segments tried, but a pass can
@@ -524,9 +525,9 @@ def _search(search: _Search) -> tuple[float, Segments] | None:
     passes.
     """
     allowed = np.flatnonzero(search.problem.cut_allowed)
-    if allowed.size <= CANDIDATE_CUTS:
+    if allowed.size <= search.candidate_cuts:
         return search.run({int(c): allowed for c in allowed})
-    spacing = -(-allowed.size // CANDIDATE_CUTS)
+    spacing = -(-allowed.size // search.candidate_cuts)
     coarse = _coarse_cuts(search.problem, allowed, spacing)
     best = search.run({int(c): coarse for c in coarse})
     while best is not None and best[1] and spacing > 1:
@@ -545,7 +546,9 @@ def _heuristics(problem: Problem, budget_bytes: int) -> list[Segments]:
 
 
 @register("optimal")
-def solve(problem: Problem, budget_bytes: int, **options) -> Segments:
+def solve(
+    problem: Problem, budget_bytes: int, *, candidate_cuts: int = CANDIDATE_CUTS, **options
+) -> Segments:
     """Least recompute whose simulated peak fits ``budget_bytes``; else the lowest peak found.
 
     Parameters
@@ -556,6 +559,9 @@ def solve(problem: Problem, budget_bytes: int, **options) -> Segments:
         Memory of the whole step, as ``simulate`` counts it (fixed memory included). A budget
         no plan fits (``0`` included) asks for the plan of lowest peak, which
         ``planner.pipeline.lowest_peak`` uses to report the minimum.
+    candidate_cuts
+        Cuts of the first coarse-to-fine pass on graphs with more allowed cuts than this. More
+        can find cheaper plans on large graphs, in more time (docs/solvers.md has figures).
 
     Returns
     -------
@@ -569,7 +575,8 @@ def solve(problem: Problem, budget_bytes: int, **options) -> Segments:
     exact = problem.size <= EXACT_NODES
     limit = budget_bytes - problem.fixed_bytes
     bucket = 1 if exact else max(1, limit // BUCKETS)
-    found = _search(_Search(problem, t, limit, False, exact, bucket)) if limit > 0 else None
+    search = _Search(problem, t, limit, False, exact, bucket, candidate_cuts)
+    found = _search(search) if limit > 0 else None
     plans = [found[1]] if found is not None else []
     results = {plan: simulate(problem, plan) for plan in plans}
     if not exact or not any(r.peak_bytes <= budget_bytes for r in results.values()):
@@ -583,7 +590,7 @@ def solve(problem: Problem, budget_bytes: int, **options) -> Segments:
     known = min(results.values(), key=lambda r: r.peak_bytes).peak_bytes
     lowest = known - problem.fixed_bytes
     peak_bucket = 1 if exact else max(1, lowest // BUCKETS)
-    found = _search(_Search(problem, t, lowest, True, exact, peak_bucket))
+    found = _search(_Search(problem, t, lowest, True, exact, peak_bucket, candidate_cuts))
     if found is not None:
         results[found[1]] = simulate(problem, found[1])
     ranked = {plan: (r.peak_bytes, r.recompute_seconds) for plan, r in results.items()}
