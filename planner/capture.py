@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import operator
 import warnings
 from dataclasses import dataclass
 
@@ -120,7 +121,9 @@ class _Tracer(fx.Tracer):
     def __init__(self, leaf_modules: tuple[type, ...]):
         super().__init__()
         self.leaf_modules = leaf_modules
-        self.tensor_names: tuple[nn.Module | None, dict[int, str]] = (None, {})  # root, names
+        # The root, and for each of its parameters and buffers: id -> (the tensor, its name).
+        # Holding the tensor keeps its id from being reused by another one while tracing.
+        self.tensor_names: tuple[nn.Module | None, dict[int, tuple]] = (None, {})
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         return isinstance(module, self.leaf_modules) or super().is_leaf_module(
@@ -133,12 +136,13 @@ class _Tracer(fx.Tracer):
         name up in a table made once per root instead. Anything else goes to fx as before."""
         if isinstance(a, torch.Tensor):
             if self.tensor_names[0] is not self.root:
-                names: dict[int, str] = {}
+                names: dict[int, tuple] = {}
                 for name, tensor in (*self.root.named_parameters(), *self.root.named_buffers()):
-                    names.setdefault(id(tensor), name)
+                    names.setdefault(id(tensor), (tensor, name))
                 self.tensor_names = (self.root, names)
-            name = self.tensor_names[1].get(id(a))
-            if name is not None:
+            tensor, name = self.tensor_names[1].get(id(a), (None, None))
+            # Still the root's under that name? forward may have replaced it since.
+            if tensor is a and operator.attrgetter(name)(self.root) is a:
                 return self.create_node("get_attr", name, (), {})
         return super().create_arg(a)
 

@@ -327,7 +327,7 @@ class _BackwardMemory(TorchDispatchMode):
             node.meta["planner.backward_high"] = self.high.get(node, 0)
             node.meta["planner.backward_net"] = self.net.get(node, 0)
 
-    def _free(self, cdata: int, reference: weakref.ref) -> None:
+    def _free(self, cdata: int, reference: weakref.ref) -> None:  # a weakref callback
         self.live -= self.tracked.pop(cdata)[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -512,6 +512,10 @@ def profile(gm: fx.GraphModule, args: tuple, kwargs: dict | None = None) -> Prof
             mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
             copies, call = _Copies(functools.partial(mode.from_tensor, static_shapes=True)), _call
         args, kwargs = tree_map_only(torch.Tensor, copies, (args, kwargs))
+        # Every stand-in now, before the run: meta copies are made by ops that the cost mode
+        # would count as memory of the node that first used the tensor.
+        for module in gm.modules():
+            copies(module)
         for p in gm.parameters():
             key = storages.key(copies(p))
             fixed_kind[key] = "parameter"

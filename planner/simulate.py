@@ -170,7 +170,7 @@ def simulate(problem: Problem, segments, *, record: bool = False) -> Simulation:
                              live.tolist()))
     return Simulation(
         peak_bytes=int(problem.fixed_bytes + peak),
-        recompute_seconds=sum(float(problem.seconds[span].sum()) for span in recomputed),
-        recompute_flops=sum(float(problem.flops[span].sum()) for span in recomputed),
+        recompute_seconds=sum((float(problem.seconds[span].sum()) for span in recomputed), 0.0),
+        recompute_flops=sum((float(problem.flops[span].sum()) for span in recomputed), 0.0),
         timeline=timeline,
     )

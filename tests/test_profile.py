@@ -3,6 +3,8 @@ the meta device (profiled on meta copies, without ``FakeTensorMode``) is annotat
 same model on the CPU (profiled on fake tensors)."""
 
 import pytest
+import torch
+from torch import nn
 
 import planner.profile
 from planner import zoo
@@ -80,3 +82,28 @@ def test_profiling_the_same_graph_twice_gives_the_same_annotations(device):
     model, inputs = SMALL["gpt"](device)
     gm = capture(model, inputs).graph_module
     assert annotations(gm, inputs) == annotations(gm, inputs)
+
+
+class Scaled(nn.Module):
+    """Holds a plain tensor attribute (neither parameter nor buffer), read inside the module."""
+
+    def __init__(self, device=None):
+        super().__init__()
+        self.linear = nn.Linear(8, 8, device=device)
+        self.scale = torch.full((8,), 0.5, device=device)
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+@pytest.mark.parametrize("leaf", [False, True])
+def test_tensor_attributes_of_modules_are_annotated_alike_on_meta_and_cpu(leaf):
+    # Kept whole (a leaf module), its attribute is first met while the node runs.
+    results = []
+    for device in ("meta", "cpu"):
+        torch.manual_seed(0)
+        model, inputs = nn.Sequential(Scaled(device), nn.ReLU()), (torch.ones(4, 8, device=device),)
+        leaf_modules = (Scaled,) if leaf else ()
+        results.append(annotations(capture(model, inputs, leaf_modules=leaf_modules).graph_module,
+                                   inputs))
+    assert results[0] == results[1]

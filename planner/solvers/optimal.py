@@ -360,7 +360,8 @@ class _Search:
         ``corridors[c]``.
 
         Only the cuts named there are visited: between two neighbours every node is stored, a
-        run that ``_stored_run`` turns into one block, so a pass costs nothing per node beyond.
+        run that ``_stored_run`` turns into one block (its per-node steps are memoised across
+        passes), so fronts are merged and thinned only at those cuts.
         """
         problem, t, n = self.problem, self.t, self.problem.size
         named = [np.array([0, n]), np.fromiter(corridors, int), *corridors.values()]
