@@ -24,6 +24,7 @@ from planner.solvers.sqrt_n import segments_between
 
 GIB = 2**30
 AUTO_OPTIMAL_MAX_NODES = 50_000
+AUTO_OPTIMAL_SECONDS = 30.0  # auto's time limit for optimal (its best plan by then is kept)
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ def lowest_peak_plan(problem: Problem) -> tuple[Segments, Simulation]:
         segments_between(problem, [c for c in range(problem.size) if problem.cut_allowed[c]]),
     ]
     if "optimal" in SOLVERS and problem.size <= AUTO_OPTIMAL_MAX_NODES:
-        candidates.append(SOLVERS["optimal"](problem, 0))
+        candidates.append(SOLVERS["optimal"](problem, 0, time_limit=AUTO_OPTIMAL_SECONDS))
     return min(((c, simulate(problem, c)) for c in candidates), key=lambda r: r[1].peak_bytes)
 
 
@@ -191,9 +192,10 @@ def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str
     """Run ``solver`` (a name, ``"auto"``, or a callable) and return (name that ran, segments).
 
     ``"auto"`` runs ``optimal`` on graphs of at most ``AUTO_OPTIMAL_MAX_NODES`` nodes (its
-    search takes about 1-3 s at 10,000-20,000 nodes on two CPU cores, growing about linearly),
-    then ``greedy`` and ``sqrt_n``, and keeps the cheapest plan that fits the budget. Name
-    ``solver="optimal"`` to run it on larger graphs anyway.
+    search takes about 1-3 s at 10,000-20,000 nodes on two CPU cores, growing about linearly;
+    past ``AUTO_OPTIMAL_SECONDS`` it stops with the best plan found by then), then ``greedy``
+    and ``sqrt_n``, and keeps the cheapest plan that fits the budget. Name ``solver="optimal"``
+    to run it on larger graphs, without a time limit, anyway.
     """
     if solver != "auto":
         name, solve = get_solver(solver)
@@ -202,7 +204,8 @@ def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str
     for name in ("optimal", "greedy", "sqrt_n"):
         if name not in SOLVERS or (name == "optimal" and problem.size > AUTO_OPTIMAL_MAX_NODES):
             continue
-        segments = tuple(SOLVERS[name](problem, budget, **options))
+        limit = {"time_limit": AUTO_OPTIMAL_SECONDS} if name == "optimal" else {}
+        segments = tuple(SOLVERS[name](problem, budget, **{**limit, **options}))
         result = simulate(problem, segments)
         fits = result.peak_bytes <= budget
         key = (not fits, result.recompute_seconds if fits else result.peak_bytes)

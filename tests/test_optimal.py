@@ -226,3 +226,17 @@ def test_candidate_cuts_sets_the_first_pass_and_every_plan_fits(gpt_problem, mon
         assert simulate(gpt_problem, plan).peak_bytes <= budget
         assert abs(passes[0] - first_pass) <= 2  # one cut per window, plus both ends
     assert len(passes) == 1  # every allowed cut a candidate: one pass, nothing to refine
+
+
+def test_a_time_limit_stops_the_search_and_keeps_the_heuristics_plans(gpt_problem):
+    baseline = simulate(gpt_problem, ()).peak_bytes
+    lowest = simulate(gpt_problem, SOLVERS["optimal"](gpt_problem, 0)).peak_bytes
+    budget = (lowest + baseline) // 2
+    stopped = simulate(gpt_problem, SOLVERS["optimal"](gpt_problem, budget, time_limit=0))
+    heuristics = [simulate(gpt_problem, SOLVERS[name](gpt_problem, budget))
+                  for name in ("greedy", "sqrt_n")]
+    fitting = [h.recompute_seconds for h in heuristics if h.peak_bytes <= budget]
+    assert fitting, "the budget is meant to be reachable by a heuristic"
+    assert stopped.peak_bytes <= budget and stopped.recompute_seconds == min(fitting)
+    searched = simulate(gpt_problem, SOLVERS["optimal"](gpt_problem, budget, time_limit=60))
+    assert searched.recompute_seconds < stopped.recompute_seconds

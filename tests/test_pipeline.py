@@ -330,3 +330,21 @@ def test_leaf_modules_keep_whole_blocks_as_single_checkpointable_nodes():
     for key in grads_original:
         torch.testing.assert_close(grads_planned[key], grads_original[key], rtol=0, atol=0)
     assert peak_memory(plan.module, inputs).peak_bytes <= budget
+
+
+def test_auto_gives_optimal_a_time_limit_and_still_returns_a_plan_that_fits(monkeypatch):
+    model, inputs = SMALL["gpt"]()
+    _, problem = prepare(model, inputs)
+    budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
+    limits = []
+    optimal = planner.SOLVERS["optimal"]
+
+    def recording(problem, budget_bytes, **options):
+        limits.append(options.get("time_limit"))
+        return optimal(problem, budget_bytes, **options)
+
+    monkeypatch.setitem(planner.SOLVERS, "optimal", recording)
+    monkeypatch.setattr(planner.pipeline, "AUTO_OPTIMAL_SECONDS", 0.0)
+    name, segments = planner.pipeline.choose(problem, budget, "auto")
+    assert limits == [0.0]
+    assert simulate(problem, segments).peak_bytes <= budget

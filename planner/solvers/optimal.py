@@ -62,6 +62,8 @@ Exactness and approximations
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -330,6 +332,10 @@ def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int) -> np.ndarray:
     return order
 
 
+class _OutOfTime(Exception):
+    """A search pass ran past the solver's time limit."""
+
+
 @dataclass
 class _Search:
     """One run of the DP over a set of candidate cuts.
@@ -346,6 +352,7 @@ class _Search:
     exact: bool
     bucket: int
     candidate_cuts: int = CANDIDATE_CUTS
+    deadline: float = math.inf  # time.perf_counter() past which a pass stops (_OutOfTime)
     segment_memo: dict = field(default_factory=dict)
     step_memo: dict = field(default_factory=dict)
 
@@ -370,6 +377,8 @@ class _Search:
         self.states: list[tuple] = []  # (position, charged, value, parent, index, is_segment)
         self.pending[0][frozenset()] = [(np.zeros(1, np.int64), np.zeros(1), -1, False)]
         for c, following in zip(positions, positions[1:]):
+            if time.perf_counter() > self.deadline:
+                raise _OutOfTime
             here = self._settle(c)
             stop, ends = c, np.zeros(0, dtype=np.int64)
             if c in corridors and problem.cut_allowed[c] and problem.checkpointable[c]:
@@ -526,16 +535,20 @@ def _search(search: _Search) -> tuple[float, Segments] | None:
     passes.
     """
     allowed = np.flatnonzero(search.problem.cut_allowed)
-    if allowed.size <= search.candidate_cuts:
-        return search.run({int(c): allowed for c in allowed})
-    spacing = -(-allowed.size // search.candidate_cuts)
-    coarse = _coarse_cuts(search.problem, allowed, spacing)
-    best = search.run({int(c): coarse for c in coarse})
-    while best is not None and best[1] and spacing > 1:
-        spacing = max(1, spacing // REFINE)
-        found = search.run(_corridors(allowed, coarse, best[1], spacing))
-        if found is not None and found[0] <= best[0]:
-            best = found
+    best = None
+    try:
+        if allowed.size <= search.candidate_cuts:
+            return search.run({int(c): allowed for c in allowed})
+        spacing = -(-allowed.size // search.candidate_cuts)
+        coarse = _coarse_cuts(search.problem, allowed, spacing)
+        best = search.run({int(c): coarse for c in coarse})
+        while best is not None and best[1] and spacing > 1:
+            spacing = max(1, spacing // REFINE)
+            found = search.run(_corridors(allowed, coarse, best[1], spacing))
+            if found is not None and found[0] <= best[0]:
+                best = found
+    except _OutOfTime:
+        pass  # the best plan of the passes that finished
     return best
 
 
@@ -548,7 +561,12 @@ def _heuristics(problem: Problem, budget_bytes: int) -> list[Segments]:
 
 @register("optimal")
 def solve(
-    problem: Problem, budget_bytes: int, *, candidate_cuts: int = CANDIDATE_CUTS, **options
+    problem: Problem,
+    budget_bytes: int,
+    *,
+    candidate_cuts: int = CANDIDATE_CUTS,
+    time_limit: float | None = None,
+    **options,
 ) -> Segments:
     """Least recompute whose simulated peak fits ``budget_bytes``; else the lowest peak found.
 
@@ -563,6 +581,9 @@ def solve(
     candidate_cuts
         Cuts of the first coarse-to-fine pass on graphs with more allowed cuts than this. More
         can find cheaper plans on large graphs, in more time (docs/solvers.md has figures).
+    time_limit
+        Seconds after which the search stops and keeps the best plan of the passes that
+        finished (the ``greedy`` and ``sqrt_n`` plans are always among the candidates).
 
     Returns
     -------
@@ -576,7 +597,8 @@ def solve(
     exact = problem.size <= EXACT_NODES
     limit = budget_bytes - problem.fixed_bytes
     bucket = 1 if exact else max(1, limit // BUCKETS)
-    search = _Search(problem, t, limit, False, exact, bucket, candidate_cuts)
+    deadline = math.inf if time_limit is None else time.perf_counter() + time_limit
+    search = _Search(problem, t, limit, False, exact, bucket, candidate_cuts, deadline)
     found = _search(search) if limit > 0 else None
     plans = [found[1]] if found is not None else []
     results = {plan: simulate(problem, plan) for plan in plans}
@@ -591,7 +613,9 @@ def solve(
     known = min(results.values(), key=lambda r: r.peak_bytes).peak_bytes
     lowest = known - problem.fixed_bytes
     peak_bucket = 1 if exact else max(1, lowest // BUCKETS)
-    found = _search(_Search(problem, t, lowest, True, exact, peak_bucket, candidate_cuts))
+    found = _search(
+        _Search(problem, t, lowest, True, exact, peak_bucket, candidate_cuts, deadline)
+    )
     if found is not None:
         results[found[1]] = simulate(problem, found[1])
     ranked = {plan: (r.peak_bytes, r.recompute_seconds) for plan, r in results.items()}
