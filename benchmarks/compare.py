@@ -11,7 +11,8 @@ For every model of ``planner.zoo`` (configurations in ``CONFIGS``) and every met
 * ``compile b``: ``torch.compile(backend="aot_eager")`` with ``activation_memory_budget=b``;
 * ``planner``: ``solver="auto"`` and each registered solver, at budgets of 100/50/33/20 % of the
   baseline activation memory (on top of parameters, buffers, inputs and gradients), at each
-  baseline's measured peak, and at the lowest peak the planner can reach;
+  baseline's measured peak, and at the lowest peak the planner can reach, planning with node
+  times measured on the device (``--roofline``: with the default roofline cost model);
 
 it measures the peak memory of one step (the project's CPU live-storage tracker, CUDA allocator
 statistics on CUDA), the step time (all methods interleaved in every repetition; median of the
@@ -43,6 +44,7 @@ if str(ROOT) not in sys.path:  # runnable as a script from a fresh clone, withou
 from benchmarks import baselines, instruments  # noqa: E402
 from benchmarks.report import render_page  # noqa: E402
 from planner import measure, zoo  # noqa: E402
+from planner.graph import CostModel  # noqa: E402
 from planner.pipeline import choose, lowest_peak, plan, prepare  # noqa: E402
 from planner.rewrite import rewrite  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
@@ -115,7 +117,14 @@ def _parse_overrides(items):
     return out
 
 
-def bench_model(name, config, mode, device, reps):
+def cost_model_for(model, args, roofline: bool) -> CostModel:
+    """The planner's cost model: per-node times measured on the benchmark's device (what its
+    step times are measured on), or the default roofline, whose figures describe a GPU."""
+    return CostModel() if roofline else CostModel(
+        measured_seconds=measure.node_seconds(model, args))
+
+
+def bench_model(name, config, mode, device, reps, roofline=False):
     """Measure every method on one model; return its JSON-ready record."""
     _log(f"== {name} {config}")
     t0 = time.perf_counter()
@@ -126,8 +135,8 @@ def bench_model(name, config, mode, device, reps):
     variants.append(none)
     none.measured["memory"] = measure.peak_memory(model, args)
 
-    start = time.perf_counter()
-    captured, problem = prepare(model, args)
+    start = time.perf_counter()  # planning includes timing the nodes for the cost model
+    captured, problem = prepare(model, args, cost_model=cost_model_for(model, args, roofline))
     prepare_seconds = time.perf_counter() - start
     fixed = problem.fixed_bytes + problem.gradient_bytes
     baseline_sim = simulate(problem, ())
@@ -190,7 +199,8 @@ def bench_model(name, config, mode, device, reps):
     # reachable peak when 50 % cannot be met).
     plan_budget = max(budgets[1][1], lowest.peak_bytes)
     begin = time.perf_counter()
-    plan(model, args, budget_bytes=plan_budget)
+    plan(model, args, budget_bytes=plan_budget,
+         cost_model=cost_model_for(model, args, roofline))
     plan_seconds = time.perf_counter() - begin
 
     _log(f"   {len(variants)} variants planned and measured ({time.perf_counter() - t0:.0f} s); "
@@ -329,6 +339,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--reps", type=int, help="timed repetitions (default: by mode)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--device", default=None, help="cpu (default) or cuda")
+    parser.add_argument("--roofline", action="store_true",
+                        help="plan with the default roofline cost model, not measured node times")
     parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/MODE.json)")
     parser.add_argument("--page", type=Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--img-dir", type=Path, default=ROOT / "docs" / "img")
@@ -355,12 +367,14 @@ def main(argv=None) -> dict:
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         machine=machine(),
         solvers=["auto", *BENCHMARKED_SOLVERS],
+        cost_model="roofline" if opts.roofline else "measured",
         compile_budgets=list(MODES[opts.mode]["compile_budgets"]),
         models={},
     )
     for name in opts.models:
         config = {**CONFIGS[name], **overrides.get(name, {})}
-        results["models"][name] = bench_model(name, config, opts.mode, opts.device, reps)
+        results["models"][name] = bench_model(name, config, opts.mode, opts.device, reps,
+                                              opts.roofline)
         gc.collect()
     results["targets"] = evaluate_targets(results["models"])
     results["seconds"] = time.perf_counter() - started

@@ -68,6 +68,17 @@ def _dominated_text(d, auto) -> str:
     return f"dominated: {pairs}"
 
 
+def _cost_model_line(results) -> str:
+    if results.get("cost_model", "roofline") == "measured":
+        return ("- **Planner's cost model**: each node's time measured on the benchmark's device "
+                "(`CostModel(measured_seconds=planner.measure.node_seconds(model, inputs))`, "
+                "counted in the planning times), so plans weigh recompute as this machine runs "
+                "it; `--roofline` plans with the default roofline, whose figures describe a GPU.")
+    return ("- **Planner's cost model**: the default roofline (GPU figures); the step times are "
+            "measured on this machine, so the planner's idea of what is cheap to recompute may "
+            "differ from what is.")
+
+
 def _target_lines(results) -> list[str]:
     t = results["targets"]
     lines = []
@@ -170,6 +181,7 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
         "CUDA allocator statistics on CUDA. Dynamo runs compiled frames eagerly whenever a "
         "`TorchDispatchMode` is active unless the mode declares `ignore_compile_internals()`; "
         "the tracker does, so for `torch.compile` it sees the compiled graph's operators (checked against `torch.profiler` memory events: equal to the byte).",
+        _cost_model_line(results),
         "- **Activations** = peak minus parameters, buffers, inputs and gradients "
         "(`problem.fixed_bytes + problem.gradient_bytes`). Planner budgets of X % are "
         "fixed + gradients + X % of no checkpointing's measured activation peak; `= m` is method "
