@@ -32,34 +32,46 @@ def random_problem(seed: int, nodes: int | None = None) -> Problem:
         storages.append(Storage(nbytes=int(rng.choice([1, 2, 4, 8, 16])), producer=k,
                                 readers=readers, savers=tuple(sorted(savers)),
                                 is_output=k in outputs, requires_grad=True))
-    saves = np.array([any(i in s.savers for s in storages) for i in range(n)])
+    seconds = rng.choice([0.5, 1.0, 3.0, 10.0], n)
+    return problem_of(
+        storages,
+        seconds,
+        workspace=rng.choice([0, 0, 1, 4], n),
+        grad_bytes_at=rng.choice([0, 0, 2], n),
+        activation_grad_alloc=rng.integers(0, 9, n),
+        activation_grad_free=rng.integers(0, 9, n),
+        checkpointable=rng.random(n) > 0.1,
+        cut_allowed=rng.random(n + 1) > 0.15,
+    )
+
+
+def problem_of(storages: list[Storage], seconds, **arrays) -> Problem:
+    """The ``Problem`` of ``storages``, storage ``k`` made by node ``k``: what follows from the
+    storages (created bytes, which nodes save, bytes crossing each cut) is derived; ``arrays``
+    gives the rest (workspace, gradient bookkeeping, checkpointable nodes, allowed cuts)."""
+    n = len(storages)
     cut_delta = np.zeros(n + 2, dtype=np.int64)
     for s in storages:
         end = n if s.is_output else s.last_reader
         cut_delta[s.producer + 1] += s.nbytes
         cut_delta[end + 1] -= s.nbytes
-    seconds = rng.choice([0.5, 1.0, 3.0, 10.0], n)
+    seconds = np.asarray(seconds, dtype=np.float64)
     return Problem(
         names=tuple(f"n{i}" for i in range(n)),
         labels=("op",) * n,
         flops=seconds * 1e12,
         bytes_moved=np.zeros(n),
         seconds=seconds,
-        workspace=rng.choice([0, 0, 1, 4], n).astype(np.int64),
         created_bytes=np.array([s.nbytes for s in storages], dtype=np.int64),
-        saves=saves,
+        saves=np.array([any(i in s.savers for s in storages) for i in range(n)]),
         saves_own=np.array([i in storages[i].savers for i in range(n)]),
-        grad_bytes_at=rng.choice([0, 0, 2], n).astype(np.int64),
-        activation_grad_alloc=rng.integers(0, 9, n).astype(np.int64),
-        activation_grad_free=rng.integers(0, 9, n).astype(np.int64),
-        checkpointable=rng.random(n) > 0.1,
-        cut_allowed=rng.random(n + 1) > 0.15,
         cut_bytes=np.cumsum(cut_delta)[: n + 1],
         articulation_cuts=(),
         storages=tuple(storages),
         fixed_bytes=100,
         parameter_bytes=50,
         gradient_bytes=50,
+        **arrays,
     )
 
 

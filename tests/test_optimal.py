@@ -19,7 +19,7 @@ from planner.graph import Problem, Storage
 from planner.simulate import simulate
 from planner.solvers import SOLVERS
 from planner.solvers import optimal  # registers "optimal"
-from problems import all_plans, budgets
+from problems import all_plans, budgets, problem_of
 
 settings.register_profile("ci", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -46,37 +46,19 @@ def make_problem(sizes, skips, saver_bits, seconds, workspace, blocked, output) 
                                 is_output=output and k == n - 1, requires_grad=True))
     grad_alloc = np.zeros(n, dtype=np.int64)
     grad_free = np.zeros(n, dtype=np.int64)
-    cut_delta = np.zeros(n + 2, dtype=np.int64)
     for s in storages:
         if s.readers:
             grad_alloc[s.last_reader] += s.nbytes
             grad_free[s.producer] += s.nbytes
-        end = n if s.is_output else s.last_reader
-        if end > s.producer:
-            cut_delta[s.producer + 1] += s.nbytes
-            cut_delta[end + 1] -= s.nbytes
-    cut_allowed = np.array([c not in blocked for c in range(n + 1)])
-    return Problem(
-        names=tuple(f"n{i}" for i in range(n)),
-        labels=tuple("op" for _ in range(n)),
-        flops=np.array(seconds, dtype=np.float64) * 1e12,
-        bytes_moved=np.zeros(n),
-        seconds=np.array(seconds, dtype=np.float64),
+    return problem_of(
+        storages,
+        seconds,
         workspace=np.array(workspace, dtype=np.int64),
-        created_bytes=np.array(sizes, dtype=np.int64),
-        saves=np.array([any(i in s.savers for s in storages) for i in range(n)]),
-        saves_own=np.array([i in storages[i].savers for i in range(n)]),
         grad_bytes_at=np.zeros(n, dtype=np.int64),
         activation_grad_alloc=grad_alloc,
         activation_grad_free=grad_free,
         checkpointable=np.ones(n, dtype=bool),
-        cut_allowed=cut_allowed,
-        cut_bytes=np.cumsum(cut_delta)[: n + 1],
-        articulation_cuts=(),
-        storages=tuple(storages),
-        fixed_bytes=100,
-        parameter_bytes=50,
-        gradient_bytes=50,
+        cut_allowed=np.array([c not in blocked for c in range(n + 1)]),
     )
 
 
