@@ -171,13 +171,16 @@ def test_large_problems_fit_and_never_lose_to_the_heuristics(seed):
     for name in ("greedy", "sqrt_n"):
         assert lowest <= simulate(problem, SOLVERS[name](problem, 0)).peak_bytes
     for fraction in (0.0, 0.2, 0.5, 0.8):
-        budget = int(lowest + fraction * (baseline - lowest))
-        best = simulate(problem, SOLVERS["optimal"](problem, budget))
-        assert best.peak_bytes <= budget
-        for name in ("greedy", "sqrt_n"):
-            other = simulate(problem, SOLVERS[name](problem, budget))
-            if other.peak_bytes <= budget:
-                assert best.recompute_seconds <= other.recompute_seconds * (1 + 1e-9)
+        assert_fits_and_beats_the_heuristics(problem, int(lowest + fraction * (baseline - lowest)))
+
+
+def assert_fits_and_beats_the_heuristics(problem: Problem, budget: int) -> None:
+    best = simulate(problem, SOLVERS["optimal"](problem, budget))
+    assert best.peak_bytes <= budget
+    for name in ("greedy", "sqrt_n"):
+        other = simulate(problem, SOLVERS[name](problem, budget))
+        if other.peak_bytes <= budget:
+            assert best.recompute_seconds <= other.recompute_seconds * (1 + 1e-9)
 
 
 def test_real_model_plans_fit_and_beat_the_heuristics(gpt_problem):
@@ -185,13 +188,9 @@ def test_real_model_plans_fit_and_beat_the_heuristics(gpt_problem):
     lowest = simulate(gpt_problem, SOLVERS["optimal"](gpt_problem, 0)).peak_bytes
     assert lowest < baseline
     for fraction in (0.0, 0.3, 0.6, 0.9):
-        budget = int(lowest + fraction * (baseline - lowest))
-        best = simulate(gpt_problem, SOLVERS["optimal"](gpt_problem, budget))
-        assert best.peak_bytes <= budget
-        for name in ("greedy", "sqrt_n"):
-            other = simulate(gpt_problem, SOLVERS[name](gpt_problem, budget))
-            if other.peak_bytes <= budget:
-                assert best.recompute_seconds <= other.recompute_seconds * (1 + 1e-9)
+        assert_fits_and_beats_the_heuristics(
+            gpt_problem, int(lowest + fraction * (baseline - lowest))
+        )
 
 
 def test_candidate_cuts_sets_the_first_pass_and_every_plan_fits(gpt_problem, monkeypatch):

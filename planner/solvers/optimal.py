@@ -65,6 +65,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -286,19 +287,11 @@ def _segment_locals(
     return charged, np.maximum(monotone, recompute + charged), monotone
 
 
-def _stored_local(problem: Problem, t: _Tables, c: int, mask: frozenset):
+def _stored_local(t: _Tables, c: int, mask: frozenset):
     """Charged bytes and local peak of keeping node ``c`` outside every segment."""
-    charged = sum(
-        int(t.nbytes[k])
-        for k in (*t.crossing[c], *t.made_at[c])
-        if k not in mask and c in t.touches[k] and _saves(problem, k, c)
-    )
+    charged = sum(int(t.nbytes[k]) for k in t.triggered_at[c] if k not in mask)
     forward = int(t.forward_live[c]) - sum(int(t.nbytes[k]) for k in mask)
     return charged, max(forward, int(t.backward_live[c]) + charged)
-
-
-def _saves(problem: Problem, k: int, j: int) -> bool:
-    return j in problem.storages[k].savers
 
 
 def _next_mask(t: _Tables, b: int, previous: frozenset, triggered) -> frozenset:
@@ -356,7 +349,7 @@ class _Search:
     segment_memo: dict = field(default_factory=dict)
     step_memo: dict = field(default_factory=dict)
 
-    @property
+    @cached_property
     def segment_tie(self) -> float:
         """Added to each segment's cost: of plans with equal recompute, prefer fewer segments
         (a segment that recomputes nothing still costs a checkpoint call and holds its inputs)."""
@@ -440,7 +433,7 @@ class _Search:
         for x in range(c, end):
             step = self.step_memo.get((x, mask))
             if step is None:
-                charged, local = _stored_local(self.problem, self.t, x, mask)
+                charged, local = _stored_local(self.t, x, mask)
                 triggered = self.t.triggered_at[x]
                 step = charged, local, _next_mask(self.t, x + 1, mask, triggered)
                 self.step_memo[(x, mask)] = step
