@@ -19,7 +19,9 @@ import numbers
 import time
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from planner.errors import PlanningError
 from planner.graph import CostModel, Problem
@@ -162,6 +164,41 @@ def _inputs(make_inputs, micro_batch: int) -> tuple:
     return inputs if isinstance(inputs, tuple) else (inputs,)
 
 
+def _shapes(inputs: tuple) -> list[tuple[int, ...]]:
+    return [tuple(t.shape) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+
+
+def _batch_dims(shapes: list[tuple[int, ...]], size: int) -> set[tuple[int, int]]:
+    """(tensor, dimension) positions of ``shapes`` whose size is ``size``."""
+    return {(i, d) for i, shape in enumerate(shapes) for d, n in enumerate(shape) if n == size}
+
+
+def _check_batch(shapes, micro_batch: int, first: tuple | None) -> tuple:
+    """``first`` for the next size: (size, shapes, positions that may hold the batch) of the
+    first size checked, the positions narrowed to those that held every size so far; an error
+    when ``make_inputs(micro_batch)`` returned inputs of another batch size."""
+    found = _batch_dims(shapes, micro_batch)
+    if first is None:
+        if not found:
+            raise ValueError(
+                f"make_inputs({micro_batch}) returned tensors of shapes {shapes}, none with a "
+                f"dimension of {micro_batch}: make_inputs(batch_size) must return inputs for "
+                "batch_size samples"
+            )
+        return micro_batch, shapes, found
+    size, first_shapes, positions = first
+    if found & positions:
+        return size, first_shapes, found & positions
+    i, d = min(positions)
+    received = shapes[i][d] if i < len(shapes) and d < len(shapes[i]) else "?"
+    raise ValueError(
+        f"make_inputs({micro_batch}) returned inputs of batch size {received}, expected "
+        f"{micro_batch} (dimension {d} of tensor {i}, which is {size} in make_inputs({size}); "
+        f"shapes {shapes} against {first_shapes}): make_inputs(batch_size) must return inputs "
+        "for batch_size samples"
+    )
+
+
 def plan_batch(
     model: nn.Module,
     make_inputs,
@@ -196,7 +233,8 @@ def plan_batch(
         The model, in train mode; never modified.
     make_inputs
         ``make_inputs(batch_size)`` returns example inputs for that many samples: a tensor or a
-        tuple of positional arguments. Only their shapes matter.
+        tuple of positional arguments. Only their shapes matter; one dimension of them, the
+        same for every size, must be ``batch_size``.
     budget_gb, budget_bytes
         Exactly one: the memory of one device for the training step (see :func:`planner.plan`).
     global_batch
@@ -218,8 +256,9 @@ def plan_batch(
     ------
     ValueError
         For a budget, global batch, world size or micro-batch size that is not valid, a global
-        batch not divisible by ``world_size``, or a micro-batch size not dividing the per-rank
-        batch.
+        batch not divisible by ``world_size``, a micro-batch size not dividing the per-rank
+        batch, or inputs from ``make_inputs(m)`` with no dimension of ``m`` samples (checked
+        across sizes: the message gives the expected and the received batch size).
     PlanningError
         When no candidate fits even with maximal recompute; the message gives the minimum memory.
 
@@ -253,6 +292,7 @@ def plan_batch(
     best = None  # (key, option, captured, problem, segments, simulation, solve s)
     smallest_minimum = None  # (micro-batch, steps, lowest peak) of the smallest candidate
     too_big = None  # the smallest accumulating size that cannot fit at all
+    first = None  # the first size's inputs: where they hold the batch (see _check_batch)
     for m in sizes:
         steps = per_rank // m
         if too_big is not None and steps > 1:
@@ -261,9 +301,11 @@ def plan_batch(
                             f"skipped: micro-batch {too_big} already cannot fit")
             )
             continue
+        inputs = _inputs(make_inputs, m)
+        first = _check_batch(_shapes(inputs), m, first)
         captured, problem = prepare(
             model,
-            _inputs(make_inputs, m),
+            inputs,
             cost_model=cost_model,
             optimizer_state_bytes=optimizer_state_bytes,
             leaf_modules=leaf_modules,
@@ -322,6 +364,7 @@ def plan_batch(
         budget_bytes=budget,
         solve_seconds=solve_seconds,
         started=start,
+        leaf_modules=leaf_modules,
     )
     options = [
         dataclasses.replace(o, note="chosen" + (f"; {o.note}" if o.note else ""))

@@ -131,7 +131,10 @@ def load_factory(spec: str):
         module_spec = importlib.util.spec_from_file_location(file.stem, file)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules.setdefault(file.stem, module)
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except SyntaxError as error:
+            raise UsageError(_syntax_error(module_name, error)) from None
     else:
         if "" not in sys.path and os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # like `python -m`: modules in the current folder
@@ -139,6 +142,8 @@ def load_factory(spec: str):
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:
             raise UsageError(f"cannot import {module_name!r}: {error}") from None
+        except SyntaxError as error:
+            raise UsageError(_syntax_error(module_name, error)) from None
     target = module
     for part in attr.split("."):
         try:
@@ -148,6 +153,22 @@ def load_factory(spec: str):
     if not callable(target):
         raise UsageError(f"{spec} is not callable (a factory returning (model, example_inputs))")
     return target
+
+
+def _syntax_error(module_name: str, error: SyntaxError) -> str:
+    where = f"{error.filename or module_name}, line {error.lineno}"
+    return f"cannot load {module_name}: syntax error in {where}: {error.msg}"
+
+
+def _check_outputs(args) -> None:
+    """Output paths must be files in existing folders: found out before planning, not after."""
+    for option in ("json", "html", "draw", "memory_plot"):
+        path = getattr(args, option)
+        flag = "--" + option.replace("_", "-")
+        if path is not None and Path(path).is_dir():
+            raise UsageError(f"{flag} {path} is a directory: give a file path")
+        if path is not None and not Path(path).parent.is_dir():
+            raise UsageError(f"{flag} {path}: there is no directory {Path(path).parent}")
 
 
 def _build(spec: str, kwargs: dict):
@@ -168,6 +189,7 @@ def _plan(args) -> int:
     import planner
 
     try:
+        _check_outputs(args)
         kwargs = _factory_kwargs(args.arg)
         try:
             model, inputs, example_kwargs = _build(args.model, kwargs)

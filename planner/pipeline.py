@@ -6,8 +6,10 @@ import math
 import numbers
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
@@ -18,11 +20,12 @@ from planner.graph import CostModel, Problem, build_problem
 from planner.profile import profile
 from planner.rewrite import rewrite
 from planner.serialize import input_spec
-from planner.simulate import Segments, Simulation, simulate
+from planner.simulate import Segments, Simulation, simulate, validate_segments
 from planner.solvers import SOLVERS, get_solver
 from planner.solvers.sqrt_n import segments_between
 
 GIB = 2**30
+MAX_BUDGET_BYTES = 2**63  # byte counts are int64
 AUTO_OPTIMAL_MAX_NODES = 50_000
 AUTO_OPTIMAL_SECONDS = 30.0  # auto's time limit for optimal (its best plan by then is kept)
 
@@ -35,7 +38,8 @@ class Plan:
     and ``state_dict`` keys). Peaks are bytes of the whole training step (parameters, gradients,
     optimizer state when given, activations, working memory); ``predicted_overhead`` is the
     recompute time as a fraction of a step without checkpointing (forward + backward, taken as
-    three forwards), under the cost model.
+    three forwards), under the cost model. ``leaf_modules`` and ``training`` record how the
+    model was captured (``save`` writes them, so that ``load`` captures it the same way).
     """
 
     segments: Segments
@@ -51,6 +55,8 @@ class Plan:
     module: fx.GraphModule = field(repr=False, compare=False)
     problem: Problem = field(repr=False, compare=False)
     input_spec: dict | None = field(default=None, repr=False, compare=False)
+    leaf_modules: tuple = field(default=(), repr=False, compare=False)
+    training: bool = field(default=True, repr=False, compare=False)
 
     @property
     def baseline_fixed_bytes(self) -> int:
@@ -58,22 +64,31 @@ class Plan:
         return self.problem.fixed_bytes
 
     def segment_table(self) -> list[dict]:
-        """One row per checkpointed segment: positions, node names, boundary and dropped bytes."""
+        """One row per checkpointed segment: positions, node names, inputs and dropped bytes.
+
+        ``input_tensors`` and ``input_bytes`` are the activation storages made before the
+        segment and read inside it: the checkpoint's inputs, which it holds until its backward
+        (as ``simulate`` counts them). Tensors that merely cross the cut on their way to later
+        nodes are not among them. Every rendering of the plan (``str``, the notebook HTML, the
+        graph drawing) shows these rows.
+        """
         saved = self.problem.saved_bytes_per_node()
-        return [
-            {
+        rows = []
+        for k, (start, stop) in enumerate(self.segments):
+            tensors, nbytes = _segment_inputs(self.problem, start, stop)
+            rows.append({
                 "segment": k,
                 "start": start,
                 "stop": stop,
                 "nodes": stop - start,
                 "first": self.problem.names[start],
                 "last": self.problem.names[stop - 1],
-                "input_bytes": int(self.problem.cut_bytes[start]),
+                "input_tensors": tensors,
+                "input_bytes": nbytes,
                 "dropped_bytes": int(saved[start:stop].sum()),
                 "recompute_seconds": float(self.problem.seconds[start:stop].sum()),
-            }
-            for k, (start, stop) in enumerate(self.segments)
-        ]
+            })
+        return rows
 
     def __str__(self) -> str:
         lines = [
@@ -126,6 +141,14 @@ class Plan:
         return serialize.save(self, path, example_inputs, example_kwargs)
 
 
+def _segment_inputs(problem: Problem, start: int, stop: int) -> tuple[int, int]:
+    """(count, bytes) of the activation storages made before ``start`` and read in the segment."""
+    a = problem.storage_arrays
+    inside = (a.read_node >= start) & (a.read_node < stop)
+    kept = np.unique(a.read_storage[inside & (a.producer[a.read_storage] < start)])
+    return int(kept.size), int(a.nbytes[kept].sum())
+
+
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
@@ -139,7 +162,14 @@ def budget_in_bytes(budget_gb, budget_bytes) -> int:
         raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-    return int(value * GIB) if name == "budget_gb" else int(value)
+    nbytes = value * GIB if name == "budget_gb" else value
+    if not nbytes < MAX_BUDGET_BYTES:
+        raise ValueError(
+            f"{name}={value!r} is more bytes than planner counts (below 2**63, "
+            f"budget_gb={MAX_BUDGET_BYTES / GIB:.3g}); for no limit, give the baseline peak "
+            "or any budget larger than it"
+        )
+    return int(nbytes)
 
 
 def _check_model(model: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -167,6 +197,20 @@ def _check_model(model: nn.Module, args: tuple, kwargs: dict) -> None:
         )
 
 
+def _keyword_arguments(example_kwargs) -> dict:
+    if example_kwargs is None:
+        return {}
+    if not isinstance(example_kwargs, Mapping) or not all(
+        isinstance(key, str) for key in example_kwargs
+    ):
+        raise TypeError(
+            f"example_kwargs must be a dict of keyword arguments by name, as in "
+            f"model(*example_inputs, **example_kwargs); got {_short_repr(example_kwargs)}. "
+            "Positional arguments go in the example_inputs tuple."
+        )
+    return dict(example_kwargs)
+
+
 def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
@@ -188,6 +232,34 @@ def lowest_peak(problem: Problem) -> Simulation:
     return lowest_peak_plan(problem)[1]
 
 
+def _solver_result(name: str, result, problem: Problem) -> Segments:
+    """A solver's segments, sorted, as ints; a clear error naming the solver when they are not
+    the ``(start, stop)`` pairs of int positions every solver must return."""
+    pairs = list(result) if isinstance(result, (list, tuple)) else None
+    if pairs is None or not all(
+        isinstance(pair, (list, tuple))
+        and len(pair) == 2
+        and all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in pair)
+        for pair in pairs
+    ):
+        raise TypeError(
+            f"solver {name!r} returned {_short_repr(result)}; a solver must return a tuple of "
+            "(start, stop) pairs of int positions, the half-open segments to checkpoint "
+            "(() for none)"
+        )
+    try:
+        return validate_segments(problem, pairs)
+    except ValueError as error:
+        raise ValueError(f"solver {name!r} returned an invalid plan: {error}") from None
+
+
+def _short_repr(value) -> str:
+    text, kind = repr(value), type(value).__name__
+    if len(text) <= 60:
+        return f"{kind} {text}"
+    return f"a {kind}" + (f" of {len(value)} items" if hasattr(value, "__len__") else "")
+
+
 def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str, Segments]:
     """Run ``solver`` (a name, ``"auto"``, or a callable) and return (name that ran, segments).
 
@@ -199,7 +271,7 @@ def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str
     """
     if solver != "auto":
         name, solve = get_solver(solver)
-        return name, tuple(solve(problem, budget, **options))
+        return name, _solver_result(name, solve(problem, budget, **options), problem)
     best = None
     for name in ("optimal", "greedy", "sqrt_n"):
         if name not in SOLVERS or (name == "optimal" and problem.size > AUTO_OPTIMAL_MAX_NODES):
@@ -229,7 +301,7 @@ def prepare(
 ):
     """Capture, profile and analyse once: (captured, Problem). Reused by sweeps over budgets."""
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    kwargs = dict(example_kwargs or {})
+    kwargs = _keyword_arguments(example_kwargs)
     _check_model(model, args, kwargs)
     captured = capture(model, args, kwargs, leaf_modules=leaf_modules)
     prof = profile(captured.graph_module, args, kwargs)
@@ -309,6 +381,14 @@ def plan(
     result = simulate(problem, segments)
     if result.peak_bytes > budget:
         lowest = lowest_peak(problem)
+        if lowest.peak_bytes <= budget:  # only a named solver can miss a budget auto meets
+            raise PlanningError(
+                f"solver {name!r} returned a plan whose predicted peak is "
+                f"{_mib(result.peak_bytes)} ({result.peak_bytes} bytes), over the budget of "
+                f"{_mib(budget)} ({budget} bytes); plans down to {_mib(lowest.peak_bytes)} "
+                f"({lowest.peak_bytes} bytes, the lowest peak found) exist: use solver='auto', "
+                f"which finds one within this budget, or give {name!r} a larger budget."
+            )
         raise PlanningError(
             f"no plan fits a budget of {_mib(budget)} ({budget} bytes): the lowest predicted "
             f"peak found is {_mib(lowest.peak_bytes)} ({lowest.peak_bytes} bytes) and the "
@@ -327,6 +407,7 @@ def plan(
         solve_seconds=solve_seconds,
         started=start,
         input_spec=input_spec(example_inputs, example_kwargs),
+        leaf_modules=leaf_modules,
     )
 
 
@@ -341,6 +422,7 @@ def assemble(
     solve_seconds: float,
     started: float,
     input_spec: dict | None = None,
+    leaf_modules: tuple = (),
 ) -> Plan:
     """Simulate, rewrite and package chosen segments (shared by plan, load and plan_batch)."""
     baseline = simulate(problem, ())
@@ -360,4 +442,6 @@ def assemble(
         module=rewrite(captured.graph_module, model, segments),
         problem=problem,
         input_spec=input_spec,
+        leaf_modules=tuple(leaf_modules),
+        training=model.training,
     )

@@ -1,18 +1,20 @@
 """Saving plans to JSON and applying them again, without pickle and without re-solving.
 
-A saved plan is a small JSON document (format ``"planner.plan"``, ``"version": 1``)::
+A saved plan is a small JSON document (format ``"planner.plan"``, ``"version": 2``)::
 
     {
-      "format": "planner.plan", "version": 1,
+      "format": "planner.plan", "version": 2,
       "planner_version": "0.1.0", "torch_version": "2.13.0", "model": "GPTWithLoss",
       "solver": "auto:greedy", "capture_method": "symbolic_trace",
+      "capture": {"training": true, "leaf_modules": ["planner.zoo._GPTBlock"]},
       "budget_bytes": 12582912, "optimizer_state_bytes": 0,
       "segments": [{"start": 12, "stop": 24, "first": "blocks_0_attn_qkv", "last": "softmax"}],
       "predictions": {"peak_bytes": ..., "baseline_peak_bytes": ..., "overhead": 0.12,
                       "recompute_flops": ..., "fixed_bytes": ...},
       "timings": {"solve_seconds": 0.02, "planning_seconds": 1.4},
       "inputs": {"args": [{"kind": "tensor", "shape": [4, 64], "dtype": "int64",
-                           "requires_grad": false}], "kwargs": {}},
+                           "requires_grad": false}],
+                 "kwargs": {"labels": {"kind": "same", "as": ["args", 0]}}},
       "graph": {"fingerprint": "sha256:...", "nodes": 161,
                 "signature": [["size", ".size()", 0], ...]}
     }
@@ -21,7 +23,14 @@ Segments are half-open ``(start, stop)`` positions over the captured graph's com
 also the names of their first and last nodes. The fingerprint hashes, for every compute node in
 order, its name, its operation (``call_module`` target, method or function) and the sizes the
 profile derived from its tensor shapes (bytes created, bytes moved, FLOPs), plus the fixed and
-parameter bytes. ``load`` captures and profiles the model again (cheap: fake tensors), checks the
+parameter bytes. ``capture`` records what else decides the captured graph: the model's mode
+(train or eval) and ``leaf_modules`` (qualified class names). ``inputs`` records how the example
+inputs alias: a tensor given again is ``"same"`` as its first occurrence, and a tensor that shares
+its storage with another input, or does not fill its own (a slice, an expanded view), also
+records ``storage`` (a number shared by the tensors of one storage), ``storage_bytes``,
+``offset`` and ``stride``. Version 1 files (no ``capture``, no aliasing) still load.
+
+``load`` captures and profiles the model again (cheap: fake tensors), checks the mode and the
 fingerprint, recomputes the predictions with the simulator and rebuilds the module with
 ``planner.rewrite.rewrite``; it never runs a solver. A plan applied to another model, or to the
 same model with inputs of other shapes, is a ``PlanningError`` naming the first difference.
@@ -35,13 +44,15 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from planner.errors import PlanningError
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "fingerprint", "input_spec", "load", "save", "to_dict"]
 
 FORMAT = "planner.plan"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 adds "capture" and input aliasing; files of version 1 still load
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,51 +116,134 @@ def fingerprint(plan_or_problem) -> str:
 # Example inputs
 
 
-def _spec(value):
-    if isinstance(value, torch.Tensor):
-        return {
+def _storage_key(tensor: torch.Tensor) -> int:
+    if tensor.layout is not torch.strided:
+        raise TypeError(f"a {tensor.layout} tensor")
+    return tensor.untyped_storage()._cdata
+
+
+class _Describer:
+    """Describes example inputs as JSON, aliasing included: a tensor given again is ``"same"``
+    as its first occurrence (``labels=ids``), and tensors that share a storage with another
+    input, or do not fill their own, record the storage and their place in it."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        owners: dict[int, set[int]] = {}
+        for t in tensors:
+            owners.setdefault(_storage_key(t), set()).add(id(t))
+        self.shared = {key for key, ids in owners.items() if len(ids) > 1}
+        self.first_path: dict[int, list] = {}  # id(tensor) -> path of its first occurrence
+        self.storages: dict[int, int] = {}  # storage key -> its number in the file
+        self.tensors = tensors  # keeps the ids above meaningful
+
+    def spec(self, value, path: list):
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, path)
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return {"kind": "value", "value": value}
+        if isinstance(value, (list, tuple)):
+            items = [self.spec(v, [*path, i]) for i, v in enumerate(value)]
+            return {"kind": type(value).__name__, "items": items}
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return {"kind": "dict", "items": {k: self.spec(v, [*path, k]) for k, v in value.items()}}
+        raise TypeError(type(value).__name__)
+
+    def _tensor(self, tensor: torch.Tensor, path: list) -> dict:
+        if id(tensor) in self.first_path:
+            return {"kind": "same", "as": self.first_path[id(tensor)]}
+        self.first_path[id(tensor)] = path
+        spec = {
             "kind": "tensor",
-            "shape": list(value.shape),
-            "dtype": str(value.dtype).removeprefix("torch."),
-            "requires_grad": bool(value.requires_grad),
+            "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "requires_grad": bool(tensor.requires_grad),
         }
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return {"kind": "value", "value": value}
-    if isinstance(value, (list, tuple)):
-        return {"kind": type(value).__name__, "items": [_spec(v) for v in value]}
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {"kind": "dict", "items": {k: _spec(v) for k, v in value.items()}}
-    raise TypeError(type(value).__name__)
+        key = _storage_key(tensor)
+        storage_bytes = tensor.untyped_storage().nbytes()
+        owns_storage = (
+            tensor.is_contiguous()
+            and tensor.storage_offset() == 0
+            and storage_bytes == tensor.numel() * tensor.element_size()
+        )
+        if key in self.shared or not owns_storage:
+            spec |= {
+                "storage": self.storages.setdefault(key, len(self.storages)),
+                "storage_bytes": storage_bytes,
+                "offset": tensor.storage_offset(),
+                "stride": list(tensor.stride()),
+            }
+        return spec
 
 
 def input_spec(example_inputs, example_kwargs=None) -> dict | None:
-    """Shapes and dtypes of example inputs (values of non-tensor arguments), JSON-ready; ``None``
-    when some argument cannot be described (then ``load`` needs the inputs themselves)."""
+    """Shapes and dtypes of example inputs (values of non-tensor arguments) and how they alias
+    each other, JSON-ready; ``None`` when some argument cannot be described (then ``load``
+    needs the inputs themselves)."""
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    kwargs = example_kwargs or {}
     try:
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        describe = _Describer(tensors)
         return {
-            "args": [_spec(a) for a in args],
-            "kwargs": {k: _spec(v) for k, v in (example_kwargs or {}).items()},
+            "args": [describe.spec(a, ["args", i]) for i, a in enumerate(args)],
+            "kwargs": {k: describe.spec(v, ["kwargs", k]) for k, v in kwargs.items()},
         }
     except TypeError:
         return None
 
 
-def _build(spec, device):
-    kind = spec["kind"]
-    if kind == "tensor":
-        # Ones: valid token ids, an attend-everywhere mask; only shapes matter to the planner.
+class _Builder:
+    """Inputs from an ``input_spec``, filled with ones (valid token ids, an attend-everywhere
+    mask; only shapes matter to the planner), aliasing as the spec records."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.built: dict[tuple, torch.Tensor] = {}  # path -> tensor, for "same"
+        self.storages: dict[int, torch.UntypedStorage] = {}
+
+    def build(self, spec, path: list):
+        kind = spec["kind"]
+        if kind == "tensor":
+            tensor = self._tensor(spec)
+            self.built[tuple(path)] = tensor
+            return tensor
+        if kind == "same":
+            try:
+                return self.built[tuple(spec["as"])]
+            except KeyError:
+                raise PlanningError(
+                    f"input {path} of the saved plan is the same as {spec['as']}, which comes "
+                    "later or does not exist; the file was edited or corrupted"
+                ) from None
+        if kind == "value":
+            return spec["value"]
+        if kind in ("list", "tuple"):
+            items = [self.build(s, [*path, i]) for i, s in enumerate(spec["items"])]
+            return tuple(items) if kind == "tuple" else items
+        if kind == "dict":
+            return {k: self.build(s, [*path, k]) for k, s in spec["items"].items()}
+        raise PlanningError(f"unknown input kind {kind!r} in the saved plan")
+
+    def _tensor(self, spec) -> torch.Tensor:
         dtype = getattr(torch, spec["dtype"])
-        t = torch.ones(spec["shape"], dtype=dtype, device=device)
-        return t.requires_grad_(True) if spec.get("requires_grad") else t
-    if kind == "value":
-        return spec["value"]
-    if kind in ("list", "tuple"):
-        items = [_build(s, device) for s in spec["items"]]
-        return tuple(items) if kind == "tuple" else items
-    if kind == "dict":
-        return {k: _build(s, device) for k, s in spec["items"].items()}
-    raise PlanningError(f"unknown input kind {kind!r} in the saved plan")
+        if "storage" not in spec:
+            tensor = torch.ones(spec["shape"], dtype=dtype, device=self.device)
+        else:
+            storage = self.storages.get(spec["storage"])
+            if storage is None:
+                storage = torch.UntypedStorage(spec["storage_bytes"], device=self.device)
+                self.storages[spec["storage"]] = storage
+            tensor = torch.empty(0, dtype=dtype, device=self.device)
+            tensor.set_(storage, spec["offset"], spec["shape"], spec["stride"])
+            tensor.fill_(1)
+        return tensor.requires_grad_(True) if spec.get("requires_grad") else tensor
+
+
+def _build_inputs(spec: dict, device: torch.device) -> tuple[tuple, dict]:
+    build = _Builder(device).build
+    args = tuple(build(s, ["args", i]) for i, s in enumerate(spec["args"]))
+    kwargs = {k: build(s, ["kwargs", k]) for k, s in spec.get("kwargs", {}).items()}
+    return args, kwargs
 
 
 def _model_device(model) -> torch.device:
@@ -191,6 +285,10 @@ def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
         "model": _model_name(plan),
         "solver": str(plan.solver),
         "capture_method": plan.capture_method,
+        "capture": {
+            "training": bool(plan.training),
+            "leaf_modules": [_qualified_name(c) for c in plan.leaf_modules],
+        },
         "budget_bytes": int(plan.budget_bytes),
         "optimizer_state_bytes": int(problem.optimizer_state_bytes),
         "segments": segments,
@@ -212,6 +310,10 @@ def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
             "signature": graph_signature(problem),
         },
     }
+
+
+def _qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _planner_version() -> str:
@@ -236,6 +338,11 @@ def save(plan, path, example_inputs=None, example_kwargs=None) -> Path:
         record of them in the plan) ``load`` must be given the inputs.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; save the plan to a file in it, e.g. "
+                         f"{path / 'plan.json'}")
+    if not path.parent.is_dir():
+        raise ValueError(f"cannot save the plan to {path}: there is no directory {path.parent}")
     data = to_dict(plan, example_inputs, example_kwargs)
     rows = {"segments": data["segments"], "signature": data["graph"]["signature"]}
     data["segments"], data["graph"]["signature"] = "@segments@", "@signature@"
@@ -285,6 +392,48 @@ def _first_difference(saved: list, now: list) -> str:
     return "the nodes match by name and operation but differ in FLOPs, bytes moved or parameters"
 
 
+def _mode(training: bool) -> str:
+    return "train" if training else "eval"
+
+
+def _check_mode(path, data: dict, model, training) -> None:
+    """A plan applies to the mode it was captured in (dropout, BatchNorm statistics)."""
+    if training is None or bool(training) == model.training:
+        return
+    raise PlanningError(
+        f"the plan in {path} was made for {data.get('model', 'a model')} in "
+        f"{_mode(training)} mode, and this {type(model).__name__} is in "
+        f"{_mode(model.training)} mode: call model.{'train' if training else 'eval'}() before "
+        "planner.load (the mode changes the captured graph: dropout, BatchNorm statistics)."
+    )
+
+
+def _unrecorded_options_hint(model, recorded: dict) -> str:
+    """For files of version 1, which recorded neither the mode nor ``leaf_modules``."""
+    if "training" in recorded:
+        return ""
+    hint = " This file does not record how the model was captured:"
+    if not model.training:
+        hint += " the model is in eval mode; if the plan was made in train mode, call model.train();"
+    return hint + " if it was made with leaf_modules=..., pass the same to planner.load."
+
+
+def _leaf_classes(model: nn.Module, names) -> tuple[type, ...]:
+    """The classes among ``model``'s modules (and their bases) with these qualified names.
+
+    A recorded class that no module of ``model`` is an instance of kept nothing whole, so
+    leaving it out captures the same graph.
+    """
+    wanted = set(names)
+    found = {
+        cls
+        for module in model.modules()
+        for cls in type(module).__mro__
+        if _qualified_name(cls) in wanted
+    }
+    return tuple(sorted(found, key=_qualified_name))
+
+
 def load(
     path,
     model,
@@ -292,6 +441,7 @@ def load(
     example_kwargs=None,
     *,
     cost_model=None,
+    leaf_modules=None,
 ):
     """Apply a saved plan to ``model``: capture, profile, check, rewrite; no solving.
 
@@ -300,13 +450,18 @@ def load(
     path : str or path-like
         A file written by ``save`` (``Plan.save``).
     model : torch.nn.Module
-        The model the plan was made for (same architecture and sizes), in train mode. It is not
-        modified: the plan's module shares its parameters.
+        The model the plan was made for (same architecture and sizes), in the mode it was made
+        in (train mode, as a rule: the file records it). It is not modified: the plan's module
+        shares its parameters.
     example_inputs, example_kwargs : optional
         Inputs of the shapes the plan was made for. When omitted, inputs are built from the
         shapes and dtypes recorded in the file (filled with ones).
     cost_model : planner.CostModel, optional
         For the recompute overhead reported by the loaded plan (default: ``CostModel()``).
+    leaf_modules : tuple of module classes, optional
+        As given to ``planner.plan``. By default the classes the file records (by qualified
+        name) among the classes of ``model``'s modules; needed only for files of format
+        version 1, which did not record them.
 
     Returns
     -------
@@ -318,14 +473,19 @@ def load(
     ------
     PlanningError
         When the file is not a saved plan, was written by a newer format, was saved without
-        input shapes and no inputs are given, or when the model's graph differs from the one
-        the plan was made for (the message names the first differing node).
+        input shapes and no inputs are given, when the model is not in the mode (train or eval)
+        the plan was made in, or when the model's graph differs from the one the plan was made
+        for (the message names the first differing node).
     """
     from planner.pipeline import assemble, prepare
     from planner.simulate import validate_segments
 
     data = _read(path)
     start_time = time.perf_counter()
+    recorded = data.get("capture") or {}
+    _check_mode(path, data, model, recorded.get("training"))
+    if leaf_modules is None:
+        leaf_modules = _leaf_classes(model, recorded.get("leaf_modules", ()))
     if example_inputs is None:
         spec = data.get("inputs")
         if spec is None:
@@ -334,9 +494,7 @@ def load(
                 "planner.load(path, model, example_inputs, example_kwargs=...), as given to "
                 "planner.plan (or save with plan.save(path, example_inputs))"
             )
-        device = _model_device(model)
-        example_inputs = tuple(_build(s, device) for s in spec["args"])
-        example_kwargs = {k: _build(s, device) for k, s in spec.get("kwargs", {}).items()}
+        example_inputs, example_kwargs = _build_inputs(spec, _model_device(model))
 
     captured, problem = prepare(
         model,
@@ -344,6 +502,7 @@ def load(
         example_kwargs,
         cost_model=cost_model,
         optimizer_state_bytes=int(data.get("optimizer_state_bytes", 0)),
+        leaf_modules=leaf_modules,
     )
     graph = data["graph"]
     if fingerprint(problem) != graph.get("fingerprint"):
@@ -354,6 +513,7 @@ def load(
             + _first_difference(graph.get("signature", []), graph_signature(problem))
             + ". A plan applies only to the model and input shapes it was made for; "
             "make a new one with planner.plan(model, example_inputs, budget_gb=...)."
+            + _unrecorded_options_hint(model, recorded)
         )
 
     segments = []
@@ -383,4 +543,5 @@ def load(
         solve_seconds=float(data.get("timings", {}).get("solve_seconds", 0.0)),
         started=start_time,
         input_spec=data.get("inputs"),
+        leaf_modules=leaf_modules,
     )

@@ -227,6 +227,7 @@ def frontier(
     solver="auto",
     optimizer_state_bytes: int = 0,
     cost_model: CostModel | None = None,
+    leaf_modules: tuple = (),
 ) -> Frontier:
     """Sweep budgets for ``model``: the least recompute at each, from the lowest peak to none.
 
@@ -236,7 +237,7 @@ def frontier(
 
     Parameters
     ----------
-    model, example_inputs, example_kwargs, optimizer_state_bytes, cost_model
+    model, example_inputs, example_kwargs, optimizer_state_bytes, cost_model, leaf_modules
         As for ``planner.plan``.
     budgets
         Budgets in bytes; default: ``points`` budgets evenly spaced from the lowest peak found
@@ -260,5 +261,5 @@ def frontier(
     (0.0, True)
     """
     _, problem = prepare(model, example_inputs, example_kwargs, cost_model=cost_model,
-                         optimizer_state_bytes=optimizer_state_bytes)
+                         optimizer_state_bytes=optimizer_state_bytes, leaf_modules=leaf_modules)
     return frontier_of(problem, budgets=budgets, points=points, solver=solver)

@@ -101,16 +101,6 @@ def _segment_of(size: int, segments) -> np.ndarray:
     return segment_of
 
 
-def _boundary_storages(problem, start: int, stop: int) -> list:
-    """Activation storages made before ``start`` and read inside ``[start, stop)``: the inputs a
-    checkpointed segment keeps alive until its backward."""
-    return [
-        s
-        for s in problem.storages
-        if s.producer < start and any(start <= r < stop for r in s.readers)
-    ]
-
-
 # --------------------------------------------------------------------------------------------
 # HTML
 
@@ -129,26 +119,22 @@ class _Row:
 
 
 def _segment_rows(plan) -> list[_Row]:
-    problem = plan.problem
-    saved = problem.saved_bytes_per_node()
-    step_seconds = 3 * float(problem.seconds.sum()) or 1.0
-    rows = []
-    for k, (start, stop) in enumerate(plan.segments):
-        boundary = _boundary_storages(problem, start, stop)
-        rows.append(
-            _Row(
-                segment=k,
-                start=start,
-                stop=stop,
-                first=problem.names[start],
-                last=problem.names[stop - 1],
-                boundary_tensors=len(boundary),
-                boundary_bytes=sum(s.nbytes for s in boundary),
-                dropped_bytes=int(saved[start:stop].sum()),
-                recompute_share=float(problem.seconds[start:stop].sum()) / step_seconds,
-            )
+    """``plan.segment_table()``, the one source of segment rows, for the HTML table."""
+    step_seconds = 3 * float(plan.problem.seconds.sum()) or 1.0
+    return [
+        _Row(
+            segment=row["segment"],
+            start=row["start"],
+            stop=row["stop"],
+            first=row["first"],
+            last=row["last"],
+            boundary_tensors=row["input_tensors"],
+            boundary_bytes=row["input_bytes"],
+            dropped_bytes=row["dropped_bytes"],
+            recompute_share=row["recompute_seconds"] / step_seconds,
         )
-    return rows
+        for row in plan.segment_table()
+    ]
 
 
 def _bar(value: float, scale: float, colour: str, label: str) -> str:
@@ -515,6 +501,7 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
             ),
             zorder=2 if data["boundary"] else 1,
         )
+    segment_inputs = [row["input_bytes"] for row in plan.segment_table()]
     for g, group in enumerate(groups):
         colour = (
             _SEGMENT_COLOURS[group.segment % len(_SEGMENT_COLOURS)]
@@ -530,8 +517,7 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
         if group.segment >= 0:
             label += f"\nsegment {group.segment}"
         if starts_segment:
-            start = plan.segments[group.segment][0]
-            label += f" · in {problem.cut_bytes[start] / MIB:.2f} MiB"
+            label += f" · in {segment_inputs[group.segment] / MIB:.2f} MiB"
         ax.text(
             *position[g],
             label,

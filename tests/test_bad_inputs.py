@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 import planner
 from planner.errors import PlanningError
 from planner.pipeline import lowest_peak, prepare
+from planner.simulate import simulate
 from strategies import ModelSpec, assert_equivalent, assert_same_state, build, inputs, model_state
 
 
@@ -53,8 +54,11 @@ def plan_of(model, args, kwargs, **options):
         {"budget_gb": math.inf},
         {"budget_bytes": "1GB"},
         {"budget_bytes": True},
+        {"budget_gb": 1e300},
+        {"budget_bytes": 2**63},
     ],
-    ids=["none", "both", "zero", "negative", "nan", "inf", "string", "bool"],
+    ids=["none", "both", "zero", "negative", "nan", "inf", "string", "bool", "huge gb",
+         "huge bytes"],
 )
 def test_invalid_budget_is_a_value_error(budget):
     model, args, kwargs = small()
@@ -233,3 +237,61 @@ def test_exported_plan_on_another_shape_fails_clearly():
         p.module(torch.randn(7, 8), **dict(kwargs, y=torch.randn(7, 8)))
     with pytest.raises(Exception, match="Guard failed"):
         p.module(*args, **dict(kwargs, flag=False))
+
+
+@pytest.mark.parametrize(
+    "result",
+    [None, "0,2", ((0.0, 2.0),), (0, 2), ((0, 1, 2),), ((True, 2),)],
+    ids=["None", "str", "float bounds", "flat pair", "triple", "bool"],
+)
+def test_a_custom_solver_returning_no_segments_is_named(result):
+    """Regression: these reached rewrite.py and raised a raw TypeError there."""
+    model, args, kwargs = small()
+    before = model_state(model)
+
+    def my_solver(problem, budget_bytes):
+        return result
+
+    with pytest.raises(TypeError, match=r"solver 'my_solver' returned .*; a solver must return "
+                                        r"a tuple of \(start, stop\) pairs of int positions"):
+        plan_of(model, args, kwargs, budget_gb=1, solver=my_solver)
+    assert_same_state(before, model_state(model))
+
+
+def test_a_custom_solver_returning_invalid_segments_is_named():
+    model, args, kwargs = small()
+
+    def my_solver(problem, budget_bytes):
+        return ((0, 999),)
+
+    with pytest.raises(ValueError, match=r"solver 'my_solver' returned an invalid plan: "
+                                         r"segment \(0, 999\) is not valid"):
+        plan_of(model, args, kwargs, budget_gb=1, solver=my_solver)
+
+
+def test_a_solver_plan_over_a_feasible_budget_does_not_ask_for_that_budget():
+    """Regression: the message told the user to raise the budget "to at least" a budget no
+    larger than the one given. It says what is true: the solver's plan needs more, and plans
+    within the budget exist."""
+    model, args, kwargs = small()
+    _, problem = prepare(model, args, kwargs)
+    lowest = lowest_peak(problem).peak_bytes
+    with pytest.raises(PlanningError) as info:
+        plan_of(model, args, kwargs, budget_bytes=lowest, solver=lambda p, b: ())
+    message = str(info.value)
+    baseline = simulate(problem, ()).peak_bytes
+    assert f"({baseline} bytes), over the budget of" in message
+    assert f"plans down to {lowest / 2**20:.1f} MiB ({lowest} bytes, the lowest peak" in message
+    assert "solver='auto'" in message and "at least" not in message
+
+
+@pytest.mark.parametrize(
+    "example_kwargs", [[torch.randn(4, 8)], [("y", torch.randn(4, 8))], (), {1: 2.0}],
+    ids=["list of tensors", "list of pairs", "empty tuple", "int key"],
+)
+def test_example_kwargs_must_be_a_dict_by_name(example_kwargs, monkeypatch):
+    """Regression: a list of pairs planned the whole model, then failed in serialize.py."""
+    model, args, _ = small()
+    monkeypatch.setattr(planner.pipeline, "capture", None)  # refused before any capture
+    with pytest.raises(TypeError, match="example_kwargs must be a dict of keyword arguments"):
+        plan_of(model, args, example_kwargs, budget_gb=1)

@@ -165,3 +165,14 @@ def test_bad_arguments_raise_value_error(model, arguments, message):
 def test_make_inputs_must_be_a_function(model):
     with pytest.raises(ValueError, match="make_inputs must be a function of the batch size"):
         plan_batch(model, make_inputs(2), budget_bytes=2**30, global_batch=8)
+
+
+def test_make_inputs_that_ignores_the_batch_size_is_refused(model):
+    """Every row would be predicted on the wrong batch: the shapes must follow the size asked."""
+    with pytest.raises(ValueError, match=r"make_inputs\(1\) returned tensors of shapes \[\(8, 16\)"):
+        plan_batch(model, lambda b: make_inputs(8), budget_bytes=2**30, global_batch=8)
+    with pytest.raises(ValueError, match=r"make_inputs\(4\) returned inputs of batch size 2, "
+                                         r"expected 4"):
+        plan_batch(model, lambda b: make_inputs(min(b, 2)), budget_bytes=2**30, global_batch=8,
+                   micro_batches=[2, 4])  # fmt: skip
+

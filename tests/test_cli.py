@@ -116,3 +116,29 @@ def test_main_usage_errors_exit_2(capsys):
 def test_traceback_flag_reraises():
     with pytest.raises(Exception):
         cli.main(["plan", "planner.zoo:nothing", "--budget-gb", "1", "--traceback"])
+
+
+def test_entry_point_syntax_error_in_the_model_file_exits_2(tmp_path):
+    """docs/cli.md: a bad model spec or factory is status 2, with one line."""
+    (tmp_path / "broken.py").write_text("def make(:\n    pass\n")
+    result = run("plan", f"{tmp_path / 'broken.py'}:make", "--budget-gb", "1")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("planner: error: cannot load")
+    assert "syntax error in" in result.stderr and "line 1" in result.stderr
+
+
+def test_syntax_error_in_an_imported_model_module_exits_2(tmp_path, monkeypatch, capsys):
+    (tmp_path / "broken_models_xyz.py").write_text("x = = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["plan", "broken_models_xyz:make", "--budget-gb", "1"]) == 2
+    assert "syntax error in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--json", "--html", "--draw", "--memory-plot"])
+def test_output_paths_are_checked_before_planning(option, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("planner.plan", None)  # planning would fail: it must not be reached
+    assert cli.main(["plan", "mlp", "--budget-gb", "1", option, str(tmp_path)]) == 2
+    assert f"{option} {tmp_path} is a directory" in capsys.readouterr().err
+    assert cli.main(["plan", "mlp", "--budget-gb", "1", option, str(tmp_path / "no" / "f")]) == 2
+    assert "there is no directory" in capsys.readouterr().err

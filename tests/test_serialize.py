@@ -155,3 +155,165 @@ def test_fingerprint_depends_on_shapes_not_weights():
     assert serialize.fingerprint(first) == serialize.fingerprint(second)
     assert serialize.fingerprint(first) != serialize.fingerprint(wider)
     assert serialize.fingerprint(first).startswith("sha256:")
+
+
+# --------------------------------------------------------------------------------------------
+# What the file records, so that load captures the model as plan did
+
+
+class Pair(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+class TwoInputs(torch.nn.Module):
+    """``model(ids, labels=ids)``: the Hugging Face pattern of one tensor given twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = Pair(), Pair()
+
+    def forward(self, x, y=None, pair=()):
+        h = self.second(self.first(x))
+        for extra in pair:
+            h = h + extra
+        return (h * y).sum()
+
+
+def _aliased_inputs(case):
+    x = torch.randn(4, 8)
+    wide = torch.randn(4, 24)  # two views of it, and 8 columns no input reads
+    return {
+        "same tensor as arg and kwarg": ((x,), {"y": x}),
+        "same tensor three times": ((x,), {"y": x, "pair": [x]}),
+        "views of one storage": ((wide[:, :8],), {"y": wide[:, 8:16]}),
+        "an expanded view": ((x,), {"y": torch.randn(1, 8).expand(4, 8)}),
+        "a slice of a larger tensor": ((torch.randn(6, 8)[1:5],), {"y": x}),
+        "needs grad and aliased": ((x.requires_grad_(),), {"y": x, "pair": (x, x.detach()[1])}),
+    }[case]
+
+
+@pytest.mark.parametrize("case", [
+    "same tensor as arg and kwarg", "same tensor three times", "views of one storage",
+    "an expanded view", "a slice of a larger tensor", "needs grad and aliased",
+])  # fmt: skip
+def test_aliased_example_inputs_survive_save_and_load(case, tmp_path):
+    """Regression: a tensor given twice was counted once by plan and twice by load."""
+    model = TwoInputs()
+    args, kwargs = _aliased_inputs(case)
+    plan = planner.plan(model, args, example_kwargs=kwargs, budget_gb=1, solver="sqrt_n")
+    loaded = serialize.load(plan.save(tmp_path / "plan.json"), model)
+    assert serialize.fingerprint(loaded) == serialize.fingerprint(plan)
+    assert loaded.segments == plan.segments
+    assert loaded.predicted_peak_bytes == plan.predicted_peak_bytes
+
+
+def test_aliasing_is_recorded_only_where_there_is_some():
+    x = torch.randn(4, 8)
+    spec = serialize.input_spec((x,), {"y": x, "z": torch.randn(2)})
+    assert spec["kwargs"]["y"] == {"kind": "same", "as": ["args", 0]}
+    assert "storage" not in spec["args"][0] and "storage" not in spec["kwargs"]["z"]
+
+
+def _without_capture_record(path):
+    """The file as format version 1 wrote it: no "capture" field."""
+    data = json.loads(path.read_text())
+    del data["capture"]
+    data["version"] = 1
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_plan_made_with_leaf_modules_loads(tmp_path):
+    """Regression: load captured the blocks inlined and refused the plan as another graph."""
+    model, inputs = small_gpt()
+    block = type(model.blocks[0])
+    plan = planner.plan(model, inputs, budget_gb=1, solver="sqrt_n", leaf_modules=(block,))
+    path = plan.save(tmp_path / "plan.json")
+    assert json.loads(path.read_text())["capture"]["leaf_modules"] == [
+        f"{block.__module__}.{block.__qualname__}"
+    ]
+    loaded = serialize.load(path, model)
+    assert loaded.segments == plan.segments and loaded.leaf_modules == (block,)
+    assert serialize.fingerprint(loaded) == serialize.fingerprint(plan)
+
+    old = _without_capture_record(path)  # a version 1 file: leaf_modules must be given
+    with pytest.raises(PlanningError, match="pass the same to planner.load"):
+        serialize.load(old, model)
+    assert serialize.load(old, model, leaf_modules=(block,)).segments == plan.segments
+
+
+def test_frontier_takes_leaf_modules():
+    model, inputs = small_gpt()
+    block = type(model.blocks[0])
+    whole = planner.frontier(model, inputs, points=2, leaf_modules=(block,))
+    _, problem = planner.pipeline.prepare(model, inputs, leaf_modules=(block,))
+    assert whole.lowest_peak_bytes == planner.pipeline.lowest_peak(problem).peak_bytes
+    inlined = planner.frontier(model, inputs, points=2)
+    assert whole.lowest_peak_bytes > inlined.lowest_peak_bytes  # blocks cannot be cut inside
+
+
+GRAPH_OPTIONS = {
+    "keyword tensor": lambda model, x: dict(example_kwargs={"y": torch.randn(4, 8)}),
+    "aliased keyword": lambda model, x: dict(example_kwargs={"y": x}),
+    "non-tensor keyword": lambda model, x: dict(example_kwargs={"y": 2.0}),
+    "nested keyword": lambda model, x: dict(example_kwargs={"y": 1.0, "pair": [x, x * 2]}),
+    "leaf_modules": lambda model, x: dict(example_kwargs={"y": 1.0}, leaf_modules=(Pair,)),
+    "optimizer state": lambda model, x: dict(example_kwargs={"y": 1.0},
+                                             optimizer_state_bytes=1000),
+}
+
+
+@pytest.mark.parametrize("option", sorted(GRAPH_OPTIONS))
+def test_every_option_that_changes_the_graph_survives_save_and_load(option, tmp_path):
+    """``load(path, model)`` alone, without repeating any option, gives the same plan."""
+    model, x = TwoInputs(), torch.randn(4, 8)
+    options = GRAPH_OPTIONS[option](model, x)
+    plan = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n", **options)
+    loaded = serialize.load(plan.save(tmp_path / "plan.json"), model)
+    assert serialize.fingerprint(loaded) == serialize.fingerprint(plan)
+    assert loaded.segments == plan.segments
+    assert loaded.predicted_peak_bytes == plan.predicted_peak_bytes
+    assert loaded.leaf_modules == plan.leaf_modules
+
+
+def test_eval_mode_is_recorded_and_a_mismatch_says_what_to_do(tmp_path):
+    """Regression: loading onto an eval-mode model said "made for another graph"."""
+    model, inputs = small_gpt()
+    path = planner.plan(model, inputs, budget_gb=1, solver="sqrt_n").save(tmp_path / "p.json")
+    model.eval()
+    with pytest.raises(PlanningError, match=r"in train mode, and this GPTWithLoss is in eval "
+                                            r"mode: call model.train\(\)"):
+        serialize.load(path, model)
+    assert not model.training  # untouched
+    with pytest.raises(PlanningError, match=r"model is in eval mode; .* call model.train\(\)"):
+        with pytest.warns(UserWarning, match="eval mode"):  # prepare's, as for plan
+            serialize.load(_without_capture_record(path), model)
+    model.train()
+    assert serialize.load(path, model).training
+
+
+def test_a_plan_made_in_eval_mode_loads_in_eval_mode(tmp_path):
+    model, inputs = small_gpt()
+    model.eval()
+    with pytest.warns(UserWarning, match="eval mode"):
+        plan = planner.plan(model, inputs, budget_gb=1, solver="sqrt_n")
+    path = plan.save(tmp_path / "p.json")
+    with pytest.warns(UserWarning, match="eval mode"):
+        assert serialize.load(path, model).segments == plan.segments
+    model.train()
+    with pytest.raises(PlanningError, match=r"call model.eval\(\)"):
+        serialize.load(path, model)
+
+
+def test_save_to_a_directory_or_a_missing_folder_is_a_clear_error(saved, tmp_path):
+    plan, _, _ = saved
+    with pytest.raises(ValueError, match="is a directory; save the plan to a file in it"):
+        plan.save(tmp_path)
+    with pytest.raises(ValueError, match="there is no directory"):
+        plan.save(tmp_path / "missing" / "plan.json")
+    assert list(tmp_path.iterdir()) == []
