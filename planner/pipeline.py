@@ -235,10 +235,12 @@ def lowest_peak(problem: Problem) -> Simulation:
 def _solver_result(name: str, result, problem: Problem) -> Segments:
     """A solver's segments, sorted, as ints; a clear error naming the solver when they are not
     the ``(start, stop)`` pairs of int positions every solver must return."""
-    pairs = list(result) if isinstance(result, (list, tuple)) else None
+    try:
+        pairs = None if isinstance(result, (str, bytes)) else [tuple(pair) for pair in result]
+    except TypeError:  # not iterable, or items that are not
+        pairs = None
     if pairs is None or not all(
-        isinstance(pair, (list, tuple))
-        and len(pair) == 2
+        len(pair) == 2
         and all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in pair)
         for pair in pairs
     ):

@@ -49,7 +49,16 @@ from torch.utils._pytree import tree_leaves
 
 from planner.errors import PlanningError
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "fingerprint", "input_spec", "load", "save", "to_dict"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "build_inputs",
+    "fingerprint",
+    "input_spec",
+    "load",
+    "save",
+    "to_dict",
+]
 
 FORMAT = "planner.plan"
 FORMAT_VERSION = 2  # 2 adds "capture" and input aliasing; files of version 1 still load
@@ -199,7 +208,7 @@ class _Builder:
     def __init__(self, device: torch.device):
         self.device = device
         self.built: dict[tuple, torch.Tensor] = {}  # path -> tensor, for "same"
-        self.storages: dict[int, torch.UntypedStorage] = {}
+        self.storages: dict[int, torch.Tensor] = {}  # storage number -> the tensor owning it
 
     def build(self, spec, path: list):
         kind = spec["kind"]
@@ -226,20 +235,27 @@ class _Builder:
 
     def _tensor(self, spec) -> torch.Tensor:
         dtype = getattr(torch, spec["dtype"])
-        if "storage" not in spec:
-            tensor = torch.ones(spec["shape"], dtype=dtype, device=self.device)
+        if "storage" in spec:
+            base = self._base(spec["storage"], spec["storage_bytes"], dtype)
+            tensor = base.as_strided(spec["shape"], spec["stride"], spec["offset"])
         else:
-            storage = self.storages.get(spec["storage"])
-            if storage is None:
-                storage = torch.UntypedStorage(spec["storage_bytes"], device=self.device)
-                self.storages[spec["storage"]] = storage
-            tensor = torch.empty(0, dtype=dtype, device=self.device)
-            tensor.set_(storage, spec["offset"], spec["shape"], spec["stride"])
-            tensor.fill_(1)
+            tensor = torch.ones(spec["shape"], dtype=dtype, device=self.device)
         return tensor.requires_grad_(True) if spec.get("requires_grad") else tensor
 
+    def _base(self, storage: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor that owns recorded storage ``storage``, seen as ``dtype``; its inputs are
+        views of it, as the originals were of theirs (a storage made by hand, not by a view,
+        would look smaller to the profile's fake tensors: only as large as its views reach)."""
+        if storage not in self.storages:
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            self.storages[storage] = torch.ones(nbytes // itemsize, dtype=dtype, device=self.device)
+        base = self.storages[storage]
+        return base if base.dtype == dtype else base.view(dtype)
 
-def _build_inputs(spec: dict, device: torch.device) -> tuple[tuple, dict]:
+
+def build_inputs(spec: dict, device: torch.device) -> tuple[tuple, dict]:
+    """``(example_inputs, example_kwargs)`` of the shapes, dtypes and aliasing ``spec`` (from
+    ``input_spec``) records, filled with ones, on ``device``."""
     build = _Builder(device).build
     args = tuple(build(s, ["args", i]) for i, s in enumerate(spec["args"]))
     kwargs = {k: build(s, ["kwargs", k]) for k, s in spec.get("kwargs", {}).items()}
@@ -494,7 +510,7 @@ def load(
                 "planner.load(path, model, example_inputs, example_kwargs=...), as given to "
                 "planner.plan (or save with plan.save(path, example_inputs))"
             )
-        example_inputs, example_kwargs = _build_inputs(spec, _model_device(model))
+        example_inputs, example_kwargs = build_inputs(spec, _model_device(model))
 
     captured, problem = prepare(
         model,

@@ -4,6 +4,9 @@ import json
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils._pytree import tree_leaves
 
 import planner
 from planner import serialize
@@ -217,6 +220,52 @@ def test_aliasing_is_recorded_only_where_there_is_some():
     spec = serialize.input_spec((x,), {"y": x, "z": torch.randn(2)})
     assert spec["kwargs"]["y"] == {"kind": "same", "as": ["args", 0]}
     assert "storage" not in spec["args"][0] and "storage" not in spec["kwargs"]["z"]
+
+
+@st.composite
+def aliased_arguments(draw):
+    """Up to five tensor arguments, each fresh, a tensor given before, or a view (slice,
+    transpose, expand) of one, placed at random among args, kwargs and nested lists."""
+    tensors = []
+    for _ in range(draw(st.integers(1, 5))):
+        how = draw(st.sampled_from(["fresh", "same", "slice", "transpose", "expand"])
+                   if tensors else st.just("fresh"))
+        if how == "fresh":
+            tensors.append(torch.randn(draw(st.integers(1, 4)), draw(st.integers(1, 4))))
+            continue
+        source = draw(st.sampled_from(tensors))
+        if how == "same":
+            tensors.append(source)
+        elif how == "slice":
+            tensors.append(source[draw(st.integers(0, source.shape[0] - 1)):])
+        elif how == "transpose":
+            tensors.append(source.t())
+        else:
+            tensors.append(source[:1].expand(3, *source.shape[1:]))
+    where = [draw(st.sampled_from(["arg", "kwarg", "nested"])) for _ in tensors]
+    args = tuple(t for t, w in zip(tensors, where) if w == "arg")
+    kwargs = {f"k{i}": t for i, (t, w) in enumerate(zip(tensors, where)) if w == "kwarg"}
+    kwargs["nested"] = [[t] for t, w in zip(tensors, where) if w == "nested"]
+    return args, kwargs
+
+
+def _layout(args, kwargs):
+    """Each tensor's shape, stride, offset and storage size, and which tensors are the same
+    object or share a storage (as indices of first occurrence)."""
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    same = [next(j for j, u in enumerate(tensors) if u is t) for t in tensors]
+    keys = [t.untyped_storage()._cdata for t in tensors]
+    shared = [keys.index(k) for k in keys]
+    return same, shared, [(tuple(t.shape), t.stride(), t.storage_offset(),
+                           t.untyped_storage().nbytes()) for t in tensors]  # fmt: skip
+
+
+@given(aliased_arguments())
+def test_rebuilt_inputs_alias_as_the_originals_did(arguments):
+    args, kwargs = arguments
+    spec = json.loads(json.dumps(serialize.input_spec(args, kwargs)))
+    rebuilt = serialize.build_inputs(spec, torch.device("cpu"))
+    assert _layout(*rebuilt) == _layout(args, kwargs)
 
 
 def _without_capture_record(path):
