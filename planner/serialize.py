@@ -143,7 +143,6 @@ class _Describer:
         self.shared = {key for key, ids in owners.items() if len(ids) > 1}
         self.first_path: dict[int, list] = {}  # id(tensor) -> path of its first occurrence
         self.storages: dict[int, int] = {}  # storage key -> its number in the file
-        self.tensors = tensors  # keeps the ids above meaningful
 
     def spec(self, value, path: list):
         if isinstance(value, torch.Tensor):
