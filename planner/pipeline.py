@@ -18,7 +18,7 @@ from planner.capture import capture
 from planner.errors import PlanningError
 from planner.graph import CostModel, Problem, build_problem
 from planner.profile import profile
-from planner.rewrite import rewrite
+from planner.rewrite import rewrite, tensor_arguments
 from planner.serialize import input_spec
 from planner.simulate import Segments, Simulation, simulate, validate_segments
 from planner.solvers import SOLVERS, get_solver
@@ -306,6 +306,8 @@ def prepare(
     kwargs = _keyword_arguments(example_kwargs)
     _check_model(model, args, kwargs)
     captured = capture(model, args, kwargs, leaf_modules=leaf_modules)
+    # The planned module checks that calls pass these again (see planner.rewrite).
+    captured.graph_module.meta["planner.tensor_arguments"] = tensor_arguments(model, args, kwargs)
     prof = profile(captured.graph_module, args, kwargs)
     problem = build_problem(
         captured.graph_module,

@@ -6,17 +6,29 @@ own objects, so its ``state_dict`` has the same keys and trains the same tensors
 a small GraphModule kept in a plain attribute ``segment_<k>`` (not registered as a child, so
 parameter and ``state_dict`` listings stay unchanged); it reaches the same leaf modules, and takes
 parameters read through ``get_attr`` as explicit inputs so that ``.to()`` never leaves it stale.
+
+The planned module is a :class:`PlannedModule`. On every call it checks that it still computes
+what the model computes: in another training mode it runs the model itself, and when the model's
+structure changed since planning it refuses (see its docstring). It reads
+``gm.meta["planner.tensor_arguments"]`` of the captured graph (set by
+``planner.pipeline.prepare``): the forward arguments that were tensors when planning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
+import inspect
 import operator
+import warnings
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from planner.errors import PlanningError
 from planner.graph import compute_nodes
 
 
@@ -25,32 +37,55 @@ class Segment:
 
     A BatchNorm in training mode updates its running statistics on every call, so recomputing
     it would update them twice; ``contexts`` snapshots those buffers before a recompute and puts
-    them back after, leaving them exactly as one forward leaves them.
+    them back after, leaving them exactly as one forward leaves them. The buffers are named, not
+    held: ``.double()`` or ``.to(device)`` on the model replace buffer tensors after planning,
+    so they are looked up through ``root`` (the planned module) when the recompute starts.
     """
 
-    def __init__(self, body: fx.GraphModule, buffers: tuple[torch.Tensor, ...]):
+    def __init__(self, body: fx.GraphModule, modules: tuple[str, ...], tensors: tuple[str, ...]):
         self.body = body
-        self.buffers = buffers
+        self.modules = modules  # targets of the called modules that have buffers
+        self.tensors = tensors  # targets of the buffers the segment reads directly
+        self.root: nn.Module | None = None  # the planned module, set once it is built
 
     def __call__(self, *args):
         return self.body(*args)
+
+    @property
+    def restores_buffers(self) -> bool:
+        return bool(self.modules or self.tensors)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers the segment can write, as the planned module holds them now."""
+        found = {}
+        for target in self.modules:
+            for b in self.root.get_submodule(target).buffers():
+                found[id(b)] = b
+        for target in self.tensors:
+            b = operator.attrgetter(target)(self.root)
+            found[id(b)] = b
+        return list(found.values())
 
     def contexts(self):
         return contextlib.nullcontext(), self._restoring_buffers()
 
     @contextlib.contextmanager
     def _restoring_buffers(self):
+        buffers = self.buffers()
         with torch.no_grad():
-            saved = [b.clone() for b in self.buffers]
+            saved = [b.clone() for b in buffers]
         try:
             yield
         finally:
             with torch.no_grad():
-                for buffer, value in zip(self.buffers, saved):
+                for buffer, value in zip(buffers, saved):
                     buffer.copy_(value)
 
     def __repr__(self):
-        return f"Segment({len(self.body.graph.nodes)} nodes, restores {len(self.buffers)} buffers)"
+        return (
+            f"Segment({len(self.body.graph.nodes)} nodes, restores the buffers of "
+            f"{len(self.modules)} modules and {len(self.tensors)} tensors)"
+        )
 
 
 class _Box:
@@ -112,21 +147,244 @@ def _is_buffer(holder: nn.Module, node: fx.Node) -> bool:
 
 
 def _segment_buffers(holder: nn.Module, members: list[fx.Node], inputs: list[fx.Node]):
-    """Buffers a segment can write: those of the modules it calls and those it reads directly."""
-    buffers = {}
-    for node in members:
-        if node.op == "call_module":
-            for b in holder.get_submodule(node.target).buffers():
-                buffers[id(b)] = b
-    for node in inputs:
-        if node.op == "get_attr":
-            value = operator.attrgetter(node.target)(holder)
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                buffers[id(value)] = value
-    return tuple(buffers.values())
+    """Buffers a segment can write, by name: (targets of the modules it calls that have
+    buffers, targets of the buffers it reads directly)."""
+    modules = [
+        node.target
+        for node in members
+        if node.op == "call_module"
+        and next(holder.get_submodule(node.target).buffers(), None) is not None
+    ]
+    tensors = [node.target for node in inputs if _is_buffer(holder, node)]
+    return tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(tensors))
 
 
-def rewrite(captured: fx.GraphModule, model: nn.Module, segments) -> fx.GraphModule:
+def tensor_arguments(model: nn.Module, args: tuple, kwargs: dict) -> tuple[str, ...]:
+    """Names of ``model.forward``'s arguments that held tensors in the call ``model(*args,
+    **kwargs)``: the planned graph computes with them, so a call must pass them again."""
+    signature = inspect.signature(model.forward)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return ()  # capture reports the mismatch
+    names = []
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind == inspect.Parameter.VAR_KEYWORD:
+            names += [k for k, v in value.items() if _holds_tensor(v)]
+        elif kind != inspect.Parameter.VAR_POSITIONAL and _holds_tensor(value):
+            names.append(name)
+    return tuple(names)
+
+
+def _holds_tensor(value) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
+
+
+def _positions(planned: fx.GraphModule, names) -> tuple[tuple[str, int | None], ...]:
+    """``(name, position)`` of each argument in ``names`` in the planned forward's signature
+    (``None``: keyword only)."""
+    positional = [
+        p.name
+        for p in inspect.signature(planned.forward).parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    return tuple((n, positional.index(n) if n in positional else None) for n in names)
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _is_scalar(value) -> bool:
+    return type(value) in _SCALARS or (
+        type(value) is tuple and all(type(v) in _SCALARS for v in value)
+    )
+
+
+class _Snapshot:
+    """What the planned graph was traced from, compared with the model on every call.
+
+    Tracing bakes into the graph the modules it traced through, the plain attributes their
+    forward read (``self.scale``, ``self.heads``...) and every module's ``training`` flag. The
+    modules the graph calls (``call_module`` nodes) read their own attributes and children when
+    they run, so they are compared only by identity. Parameters and buffers are read through
+    the modules when the graph runs, so they may be replaced (``.double()``, FSDP2's sharding).
+    """
+
+    def __init__(self, model: nn.Module, called: set[str], tensor_arguments):
+        self.model = model
+        self.module_dicts = [m.__dict__ for m in model.modules()]
+        self.flags = list(map(_TRAINING, self.module_dicts))
+        inside_called = {
+            id(sub)
+            for name, module in model.named_modules()
+            if name in called
+            for sub in module.modules()
+        }
+        traced = [
+            (name, m) for name, m in model.named_modules() if id(m) not in inside_called
+        ]
+        # Flat lists, compared with map() on every call: a few microseconds per hundred modules.
+        self.names = [name for name, _ in traced]
+        self.children = [m._modules for _, m in traced]
+        self.sizes = list(map(len, self.children))
+        self.child_dicts = [c for c in self.children for _ in c]
+        self.child_keys = [k for c in self.children for k in c]
+        self.child_values = [v for c in self.children for v in c.values()]
+        self.attributes = [
+            (f"{name}.{key}".lstrip("."), m.__dict__, key, value)
+            for name, m in traced
+            for key, value in vars(m).items()
+            if not key.startswith("_") and key != "training" and _is_scalar(value)
+        ]
+        self.attribute_dicts = [a[1] for a in self.attributes]
+        self.attribute_keys = [a[2] for a in self.attributes]
+        self.attribute_values = [a[3] for a in self.attributes]
+        self.tensor_arguments = tensor_arguments
+        self.warned = False
+
+    def mode_changed(self) -> bool:
+        return list(map(_TRAINING, self.module_dicts)) != self.flags
+
+    def check_unchanged(self, planned_name: str) -> None:
+        """Raise a PlanningError when a module or attribute the graph was traced from changed."""
+        if (
+            list(map(len, self.children)) == self.sizes
+            and list(map(dict.get, self.child_dicts, self.child_keys)) == self.child_values
+            and list(map(dict.get, self.attribute_dicts, self.attribute_keys))
+            == self.attribute_values
+        ):
+            return
+        before = {}
+        for d, k, v in zip(self.child_dicts, self.child_keys, self.child_values):
+            before.setdefault(id(d), {})[k] = v
+        changes = [
+            _module_change(name, before.get(id(now), {}), now)
+            for name, now in zip(self.names, self.children)
+            if before.get(id(now), {}) != now
+        ] + [
+            f"{name} changed from {value!r} to {d.get(key)!r}"
+            for name, d, key, value in self.attributes
+            if d.get(key) != value
+        ]
+        raise PlanningError(
+            f"{type(self.model).__name__} changed after planning: {'; '.join(changes[:4])}"
+            f"{'; ...' if len(changes) > 4 else ''}. {planned_name} runs the graph traced "
+            "before the change and would compute something else. Plan again "
+            "(planner.plan(model, ...), or planner.load(path, model) for a saved plan)."
+        )
+
+    def check_tensor_arguments(self, planned_name: str, args: tuple, kwargs: dict) -> None:
+        for name, position in self.tensor_arguments:
+            given = position is not None and position < len(args)
+            if (args[position] if given else kwargs.get(name)) is None:
+                raise PlanningError(
+                    f"{planned_name}() needs the tensor argument {name!r}: the plan was made "
+                    f"with {name}= given, and its graph computes with it. Pass it, or plan "
+                    f"again without {name}= to call the model without it."
+                )
+
+    def run_model(self, args: tuple, kwargs: dict):
+        """The model itself, for a mode the plan was not made in."""
+        if torch.is_grad_enabled() and not self.warned:
+            self.warned = True
+            before, now = self.flags[0], self.model.training
+            warnings.warn(
+                f"the planned {type(self.model).__name__} runs with other training flags than "
+                f"it was planned with (model.training {before} then, {now} now): it calls the "
+                "model directly, so the plan's checkpointing is not applied (results are "
+                "exact, memory is not reduced). Plan in this mode to checkpoint in it, or call "
+                "it under torch.no_grad().",
+                stacklevel=4,
+            )
+        return self.model(*args, **kwargs)
+
+
+_TRAINING = operator.itemgetter("training")
+
+
+def _module_change(name: str, before: dict, now: dict) -> str:
+    """Which children of the module ``name`` were replaced, added or removed."""
+    where = f"{name}." if name else ""
+    replaced = [k for k in before if k in now and now[k] is not before[k]]
+    parts = [f"{where}{k} replaced" for k in replaced]
+    parts += [f"{where}{k} added" for k in now if k not in before]
+    parts += [f"{where}{k} removed" for k in before if k not in now]
+    return ", ".join(parts)
+
+
+class PlannedModule(fx.GraphModule):
+    """The planned module: the rewritten graph, and checks that it still matches the model.
+
+    Every call first compares the training flags of the model's modules with those at planning.
+    In another mode (``model.eval()``, ``planned.eval()``) the traced graph would still behave as
+    in the planning mode (dropout, ``if self.training:``), so the model itself runs instead,
+    exactly, with a warning (once) when gradients are enabled. Otherwise a module replaced,
+    added or removed, or a plain attribute (``self.scale = ...``) changed in a part of the model
+    the graph traced through raises a ``PlanningError``, as does a tensor argument of the
+    planning call left out. ``train()`` sets the model's mode (through the model's own
+    ``train``); ``.to()``, ``.double()``... convert the model's tensors, root ones included.
+    Pickling refuses: the module is tied to the model object it was planned from.
+    """
+
+    def recompile(self):
+        code = super().recompile()
+        cls = type(self)
+        graph_forward = cls.forward
+
+        @functools.wraps(graph_forward)
+        def forward(self, *args, **kwargs):
+            return self._checked_call(graph_forward, args, kwargs)
+
+        cls.forward = forward
+        return code
+
+    def _checked_call(self, graph_forward, args: tuple, kwargs: dict):
+        snapshot = self._planner
+        if snapshot.mode_changed():
+            return snapshot.run_model(args, kwargs)
+        name = type(self).__name__
+        snapshot.check_unchanged(name)
+        snapshot.check_tensor_arguments(name, args, kwargs)
+        # Root buffers are entries of both modules' own dicts: model.double() replaces the
+        # model's; the graph reads the planned module's.
+        self._buffers.update(snapshot.model._buffers)
+        return graph_forward(self, *args, **kwargs)
+
+    def train(self, mode: bool = True):
+        model = self._planner.model
+        model.train(mode)  # the model's own train(), which may keep some modules in eval
+        self.training = mode
+        for name, child in self._modules.items():
+            if name not in model._modules:  # what only the captured graph has
+                child.train(mode)
+        return self
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        model = self._planner.model
+        for table in ("_parameters", "_buffers"):
+            own, users = getattr(self, table), getattr(model, table)
+            for key in users.keys() & own.keys():
+                users[key] = own[key]
+        return self
+
+    def __deepcopy__(self, memo):
+        copied = super().__deepcopy__(memo)
+        copied._planner = copy.deepcopy(self._planner, memo)
+        _share_user_state(copied, copied._planner.model)
+        return copied
+
+    def __reduce__(self):
+        raise PlanningError(
+            f"{type(self).__name__} cannot be pickled (pickle.dumps, torch.save): it is tied to "
+            "the model object it was planned from. Save the plan and the weights instead: "
+            "plan.save(path) and torch.save(model.state_dict(), ...), then later "
+            "planner.load(path, model) on the rebuilt model."
+        )
+
+
+def rewrite(captured: fx.GraphModule, model: nn.Module, segments) -> PlannedModule:
     """A GraphModule computing what ``captured`` computes, with ``segments`` checkpointed.
 
     ``segments`` are ``(start, stop)`` positions over ``planner.graph.compute_nodes(captured)``.
@@ -139,24 +397,33 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, segments) -> fx.GraphMod
     graph = fx.Graph()
     graph._codegen = captured.graph._codegen  # keeps torch.export's input/output pytree handling
     env: dict[fx.Node, fx.Node] = {}
+    built = []
     for node in captured.graph.nodes:
         if node in first:
             k, members = first[node]
-            _checkpoint_segment(graph, env, holder, f"segment_{k}", members)
+            built.append(_checkpoint_segment(graph, env, holder, f"segment_{k}", members))
         elif node not in inside and node not in env:
             env[node] = graph.node_copy(node, lambda n: env[n])
 
-    planned = fx.GraphModule(holder, graph, class_name=f"Planned{type(model).__name__}")
+    planned = PlannedModule(holder, graph, class_name=f"Planned{type(model).__name__}")
     _share_user_state(planned, model)
     # Only the flag, not .train()/.eval(): those would recurse into the user's own children.
     planned.training = holder.training = model.training
     planned.graph.lint()
     planned.recompile()
+    planned._planner = _Snapshot(
+        model,
+        called={n.target for n in captured.graph.find_nodes(op="call_module")},
+        tensor_arguments=_positions(planned, captured.meta.get("planner.tensor_arguments", ())),
+    )
+    for segment in built:
+        segment.root = planned
     return planned
 
 
 def _checkpoint_segment(graph, env, holder, name: str, members: list[fx.Node]) -> None:
-    """Append to ``graph`` a checkpoint call of ``members`` as a ``Segment`` named ``name``."""
+    """Append to ``graph`` a checkpoint call of ``members`` as a ``Segment`` named ``name``;
+    return the segment."""
     member_set = set(members)
     inputs = list(
         dict.fromkeys(a for m in members for a in m.all_input_nodes if a not in member_set)
@@ -171,7 +438,7 @@ def _checkpoint_segment(graph, env, holder, name: str, members: list[fx.Node]) -
     for m in members:
         body_env[m] = body.node_copy(m, lambda n: body_env[n])
     body.output(tuple(body_env[m] for m in outputs))
-    segment = Segment(fx.GraphModule(holder, body), _segment_buffers(holder, members, inputs))
+    segment = Segment(fx.GraphModule(holder, body), *_segment_buffers(holder, members, inputs))
     holder.__dict__[name] = segment  # a plain attribute, not a child: state_dict stays the user's
 
     for a in inputs:
@@ -179,7 +446,7 @@ def _checkpoint_segment(graph, env, holder, name: str, members: list[fx.Node]) -
             env[a] = graph.node_copy(a, lambda n: env[n])
     callee = graph.get_attr(name)
     kwargs = {"use_reentrant": False, "preserve_rng_state": True}
-    if segment.buffers:
+    if segment.restores_buffers:
         kwargs["context_fn"] = graph.call_function(getattr, (callee, "contexts"))
     args = (
         callee,
@@ -188,3 +455,4 @@ def _checkpoint_segment(graph, env, holder, name: str, members: list[fx.Node]) -
     call = graph.create_node("call_function", checkpoint, args, kwargs, name=f"{name}_outputs")
     for index, m in enumerate(outputs):
         env[m] = graph.create_node("call_function", operator.getitem, (call, index), name=m.name)
+    return segment

@@ -1,0 +1,426 @@
+"""Specification of the planned module after planning: moves, modes, pickling, calls, changes.
+
+The planned module shares the model's modules, parameters and buffers. Whatever a user does to
+either of them after planning (``.double()``, ``.to("meta")``, ``.eval()``, replacing a
+submodule, leaving out an argument, pickling) must give exactly what the unplanned model gives
+after the same thing, or a clear ``PlanningError``. Each comparison uses an untouched deep copy
+of the model as the reference and ``strategies.assert_equivalent`` (outputs, every gradient,
+RNG state and every buffer, exactly).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import pickle
+import warnings
+import weakref
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+import planner
+from planner import zoo
+from planner.pipeline import lowest_peak, prepare
+from planner.rewrite import rewrite
+from strategies import ModelSpec, assert_equivalent, build, inputs, model_specs, random_segments
+
+EXAMPLES = settings.default.max_examples
+
+
+def tight_plan(model, args, kwargs=None):
+    """A plan at the lowest achievable peak: as many checkpointed segments as it takes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        _, problem = prepare(model, args, kwargs)
+        p = planner.plan(
+            model, args, budget_bytes=lowest_peak(problem).peak_bytes, example_kwargs=kwargs
+        )
+    assert p.segments, "the test needs checkpointed segments"
+    return p
+
+
+def exported_batchnorm_model():
+    """Linear, BatchNorm, dropout...: a forward symbolic_trace rejects, so torch.export captures."""
+    spec = ModelSpec(
+        kind="dense", width=8, batch=4, spatial=3,
+        ops=(("layer", False), ("norm", "bn"), ("act", "tanh"), ("dropout", 0.5),
+             ("layer", False), ("norm", "bn"), ("act", "gelu"), ("layer", False)),
+        frozen=0, tie=False, output="tensor", extra_input=False, scale=None, flag=False,
+        untraceable=True, input_requires_grad=True, seed=3,
+    )
+    args, kwargs = inputs(spec)
+    return build(spec), args, kwargs
+
+
+def traced_batchnorm_model():
+    model, args = zoo.resnet(blocks=2, channels=8, batch=4, image=8)
+    return model, args, {}
+
+
+MODELS = {"symbolic_trace": traced_batchnorm_model, "export": exported_batchnorm_model}
+
+
+def to_double(tree):
+    return tree_map_only(
+        torch.Tensor, lambda t: t.detach().double().requires_grad_(t.requires_grad), tree
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# dtype and device moves after planning (buffers are looked up when a segment runs)
+
+MOVES = {
+    "planned.double()": lambda p, model: p.module.double(),
+    "planned.to(float64)": lambda p, model: p.module.to(torch.float64),
+    "model.double()": lambda p, model: model.double(),
+}
+
+
+@pytest.mark.parametrize("capture", MODELS)
+@pytest.mark.parametrize("move", MOVES)
+def test_a_dtype_move_after_planning_trains_exactly_like_the_moved_model(capture, move):
+    model, args, kwargs = MODELS[capture]()
+    reference = copy.deepcopy(model)
+    p = tight_plan(model, args, kwargs)
+    assert p.capture_method == capture
+    MOVES[move](p, model)
+    reference.double()
+    assert all(t.dtype == torch.float64 for t in model.state_dict().values() if t.is_floating_point())
+    assert_equivalent(reference, model, p.module, to_double(args), to_double(kwargs))
+
+
+@pytest.mark.parametrize("capture", MODELS)
+def test_to_meta_after_planning_lets_go_of_every_cpu_buffer(capture):
+    """``.to("meta")`` frees the model's memory: no segment may keep the old buffers alive.
+    (torch.export keeps its own references to them: those are counted on both sides.)"""
+    model, args, kwargs = MODELS[capture]()
+    p = tight_plan(model, args, kwargs)
+    old = [weakref.ref(b) for b in model.buffers()]
+    p.module.to("meta")
+    assert all(t.device.type == "meta" for t in model.state_dict().values())
+    if capture == "symbolic_trace":  # the exported model's backward cannot run on meta at all
+        meta_args = tree_map_only(torch.Tensor, lambda t: t.to("meta"), args)
+        p.module(*meta_args, **kwargs).sum().backward()  # runs: shapes only
+    gc.collect()
+    alive_with_the_plan = [r for r in old if r() is not None]
+    del p
+    gc.collect()
+    assert alive_with_the_plan == [r for r in old if r() is not None]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+@pytest.mark.parametrize("capture", MODELS)
+def test_cuda_after_planning_on_the_cpu_trains_exactly_like_the_moved_model(capture):
+    model, args, kwargs = MODELS[capture]()
+    reference = copy.deepcopy(model).cuda()
+    p = tight_plan(model, args, kwargs)
+    p.module.cuda()
+    assert all(t.is_cuda for t in model.state_dict().values())
+    on_cuda = tree_map_only(
+        torch.Tensor, lambda t: t.detach().cuda().requires_grad_(t.requires_grad), (args, kwargs)
+    )
+    assert_equivalent(reference, model, p.module, *on_cuda)
+
+
+def test_buffers_registered_on_the_model_itself_follow_a_move_of_either():
+    """Root-level buffers are entries of both the model's and the planned module's own dicts."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("shift", torch.ones(32))
+            self.a, self.b, self.c = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x):
+            h = torch.tanh(self.b(torch.tanh(self.a(x) + self.shift)))
+            return self.c(torch.tanh(h + self.shift))
+
+    for move in MOVES.values():
+        model, x = Scaled(), torch.randn(64, 32)
+        reference = copy.deepcopy(model).double()
+        p = tight_plan(model, (x,))
+        move(p, model)
+        assert model.shift.dtype == torch.float64
+        assert_equivalent(reference, model, p.module, (x.double(),), {})
+        assert p.module.shift is model.shift
+
+
+# --------------------------------------------------------------------------------------------
+# train and eval modes: another mode than the planning one runs the model itself
+
+
+class TrainingBranches(nn.Module):
+    """Train-mode behaviour that tracing freezes into the graph: functional dropout reading
+    ``self.training``, an ``if self.training:`` branch, and an ``nn.Dropout`` leaf."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = nn.functional.dropout(torch.tanh(self.a(x)), 0.5, training=self.training)
+        if self.training:
+            h = h * 2.0
+        h = self.drop(torch.tanh(self.b(h)))
+        return self.c(h)
+
+
+class ExportedTrainingBranches(TrainingBranches):
+    def forward(self, x):
+        if x.size(0) > 0:  # a Python bool of a size: symbolic_trace fails, torch.export captures
+            x = x * 1.0
+        return super().forward(x)
+
+
+SWITCHES = {
+    "planned.eval()": lambda p, model: p.module.eval(),
+    "model.eval()": lambda p, model: model.eval(),
+}
+
+
+@pytest.mark.parametrize("cls", [TrainingBranches, ExportedTrainingBranches])
+@pytest.mark.parametrize("switch", SWITCHES)
+def test_eval_after_planning_gives_the_models_eval_outputs_and_train_again_its_training(
+    cls, switch
+):
+    torch.manual_seed(0)
+    model, x = cls(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    p = tight_plan(model, (x,))
+    assert p.capture_method == ("export" if cls is ExportedTrainingBranches else "symbolic_trace")
+    SWITCHES[switch](p, model)
+    assert not model.training and not any(m.training for m in model.modules())
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(p.module(x), reference(x), rtol=0, atol=0)
+    with pytest.warns(UserWarning, match="checkpointing is not applied"):
+        assert_equivalent(reference, model, p.module, (x,), {})
+    p.module.train()
+    assert model.training and all(m.training for m in model.modules())
+    reference.train()
+    assert_equivalent(reference, model, p.module, (x,), {})
+
+
+def test_the_eval_warning_comes_once_and_never_under_no_grad():
+    model, x = TrainingBranches(), torch.randn(4, 8)
+    p = tight_plan(model, (x,))
+    p.module.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            p.module(x)
+    with pytest.warns(UserWarning, match="checkpointing is not applied"):
+        p.module(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p.module(x)
+
+
+def test_planned_train_uses_the_models_own_train():
+    """A model whose ``train()`` keeps a frozen BatchNorm in eval mode stays planned in train."""
+
+    class FrozenNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.bn, self.b = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)
+
+        def train(self, mode=True):
+            super().train(mode)
+            self.bn.eval()
+            return self
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.bn(self.a(x))))
+
+    model, x = FrozenNorm().train(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    p = tight_plan(model, (x,))
+    p.module.eval()
+    p.module.train()
+    assert model.training and not model.bn.training
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the planning mode again: the plan runs
+        assert_equivalent(reference, model, p.module, (x,), {})
+
+
+AFTER_PLANNING = {
+    "planned.double()": lambda p, model, ref: (p.module.double(), ref.double()),
+    "model.double()": lambda p, model, ref: (model.double(), ref.double()),
+    "planned.eval()": lambda p, model, ref: (p.module.eval(), ref.eval()),
+    "model.eval()": lambda p, model, ref: (model.eval(), ref.eval()),
+    "eval, then train": lambda p, model, ref: (p.module.eval(), p.module.train()),
+    "eval, double": lambda p, model, ref: (p.module.eval().double(), ref.eval().double()),
+}
+
+
+@settings(max_examples=max(4, EXAMPLES // 3))
+@given(
+    spec=model_specs(untraceable=None, max_ops=8),
+    change=st.sampled_from(sorted(AFTER_PLANNING)),
+    data=st.data(),
+)
+def test_any_model_moved_or_switched_after_planning_trains_like_the_model(spec, change, data):
+    """Random models and segments, then a dtype move and/or a mode switch on the planned module
+    or the model: the same step as the unplanned model after the same change."""
+    model, (args, kwargs) = build(spec), inputs(spec)
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        captured, problem = prepare(model, args, kwargs)
+    planned = rewrite(captured.graph_module, model, data.draw(random_segments(problem)))
+    p = type("P", (), {"module": planned})
+    AFTER_PLANNING[change](p, model, reference)
+    if "double" in change:
+        args, kwargs = to_double(args), to_double(kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # eval with gradients: the model runs
+        assert_equivalent(reference, model, planned, args, kwargs, seed=spec.seed)
+
+
+# --------------------------------------------------------------------------------------------
+# pickle and torch.save refuse; the plan saves instead
+
+
+@pytest.mark.parametrize("capture", MODELS)
+@pytest.mark.parametrize(
+    "dump", [pickle.dumps, lambda m: torch.save(m, io.BytesIO())], ids=["pickle", "torch.save"]
+)
+def test_pickling_the_planned_module_refuses_and_says_what_to_save(capture, dump):
+    model, args, kwargs = MODELS[capture]()
+    p = tight_plan(model, args, kwargs)
+    with pytest.raises(planner.PlanningError, match=r"plan\.save\(path\).*planner\.load"):
+        dump(p.module)
+
+
+def test_what_the_pickling_error_recommends_gives_the_same_module(tmp_path):
+    model, args, kwargs = traced_batchnorm_model()
+    p = tight_plan(model, args, kwargs)
+    p.save(tmp_path / "plan.json", args)
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    rebuilt, _ = zoo.resnet(blocks=2, channels=8, batch=4, image=8, seed=1)
+    rebuilt.load_state_dict(torch.load(tmp_path / "weights.pt"))
+    reference = copy.deepcopy(rebuilt)
+    loaded = planner.load(tmp_path / "plan.json", rebuilt)
+    assert loaded.segments == p.segments
+    assert_equivalent(reference, rebuilt, loaded.module, args, kwargs)
+
+
+@pytest.mark.parametrize("capture", MODELS)
+def test_a_deep_copy_of_the_planned_module_trains_like_a_deep_copy_of_the_model(capture):
+    model, args, kwargs = MODELS[capture]()
+    p = tight_plan(model, args, kwargs)
+    copied = copy.deepcopy(p.module)
+    assert not {id(t) for t in copied.parameters()} & {id(t) for t in model.parameters()}
+    assert_equivalent(copy.deepcopy(model), copied, copied, args, kwargs)
+    assert_equivalent(copy.deepcopy(model), model, p.module, args, kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# calls without a tensor argument given at planning
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, mask=None, scale: float = 1.0):
+        h = torch.tanh(self.a(x))
+        if mask is not None:
+            h = h + mask
+        return self.b(h) * scale
+
+
+class ExportedMasked(Masked):
+    def forward(self, x, mask=None, scale: float = 1.0):
+        if x.size(0) > 0:
+            x = x * 1.0
+        return super().forward(x, mask, scale)
+
+
+@pytest.mark.parametrize("cls", [Masked, ExportedMasked])
+@pytest.mark.parametrize(
+    "call",
+    [lambda m, x: m(x, scale=0.5), lambda m, x: m(x, None, 0.5),
+     lambda m, x: m(x, mask=None, scale=0.5)],
+    ids=["left out", "None by position", "None by keyword"],
+)
+def test_leaving_out_a_tensor_argument_given_at_planning_names_it(cls, call):
+    model, x = cls(), torch.randn(4, 8)
+    p = tight_plan(model, (x,), {"mask": torch.ones(4, 8), "scale": 0.5})
+    with pytest.raises(planner.PlanningError, match=r"'mask'.*plan was made with mask="):
+        call(p.module, x)
+    mask = torch.zeros(4, 8)
+    torch.testing.assert_close(p.module(x, mask, 0.5), model(x, mask, 0.5), rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# changes to the model after planning
+
+
+class Blocks(nn.Module):
+    """Blocks that symbolic_trace traces through (their forward and ``scale`` are inlined)."""
+
+    def __init__(self, n=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.1)) for _ in range(n)
+        )
+        self.scale = 0.5
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + self.scale * block(x)
+        return x
+
+
+CHANGES = {
+    "a leaf module replaced": lambda m: m.blocks[0].__setitem__(0, nn.Linear(8, 8)),
+    "a traced-through module replaced": lambda m: m.blocks.__setitem__(1, copy.deepcopy(m.blocks[1])),
+    "a module appended": lambda m: m.blocks.append(copy.deepcopy(m.blocks[0])),
+    "a plain attribute changed": lambda m: setattr(m, "scale", 2.0),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_change_to_the_model_after_planning_refuses_and_says_re_plan(change, tmp_path):
+    model, x = Blocks(), torch.randn(4, 8)
+    p = tight_plan(model, (x,))
+    p.save(tmp_path / "plan.json", (x,))
+    CHANGES[change](model)
+    with pytest.raises(planner.PlanningError, match=r"changed after planning.*Plan again"):
+        p.module(x)
+    # A saved plan is applied by capturing the model again: the loaded module is the new model,
+    # or the plan is refused as made for another graph.
+    reference = copy.deepcopy(model)
+    try:
+        loaded = planner.load(tmp_path / "plan.json", model)
+    except planner.PlanningError as error:
+        assert "another graph" in str(error) or "differs" in str(error)
+    else:
+        assert_equivalent(reference, model, loaded.module, (x,), {})
+
+
+FOLLOWED = {
+    "a leaf's parameter replaced": lambda m: setattr(
+        m.blocks[0][0], "weight", nn.Parameter(torch.randn(8, 8))
+    ),
+    "a leaf's attribute changed": lambda m: setattr(m.blocks[2][2], "p", 0.7),
+}
+
+
+@pytest.mark.parametrize("change", FOLLOWED)
+def test_what_the_graph_reads_when_it_runs_may_change(change):
+    """Parameters and the modules the graph calls are read when it runs, as in the model."""
+    model, x = Blocks(), torch.randn(4, 8)
+    p = tight_plan(model, (x,))
+    FOLLOWED[change](model)
+    assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
