@@ -8,9 +8,11 @@ transformers) go through ``torch.export.export(strict=False)``, which records AT
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import operator
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -21,6 +23,17 @@ from torch.utils._pytree import tree_leaves
 from planner.errors import PlanningError
 
 log = logging.getLogger(__name__)
+
+# Tracing patches process-wide objects (fx patches ``nn.Module.__call__`` and ``__getattr__``;
+# capture patches ``torch.utils.checkpoint`` and the grad-mode and autocast context managers).
+# One capture at a time; every patch acts only in the capturing thread (``_capturing``) and
+# behaves as the original in every other thread.
+_CAPTURE_LOCK = threading.RLock()
+_capturing = threading.local()  # .active: this thread is capturing; .tracer: fx tracing now
+
+
+def _in_capturing_thread() -> bool:
+    return getattr(_capturing, "active", False)
 
 
 @dataclass(frozen=True)
@@ -90,7 +103,12 @@ def _refusing_manual_checkpoints(model: nn.Module):
     """
     from torch.utils import checkpoint as module
 
-    def refuse(*args, **kwargs):
+    generator = module._checkpoint_without_reentrant_generator
+    had_apply = "apply" in module.CheckpointFunction.__dict__
+    original_apply = module.CheckpointFunction.__dict__.get("apply")
+    bound_apply = module.CheckpointFunction.apply
+
+    def refuse():
         raise PlanningError(
             f"{type(model).__name__}.forward already calls torch.utils.checkpoint (or "
             "checkpoint_sequential, or a library's gradient checkpointing such as Hugging Face "
@@ -100,11 +118,18 @@ def _refusing_manual_checkpoints(model: nn.Module):
             "or do not plan this model."
         )
 
-    generator = module._checkpoint_without_reentrant_generator
-    had_apply = "apply" in module.CheckpointFunction.__dict__
-    original_apply = module.CheckpointFunction.__dict__.get("apply")
-    module._checkpoint_without_reentrant_generator = refuse
-    module.CheckpointFunction.apply = classmethod(lambda cls, *a, **k: refuse())
+    def refusing_generator(*args, **kwargs):
+        if _in_capturing_thread():
+            refuse()
+        return generator(*args, **kwargs)  # another thread's checkpoint: runs as always
+
+    def refusing_apply(cls, *args, **kwargs):
+        if _in_capturing_thread():
+            refuse()
+        return bound_apply(*args, **kwargs)
+
+    module._checkpoint_without_reentrant_generator = refusing_generator
+    module.CheckpointFunction.apply = classmethod(refusing_apply)
     try:
         yield
     finally:
@@ -115,12 +140,192 @@ def _refusing_manual_checkpoints(model: nn.Module):
             del module.CheckpointFunction.apply
 
 
+# Grad-mode and autocast regions. symbolic_trace runs a ``with torch.no_grad():`` (or
+# ``torch.autocast(...)``) block of forward once, on proxies, and records no trace of the switch:
+# the graph would compute with gradients (or in full precision) where the model does not. While
+# tracing, entering and exiting such a context manager is recorded as a node calling one of the
+# functions below, which do at run time what the context manager does: switch the mode, and on
+# exit restore the mode that was current on entry (whatever mode the caller runs in).
+
+_open = threading.local()  # .regions: context managers entered by those nodes, not yet exited
+
+
+def _open_regions() -> list:
+    if not hasattr(_open, "regions"):
+        _open.regions = []
+    return _open.regions
+
+
+def _entered(region):
+    _open_regions().append(region)
+    return region
+
+
+def enter_grad_mode(enabled: bool):
+    """Graph node for ``torch.no_grad()``, ``torch.enable_grad()``, ``set_grad_enabled(...)``."""
+    return _entered(torch.set_grad_enabled(enabled))  # switches now; its __exit__ restores
+
+
+def enter_inference_mode(mode: bool):
+    """Graph node for ``torch.inference_mode(mode)``."""
+    region = torch.inference_mode(mode)
+    region.__enter__()
+    return _entered(region)
+
+
+def enter_autocast(device_type: str, dtype: torch.dtype, enabled: bool, cache_enabled: bool):
+    """Graph node for ``torch.autocast(...)`` (arguments as resolved when it was traced)."""
+    region = torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+    region.__enter__()
+    return _entered(region)
+
+
+def exit_region(region) -> None:
+    """Graph node for leaving a region entered by one of the ``enter_*`` nodes."""
+    regions = _open_regions()
+    if region in regions:
+        regions.remove(region)
+    region.__exit__(None, None, None)
+
+
+REGION_ENTRIES = (enter_grad_mode, enter_inference_mode, enter_autocast)
+
+
+@contextlib.contextmanager
+def closing_regions(*, always: bool):
+    """Exit the regions entered inside the block and left open by an exception (by any way out
+    when ``always``), as the model's own ``with`` statements would have.
+
+    A checkpointed segment needs it: non-reentrant checkpoint stops a recompute by raising once
+    every saved tensor is back, possibly between a region's entry and exit nodes.
+    """
+    depth = len(_open_regions())
+    try:
+        yield
+    except BaseException:
+        _exit_regions_since(depth)
+        raise
+    if always:
+        _exit_regions_since(depth)
+
+
+def _exit_regions_since(depth: int) -> None:
+    regions = _open_regions()
+    while len(regions) > depth:
+        regions.pop().__exit__(None, None, None)
+
+
+def region_spans(nodes: list[fx.Node]) -> list[tuple[int, int]]:
+    """``(entry, exit)`` positions in ``nodes`` of each recorded region; a region never exited
+    (``torch.set_grad_enabled(False)`` called as a function) lasts to the last node."""
+    position = {node: i for i, node in enumerate(nodes)}
+    spans = []
+    for i, node in enumerate(nodes):
+        if node.op == "call_function" and node.target in REGION_ENTRIES:
+            exits = [position[u] for u in node.users if u.target is exit_region and u in position]
+            spans.append((i, max(exits, default=len(nodes) - 1)))
+    return spans
+
+
+def _region_tracer():
+    """The tracer to record a region switch in: only while fx traces in this thread, and only
+    the forward's own switches (not those a patched context manager makes inside itself)."""
+    if getattr(_capturing, "depth", 0):
+        return None
+    return getattr(_capturing, "tracer", None)
+
+
+@contextlib.contextmanager
+def _inside_patched_method():
+    _capturing.depth = getattr(_capturing, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _capturing.depth -= 1
+
+
+def _recording_entry(original, node_of):
+    @functools.wraps(original)
+    def entry(manager, *args, **kwargs):
+        tracer = _region_tracer()
+        with _inside_patched_method():
+            result = original(manager, *args, **kwargs)
+        if tracer is not None:
+            target, node_args = node_of(manager)
+            node = tracer.create_node("call_function", target, node_args, {})
+            tracer.open_regions[id(manager)] = (manager, node)
+        return result
+
+    return entry
+
+
+def _recording_exit(original):
+    @functools.wraps(original)
+    def exit_(manager, *args, **kwargs):
+        tracer = _region_tracer()
+        if tracer is not None:
+            entered = tracer.open_regions.pop(id(manager), None)
+            if entered is None:  # any error here sends capture to torch.export
+                raise RuntimeError(
+                    f"a {type(manager).__name__} region entered outside forward ends inside it"
+                )
+            tracer.create_node("call_function", exit_region, (entered[1],), {})
+        with _inside_patched_method():
+            return original(manager, *args, **kwargs)
+
+    return exit_
+
+
+def _region_patches() -> list[tuple[type, str, object]]:
+    """(class, method name, replacement) for every grad-mode and autocast context manager."""
+    grad = torch.autograd.grad_mode
+    autocast = torch.amp.autocast_mode.autocast
+    entries = [
+        (grad.no_grad, "__enter__", lambda m: (enter_grad_mode, (False,))),
+        (grad.enable_grad, "__enter__", lambda m: (enter_grad_mode, (True,))),
+        (grad.set_grad_enabled, "__init__", lambda m: (enter_grad_mode, (m.mode,))),
+        (grad.inference_mode, "__enter__", lambda m: (enter_inference_mode, (m.mode,))),
+        (autocast, "__enter__",
+         lambda m: (enter_autocast, (m.device, m.fast_dtype, m._enabled, m._cache_enabled))),
+    ]
+    exits = [
+        (grad.no_grad, "__exit__"),
+        (grad.enable_grad, "__exit__"),
+        (grad.set_grad_enabled, "__exit__"),
+        (grad.set_grad_enabled, "__call__"),  # as a decorator it restores the previous mode
+        (grad.inference_mode, "__exit__"),
+        (autocast, "__exit__"),
+    ]
+    return [
+        (cls, name, _recording_entry(cls.__dict__[name], node_of))
+        for cls, name, node_of in entries
+    ] + [(cls, name, _recording_exit(cls.__dict__[name])) for cls, name in exits]
+
+
+@contextlib.contextmanager
+def _recording_regions():
+    """Patch the context managers for the duration of a capture (they act only when the
+    capturing thread traces; see ``_region_tracer``)."""
+    patches = _region_patches()
+    originals = [(cls, name, cls.__dict__[name]) for cls, name, _ in patches]
+    for cls, name, replacement in patches:
+        setattr(cls, name, replacement)
+    try:
+        yield
+    finally:
+        for cls, name, original in reversed(originals):
+            setattr(cls, name, original)
+
+
 class _Tracer(fx.Tracer):
     """``symbolic_trace``'s tracer, also keeping instances of ``leaf_modules`` as single nodes."""
 
     def __init__(self, leaf_modules: tuple[type, ...]):
         super().__init__()
         self.leaf_modules = leaf_modules
+        self.thread = threading.get_ident()
+        # Grad-mode and autocast regions entered while tracing: id -> (context manager, node).
+        self.open_regions: dict[int, tuple[object, fx.Node]] = {}
         # The root, and for each of its parameters and buffers: id -> (the tensor, its name).
         # Holding the tensor keeps its id from being reused by another one while tracing.
         self.tensor_names: tuple[nn.Module | None, dict[int, tuple]] = (None, {})
@@ -129,6 +334,19 @@ class _Tracer(fx.Tracer):
         return isinstance(module, self.leaf_modules) or super().is_leaf_module(
             module, qualified_name
         )
+
+    def call_module(self, m, forward, args, kwargs):
+        """fx patches ``nn.Module.__call__`` for the whole process while tracing: a module
+        called from another thread runs as if nothing were patched."""
+        if threading.get_ident() != self.thread:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        """Like ``call_module``: ``nn.Module.__getattr__`` from another thread is untouched."""
+        if threading.get_ident() != self.thread:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def create_arg(self, a):
         """fx names a parameter or buffer used as a plain tensor by scanning the whole module
@@ -150,17 +368,81 @@ class _Tracer(fx.Tracer):
 def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> fx.GraphModule:
     concrete = _non_tensor_arguments(model, args, kwargs)
     tracer = _Tracer(leaf_modules)
-    graph = tracer.trace(model, concrete_args=concrete or None)
+    grad_enabled = torch.is_grad_enabled()
+    _capturing.tracer = tracer
+    try:
+        with _keeping_buffers(model) as changed:
+            graph = tracer.trace(model, concrete_args=concrete or None)
+    finally:
+        _capturing.tracer = None
+        torch._C._set_grad_enabled(grad_enabled)  # forward may switch it without restoring it
+    if changed:
+        # A buffer is a plain tensor while tracing: ``self.calls += 1`` ran once, for real, and
+        # the graph would never repeat it. torch.export records such updates.
+        raise RuntimeError(
+            f"forward updates buffer {changed[0]!r} as a plain tensor, which symbolic_trace "
+            "cannot record"
+        )
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _restore_argument_names(gm, concrete)
     return gm
+
+
+@contextlib.contextmanager
+def _keeping_buffers(model: nn.Module):
+    """Put every buffer of ``model`` back as it was (the same tensor, the same values) when the
+    block ends; yields a list, filled then, of the names of those the block changed."""
+    kept = [
+        (module, f"{prefix}.{name}" if prefix else name, name, tensor, tensor._version,
+         tensor.detach().clone())
+        for prefix, module in model.named_modules(remove_duplicate=False)
+        for name, tensor in module._buffers.items()
+        if tensor is not None and not tensor.is_inference()
+    ]
+    changed: list[str] = []
+    try:
+        yield changed
+    finally:
+        for module, qualified, name, tensor, version, value in kept:
+            if module._buffers.get(name) is not tensor or tensor._version != version:
+                changed.append(qualified)
+                module._buffers[name] = tensor
+                if tensor._version != version:
+                    with torch.no_grad():
+                        tensor.copy_(value)
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.export.export(model, args, kwargs, strict=False)
-    return program.module()
+    gm = program.module()
+    _drop_self_copies(gm)
+    return gm
+
+
+def _drop_self_copies(gm: fx.GraphModule) -> None:
+    """Remove the write-backs ``copy_(buffer, buffer)`` that torch.export adds for a buffer
+    updated in place (``self.calls += 1`` records ``add_`` and then copies its result, the
+    buffer itself, into the buffer). The copy changes no value but bumps the buffer's version:
+    backward would then refuse the buffer that autograd saved, where the model trains."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default):
+        destination, source = node.args[:2]
+        while updates_in_place(source) and source.args[0] is not destination:
+            source = source.args[0]
+        if updates_in_place(source) and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def updates_in_place(node) -> bool:
+    """Whether ``node`` is an ATen op that writes its first argument and returns it."""
+    if not (isinstance(node, fx.Node) and isinstance(node.target, torch._ops.OpOverload)):
+        return False
+    schema = node.target._schema
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    result = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+    return bool(first and first.is_write and result and result.before_set == first.before_set)
 
 
 _HOOK_DICTS = (
@@ -202,6 +484,43 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
         )
 
 
+@contextlib.contextmanager
+def _capturing_thread():
+    _capturing.active = True
+    try:
+        yield
+    finally:
+        _capturing.active = False
+
+
+def _trace_or_export(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> Captured:
+    try:
+        return Captured(_trace(model, args, kwargs, leaf_modules), "symbolic_trace")
+    except PlanningError:
+        raise
+    except Exception as trace_error:  # noqa: BLE001 - any tracing failure means: try export
+        log.info("symbolic_trace failed (%s); trying torch.export", trace_error)
+        try:
+            with _keeping_buffers(model):
+                return Captured(_export(model, args, kwargs), "export")
+        except PlanningError:
+            raise
+        except Exception as export_error:  # noqa: BLE001
+            raise PlanningError(
+                f"cannot capture {type(model).__name__} as a graph.\n"
+                f"  torch.fx.symbolic_trace: {type(trace_error).__name__}: {trace_error}\n"
+                f"  torch.export (strict=False): {type(export_error).__name__}: "
+                f"{export_error}\n"
+                "What to try: pass flags and sizes as plain Python values in "
+                "example_inputs or example_kwargs, so that tracing specialises on them; make "
+                "torch.export.export(model, example_inputs, example_kwargs, strict=False) "
+                "work (the fallback path: its error above names the data-dependent line; "
+                "replace a Python `if` on tensor values by torch.where or torch.cond); or "
+                "plan the traceable submodules (leaf blocks) separately and call them from "
+                "your own forward."
+            ) from export_error
+
+
 def capture(
     model: nn.Module, args: tuple, kwargs: dict | None = None, *, leaf_modules: tuple = ()
 ) -> Captured:
@@ -218,30 +537,12 @@ def capture(
         gives both reasons and what to try.
     """
     kwargs = kwargs or {}
-    with _refusing_manual_checkpoints(model):
-        try:
-            captured = Captured(_trace(model, args, kwargs, tuple(leaf_modules)), "symbolic_trace")
-        except PlanningError:
-            raise
-        except Exception as trace_error:  # noqa: BLE001 - any tracing failure means: try export
-            log.info("symbolic_trace failed (%s); trying torch.export", trace_error)
-            try:
-                captured = Captured(_export(model, args, kwargs), "export")
-            except PlanningError:
-                raise
-            except Exception as export_error:  # noqa: BLE001
-                raise PlanningError(
-                    f"cannot capture {type(model).__name__} as a graph.\n"
-                    f"  torch.fx.symbolic_trace: {type(trace_error).__name__}: {trace_error}\n"
-                    f"  torch.export (strict=False): {type(export_error).__name__}: "
-                    f"{export_error}\n"
-                    "What to try: pass flags and sizes as plain Python values in "
-                    "example_inputs or example_kwargs, so that tracing specialises on them; make "
-                    "torch.export.export(model, example_inputs, example_kwargs, strict=False) "
-                    "work (the fallback path: its error above names the data-dependent line; "
-                    "replace a Python `if` on tensor values by torch.where or torch.cond); or "
-                    "plan the traceable submodules (leaf blocks) separately and call them from "
-                    "your own forward."
-                ) from export_error
+    with (
+        _CAPTURE_LOCK,
+        _capturing_thread(),
+        _refusing_manual_checkpoints(model),
+        _recording_regions(),
+    ):
+        captured = _trace_or_export(model, args, kwargs, tuple(leaf_modules))
     _refuse_dropped_hooks(model, captured)
     return captured

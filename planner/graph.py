@@ -16,6 +16,7 @@ import networkx as nx
 import numpy as np
 from torch import fx
 
+from planner.capture import region_spans
 from planner.profile import COMPUTE_OPS, Profile, require_meta
 
 SOURCE, SINK = "planner.source", "planner.sink"
@@ -276,6 +277,12 @@ def build_problem(
 
     forbidden_cuts, pinned = _mutation_pins(storages, writes, n, profile.fixed_kind)
     cut_allowed = ~forbidden_cuts
+    # A grad-mode or autocast region of forward (``with torch.no_grad():``, recorded by capture
+    # as entry and exit nodes) lies whole inside a segment or outside all: a segment that began
+    # or ended inside one would be recomputed without the switch its forward ran under, and
+    # would pass the region across the checkpoint boundary to exit it twice.
+    for entry, exit_ in region_spans(nodes):
+        cut_allowed[entry + 1 : exit_ + 1] = False
     # torch.export's input guards: cheap assertions, never worth recomputing.
     pinned |= np.array([n.op == "call_module" and n.target == "_guards_fn" for n in nodes], bool)
 

@@ -51,6 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
 
+from planner.capture import closing_regions
 from planner.errors import PlanningError
 from planner.measure import training_loss
 
@@ -141,6 +142,7 @@ class _OpFacts(NamedTuple):
     aliasing: bool  # a return aliases an input: the op moves no bytes
     flops: Callable | None  # torch.utils.flop_counter formula
     cacheable: bool  # a pure function of its arguments' metadata (see _MetaKernels)
+    several_outputs: bool  # returns more than one tensor (see _FakeCall)
 
 
 @functools.cache
@@ -158,12 +160,34 @@ def _op_facts(func: torch._ops.OpOverload) -> _OpFacts:
         and not any(a.alias_info is not None for a in (*schema.arguments, *schema.returns))
         and not {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape} & set(func.tags)
     )
-    return _OpFacts(written, aliasing, flop_registry.get(func.overloadpacket), cacheable)
+    several_outputs = len(schema.returns) > 1 or any(
+        isinstance(r.type, torch.ListType) for r in schema.returns
+    )
+    return _OpFacts(
+        written, aliasing, flop_registry.get(func.overloadpacket), cacheable, several_outputs
+    )
 
 
-def _call(func, args: tuple, kwargs: dict):
-    """Runs an op as it is (``FakeTensorMode`` has a dispatch cache of its own)."""
-    return func(*args, **kwargs)
+class _FakeCall:
+    """Runs an op under ``FakeTensorMode``, which has a dispatch cache of its own.
+
+    Ops with several outputs bypass that cache: it rebuilds a cached result on fresh storages,
+    where the kernel may return one storage twice (the two bias gradients of an LSTM layer's
+    backward). A profile would then depend on what ran before it in the process (a fresh
+    ``nn.LSTM`` profiled 1,024 bytes lower than later ones).
+    """
+
+    def __init__(self, mode: FakeTensorMode):
+        self.mode = mode
+
+    def __call__(self, func, args: tuple, kwargs: dict):
+        if not _op_facts(func).several_outputs or not self.mode.cache_enabled:
+            return func(*args, **kwargs)
+        self.mode.cache_enabled = False
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.mode.cache_enabled = True
 
 
 def _metadata(value):
@@ -510,7 +534,8 @@ def profile(gm: fx.GraphModule, args: tuple, kwargs: dict | None = None) -> Prof
             copies, call = _Copies(_MetaCopies()), _MetaKernels()
         else:
             mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
-            copies, call = _Copies(functools.partial(mode.from_tensor, static_shapes=True)), _call
+            copies = _Copies(functools.partial(mode.from_tensor, static_shapes=True))
+            call = _FakeCall(mode)
         args, kwargs = tree_map_only(torch.Tensor, copies, (args, kwargs))
         # Every stand-in now, before the run: meta copies are made by ops that the cost mode
         # would count as memory of the node that first used the tensor.
@@ -528,7 +553,8 @@ def profile(gm: fx.GraphModule, args: tuple, kwargs: dict | None = None) -> Prof
                 fixed_kind.setdefault(storages.key(t), "input")
         cost = _CostMode(storages, call)
         recorder = _Recorder(gm, storages, cost, copies)
-        with cost, warnings.catch_warnings():
+        # closing_regions: a forward that leaves a grad mode set must not leave it set here.
+        with cost, warnings.catch_warnings(), closing_regions(always=True):
             warnings.simplefilter("ignore", FutureWarning)  # pytree specs of exported modules
             output = recorder.run(*placeholder_values(gm, args, kwargs))
         output_keys = {storages.key(t) for t in tree_leaves(output)} - {None}

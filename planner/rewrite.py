@@ -28,6 +28,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from planner.capture import closing_regions, updates_in_place
 from planner.errors import PlanningError
 from planner.graph import compute_nodes
 
@@ -36,10 +37,12 @@ class Segment:
     """A checkpointed piece of the graph: callable, plus the buffers its recompute must restore.
 
     A BatchNorm in training mode updates its running statistics on every call, so recomputing
-    it would update them twice; ``contexts`` snapshots those buffers before a recompute and puts
-    them back after, leaving them exactly as one forward leaves them. The buffers are named, not
-    held: ``.double()`` or ``.to(device)`` on the model replace buffer tensors after planning,
-    so they are looked up through ``root`` (the planned module) when the recompute starts.
+    it would update them twice; a forward that reads a buffer it (or a later node) updates would
+    read the new value. ``contexts`` remembers the buffers' values when the segment runs,
+    recomputes from them, and puts back the values the recompute found, leaving the buffers
+    exactly as one forward leaves them. The buffers are named, not held: ``.double()`` or
+    ``.to(device)`` on the model replace buffer tensors after planning, so they are looked up
+    through ``root`` (the planned module) when the segment runs and when it is recomputed.
     """
 
     def __init__(self, body: fx.GraphModule, modules: tuple[str, ...], tensors: tuple[str, ...]):
@@ -49,7 +52,8 @@ class Segment:
         self.root: nn.Module | None = None  # the planned module, set once it is built
 
     def __call__(self, *args):
-        return self.body(*args)
+        with closing_regions(always=False):
+            return self.body(*args)
 
     @property
     def restores_buffers(self) -> bool:
@@ -67,18 +71,29 @@ class Segment:
         return list(found.values())
 
     def contexts(self):
-        return contextlib.nullcontext(), self._restoring_buffers()
+        at_forward: list[torch.Tensor] = []
+        return self._remembering(at_forward), self._replaying(at_forward)
 
     @contextlib.contextmanager
-    def _restoring_buffers(self):
+    def _remembering(self, at_forward: list):
+        with torch.no_grad():
+            at_forward.extend(b.clone() for b in self.buffers())
+        yield
+
+    @contextlib.contextmanager
+    def _replaying(self, at_forward: list):
+        """Recompute from the buffers' values when the segment ran (a later update must not
+        change what it reads), then leave them as they are now (not updated twice)."""
         buffers = self.buffers()
         with torch.no_grad():
-            saved = [b.clone() for b in buffers]
+            now = [b.clone() for b in buffers]
+            for buffer, value in zip(buffers, at_forward):
+                buffer.copy_(value)
         try:
             yield
         finally:
             with torch.no_grad():
-                for buffer, value in zip(buffers, saved):
+                for buffer, value in zip(buffers, now):
                     buffer.copy_(value)
 
     def __repr__(self):
@@ -138,12 +153,20 @@ def _holder(captured: fx.GraphModule, model: nn.Module) -> nn.Module:
     return holder
 
 
-def _is_buffer(holder: nn.Module, node: fx.Node) -> bool:
-    """Whether ``node`` reads a tensor of ``holder`` that is not a parameter (a buffer)."""
+def _buffer_read(holder: nn.Module, node: fx.Node) -> str | None:
+    """The target of the buffer (a tensor of ``holder`` that is not a parameter) that ``node``
+    reads, or returns after in-place ops on it (``buffer.mul_(0.9)``: the buffer itself)."""
+    while updates_in_place(node):
+        node = node.args[0]
     if node.op != "get_attr":
-        return False
+        return None
     value = operator.attrgetter(node.target)(holder)
-    return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+    is_buffer = isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+    return node.target if is_buffer else None
+
+
+def _is_buffer(holder: nn.Module, node: fx.Node) -> bool:
+    return _buffer_read(holder, node) is not None
 
 
 def _segment_buffers(holder: nn.Module, members: list[fx.Node], inputs: list[fx.Node]):
@@ -155,8 +178,8 @@ def _segment_buffers(holder: nn.Module, members: list[fx.Node], inputs: list[fx.
         if node.op == "call_module"
         and next(holder.get_submodule(node.target).buffers(), None) is not None
     ]
-    tensors = [node.target for node in inputs if _is_buffer(holder, node)]
-    return tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(tensors))
+    tensors = [_buffer_read(holder, node) for node in inputs]
+    return tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(t for t in tensors if t))
 
 
 def tensor_arguments(model: nn.Module, args: tuple, kwargs: dict) -> tuple[str, ...]:

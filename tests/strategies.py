@@ -340,3 +340,125 @@ def assert_equivalent(reference: nn.Module, model: nn.Module, planned, args, kwa
         torch.testing.assert_close(sd[key], ref_sd[key], **EXACT)
     copy.deepcopy(reference).load_state_dict(sd, strict=True)
     planned.load_state_dict(ref_sd, strict=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Models whose forward switches modes and updates buffers: grad-mode and autocast regions placed
+# at random (nested or not), and registered buffers updated in forward in every common way.
+# --------------------------------------------------------------------------------------------
+
+# Items of a RegionSpec's body, each a tuple whose first item names it:
+#   ("layer",)              the next Linear, then tanh
+#   ("region", kind, body)  ``with <kind>:`` around a nested body; kind one of REGIONS
+#   ("buffer", form)        update the next buffer by ``form`` (one of BUFFER_UPDATES), then
+#                           h = h + buffer (so a stale or doubled update changes the output)
+REGIONS = ("no_grad", "set_grad_enabled(False)", "enable_grad", "autocast", "autocast(off)")
+BUFFER_UPDATES = ("+= 1", "add_", "assign", "running", "copy_")
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    width: int
+    batch: int
+    body: tuple
+    untraceable: bool  # force capture through torch.export
+    seed: int
+
+
+def _count(body: tuple, name: str) -> int:
+    return sum(
+        (item[0] == name) + (_count(item[2], name) if item[0] == "region" else 0) for item in body
+    )
+
+
+class RegionModel(nn.Module):
+    def __init__(self, spec: RegionSpec):
+        super().__init__()
+        self.spec = spec
+        w = spec.width
+        self.layers = nn.ModuleList(nn.Linear(w, w) for _ in range(_count(spec.body, "layer")))
+        for k in range(_count(spec.body, "buffer")):
+            self.register_buffer(f"state{k}", torch.full((w,), 0.5))
+        self.head = nn.Linear(w, w)
+
+    def forward(self, x):
+        if self.spec.untraceable and x.size(0) > 0:  # a Python bool of a size: fx cannot trace
+            x = x * 1.0
+        self.n_layer = self.n_buffer = 0
+        return self.head(self._run(self.spec.body, x))
+
+    def _run(self, body, h):
+        for item in body:
+            if item[0] == "layer":
+                h = torch.tanh(self.layers[self.n_layer](h))
+                self.n_layer += 1
+            elif item[0] == "buffer":
+                h = self._update(item[1], f"state{self.n_buffer}", h)
+                self.n_buffer += 1
+            else:
+                with _region(item[1]):
+                    h = self._run(item[2], h)
+                h = h.float()  # back from an autocast dtype
+        return h
+
+    def _update(self, form: str, name: str, h):
+        if form == "+= 1":
+            buffer = getattr(self, name)
+            buffer += 1
+            setattr(self, name, buffer)
+        elif form == "add_":
+            getattr(self, name).add_(1)
+        elif form == "assign":
+            setattr(self, name, getattr(self, name) * 2)
+        elif form == "running":  # a running mean, as BatchNorm keeps one
+            getattr(self, name).mul_(0.5).add_(h.detach().mean(0) * 0.5)
+        else:
+            getattr(self, name).copy_(h.detach().mean(0))
+        return h + getattr(self, name)
+
+
+def _region(kind: str):
+    return {
+        "no_grad": torch.no_grad,
+        "set_grad_enabled(False)": lambda: torch.set_grad_enabled(False),
+        "enable_grad": torch.enable_grad,
+        "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+        "autocast(off)": lambda: torch.autocast("cpu", enabled=False),
+    }[kind]()
+
+
+def region_inputs(spec: RegionSpec) -> tuple[tuple, dict]:
+    generator = torch.Generator().manual_seed(spec.seed + 1)
+    return (torch.randn(spec.batch, spec.width, generator=generator),), {}
+
+
+def build_region_model(spec: RegionSpec) -> RegionModel:
+    torch.manual_seed(spec.seed)
+    return RegionModel(spec).train()
+
+
+def _bodies(leaf):
+    return st.recursive(
+        st.lists(leaf, min_size=1, max_size=4).map(tuple),
+        lambda inner: st.lists(
+            st.one_of(leaf, st.tuples(st.just("region"), st.sampled_from(REGIONS), inner)),
+            min_size=1,
+            max_size=4,
+        ).map(tuple),
+        max_leaves=8,
+    )
+
+
+@st.composite
+def region_specs(draw, *, buffers: bool = True, untraceable: bool | None = False) -> RegionSpec:
+    """A random :class:`RegionSpec`: layers, regions and (when ``buffers``) buffer updates."""
+    leaf = st.just(("layer",))
+    if buffers:
+        leaf = st.one_of(leaf, st.tuples(st.just("buffer"), st.sampled_from(BUFFER_UPDATES)))
+    return RegionSpec(
+        width=draw(st.sampled_from([4, 8])),
+        batch=draw(st.integers(2, 4)),
+        body=draw(_bodies(leaf)),
+        untraceable=draw(st.booleans()) if untraceable is None else untraceable,
+        seed=draw(st.integers(0, 2**16)),
+    )
