@@ -244,16 +244,35 @@ def _inside_patched_method():
         _capturing.depth -= 1
 
 
+class _ExportedRegions:
+    """Regions that forward enters while torch.export captures it, and the nestings torch.export
+    (2.13) captures wrongly: a grad-mode region inside ``torch.autocast`` is dropped (the
+    exported module computes gradients that the model does not), an autocast inside autocast
+    fails when run."""
+
+    def __init__(self):
+        self.open: list = []
+        self.inside_autocast: list[str] = []
+
+
+def _exported_regions() -> _ExportedRegions | None:
+    return None if getattr(_capturing, "depth", 0) else getattr(_capturing, "exporting", None)
+
+
 def _recording_entry(original, node_of):
     @functools.wraps(original)
     def entry(manager, *args, **kwargs):
-        tracer = _region_tracer()
+        tracer, exported = _region_tracer(), _exported_regions()
         with _inside_patched_method():
             result = original(manager, *args, **kwargs)
         if tracer is not None:
             target, node_args = node_of(manager)
             node = tracer.create_node("call_function", target, node_args, {})
             tracer.open_regions[id(manager)] = (manager, node)
+        if exported is not None:
+            if any(isinstance(m, torch.amp.autocast_mode.autocast) for m in exported.open):
+                exported.inside_autocast.append(type(manager).__name__)
+            exported.open.append(manager)
         return result
 
     return entry
@@ -270,6 +289,9 @@ def _recording_exit(original):
                     f"a {type(manager).__name__} region entered outside forward ends inside it"
                 )
             tracer.create_node("call_function", exit_region, (entered[1],), {})
+        exported = _exported_regions()
+        if exported is not None and manager in exported.open:
+            exported.open.remove(manager)
         with _inside_patched_method():
             return original(manager, *args, **kwargs)
 
@@ -417,22 +439,34 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
         warnings.simplefilter("ignore")
         program = torch.export.export(model, args, kwargs, strict=False)
     gm = program.module()
-    _drop_self_copies(gm)
+    _guard_write_backs(gm)
     return gm
 
 
-def _drop_self_copies(gm: fx.GraphModule) -> None:
-    """Remove the write-backs ``copy_(buffer, buffer)`` that torch.export adds for a buffer
-    updated in place (``self.calls += 1`` records ``add_`` and then copies its result, the
-    buffer itself, into the buffer). The copy changes no value but bumps the buffer's version:
-    backward would then refuse the buffer that autograd saved, where the model trains."""
+def _guard_write_backs(gm: fx.GraphModule) -> None:
+    """Make torch.export's write-backs of buffers updated in forward (``copy_(buffer, new
+    value)`` nodes, last in the graph) skip the copy when the new value is the buffer itself."""
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default):
-        destination, source = node.args[:2]
-        while updates_in_place(source) and source.args[0] is not destination:
-            source = source.args[0]
-        if updates_in_place(source) and not node.users:
-            gm.graph.erase_node(node)
+        if not node.users and node.args[0].op == "get_attr" and len(node.args) == 2:
+            node.target = write_back
     gm.recompile()
+
+
+def write_back(buffer: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Graph node: ``buffer.copy_(value)``, skipped when ``value`` is ``buffer`` itself.
+
+    torch.export writes back ``self.calls += 1`` (an in-place add) by copying the result, the
+    buffer, into the buffer. The copy changes no value but bumps the buffer's version, and
+    backward would then refuse the buffer that autograd saved, where the model trains.
+    """
+    same = (
+        value.untyped_storage()._cdata == buffer.untyped_storage()._cdata
+        and value.storage_offset() == buffer.storage_offset()
+        and value.shape == buffer.shape
+        and value.stride() == buffer.stride()
+        and value.dtype == buffer.dtype
+    )
+    return buffer if same else buffer.copy_(value)
 
 
 def updates_in_place(node) -> bool:
@@ -484,6 +518,33 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
         )
 
 
+def _module_classes(leaf_modules) -> tuple[type, ...]:
+    """``leaf_modules`` as a tuple of module classes (one class alone is accepted too)."""
+    classes = (leaf_modules,) if isinstance(leaf_modules, type) else leaf_modules
+    try:
+        classes = tuple(classes)
+    except TypeError:
+        classes = None
+    if classes is None or not all(
+        isinstance(c, type) and issubclass(c, nn.Module) for c in classes
+    ):
+        raise TypeError(
+            "leaf_modules must be an nn.Module subclass or a tuple of them (e.g. "
+            f"leaf_modules=(nn.TransformerEncoderLayer,)), got {leaf_modules!r}"
+        )
+    return classes
+
+
+@contextlib.contextmanager
+def _watching_exported_regions():
+    regions = _ExportedRegions()
+    _capturing.exporting = regions
+    try:
+        yield regions
+    finally:
+        _capturing.exporting = None
+
+
 @contextlib.contextmanager
 def _capturing_thread():
     _capturing.active = True
@@ -501,8 +562,8 @@ def _trace_or_export(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: 
     except Exception as trace_error:  # noqa: BLE001 - any tracing failure means: try export
         log.info("symbolic_trace failed (%s); trying torch.export", trace_error)
         try:
-            with _keeping_buffers(model):
-                return Captured(_export(model, args, kwargs), "export")
+            with _keeping_buffers(model), _watching_exported_regions() as regions:
+                captured = Captured(_export(model, args, kwargs), "export")
         except PlanningError:
             raise
         except Exception as export_error:  # noqa: BLE001
@@ -519,6 +580,17 @@ def _trace_or_export(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: 
                 "plan the traceable submodules (leaf blocks) separately and call them from "
                 "your own forward."
             ) from export_error
+        if regions.inside_autocast:
+            raise PlanningError(
+                f"cannot capture {type(model).__name__} exactly. torch.fx.symbolic_trace "
+                f"failed ({type(trace_error).__name__}: {trace_error}), and torch.export, the "
+                f"fallback, does not keep a region nested inside torch.autocast "
+                f"({', '.join(dict.fromkeys(regions.inside_autocast))} inside autocast in "
+                f"forward; torch {torch.__version__} drops a no_grad there). Make forward "
+                "symbolically traceable (symbolic_trace keeps such regions exactly), or move "
+                "that region out of the autocast block."
+            ) from trace_error
+        return captured
 
 
 def capture(
@@ -537,12 +609,13 @@ def capture(
         gives both reasons and what to try.
     """
     kwargs = kwargs or {}
+    leaf_modules = _module_classes(leaf_modules)
     with (
         _CAPTURE_LOCK,
         _capturing_thread(),
         _refusing_manual_checkpoints(model),
         _recording_regions(),
     ):
-        captured = _trace_or_export(model, args, kwargs, tuple(leaf_modules))
+        captured = _trace_or_export(model, args, kwargs, leaf_modules)
     _refuse_dropped_hooks(model, captured)
     return captured

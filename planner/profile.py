@@ -37,6 +37,8 @@ import contextlib
 import copy
 import functools
 import inspect
+import logging
+import threading
 import time
 import warnings
 import weakref
@@ -267,6 +269,23 @@ class _MetaKernels:
         return outputs[0] if single else kind(outputs)
 
 
+# Kernels that refuse operands of different dtypes on every device, where meta kernels (and so
+# the profile) accept them: an int64 input into a float nn.Linear would fail only when run.
+_SAME_DTYPE_OPS = frozenset(
+    (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
+     torch.ops.aten.convolution)
+)
+
+
+def _check_same_dtype(func, inputs: list[torch.Tensor]) -> None:
+    dtypes = list(dict.fromkeys(t.dtype for t in inputs))
+    if len(dtypes) > 1:
+        raise RuntimeError(
+            f"{func.overloadpacket.__name__} got tensors of different dtypes "
+            f"({', '.join(str(d).removeprefix('torch.') for d in dtypes)}), which it cannot run"
+        )
+
+
 class _CostMode(TorchDispatchMode):
     """Counts FLOPs and bytes moved of every ATen op, and which storages each op creates."""
 
@@ -293,6 +312,8 @@ class _CostMode(TorchDispatchMode):
         else:
             kwargs = {}
         self.reads.update([key(t) for t in inputs])
+        if func.overloadpacket in _SAME_DTYPE_OPS:
+            _check_same_dtype(func, inputs)
         before = len(self.storages.keys)
         out = self.call(func, args, kwargs)
         facts = _op_facts(func)
@@ -514,6 +535,29 @@ def _all_on_meta(gm: fx.GraphModule, args: tuple, kwargs: dict) -> bool:
     )
 
 
+class _QuietFakeFailures(logging.Filter):
+    """Drops ``FakeTensorMode``'s log of a kernel that failed (a traceback of about 20 lines)
+    in the profiling thread: the PlanningError raised for it says the same, in one line."""
+
+    def __init__(self):
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread
+
+
+@contextlib.contextmanager
+def _quiet_fake_failures():
+    logger = logging.getLogger(FakeTensorMode.__module__)
+    quiet = _QuietFakeFailures()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 def profile(gm: fx.GraphModule, args: tuple, kwargs: dict | None = None) -> Profile:
     """Annotate every compute node of ``gm`` (see the module docstring) from one fake training
     step: forward, the loss of ``planner.measure.training_loss``, backward.
@@ -530,6 +574,7 @@ def profile(gm: fx.GraphModule, args: tuple, kwargs: dict | None = None) -> Prof
     fixed_kind: dict[int, str] = {}
     trainable: set[int] = set()
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_quiet_fake_failures())
         if _all_on_meta(gm, args, kwargs):
             copies, call = _Copies(_MetaCopies()), _MetaKernels()
         else:
