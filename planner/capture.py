@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 # One capture at a time; every patch acts only in the capturing thread (``_capturing``) and
 # behaves as the original in every other thread.
 _CAPTURE_LOCK = threading.RLock()
-_capturing = threading.local()  # .active: this thread is capturing; .tracer: fx tracing now
+# Per thread: .active (capturing), .tracer (the _Tracer while fx traces), .exporting (the
+# _ExportedRegions while torch.export captures), .depth (inside a patched context manager).
+_capturing = threading.local()
 
 
 def _in_capturing_thread() -> bool:
