@@ -320,10 +320,13 @@ def _region_patches() -> list[tuple[type, str, object]]:
         (grad.inference_mode, "__exit__"),
         (autocast, "__exit__"),
     ]
+    # Only methods each class defines itself (a torch version without one inherits it).
     return [
         (cls, name, _recording_entry(cls.__dict__[name], node_of))
         for cls, name, node_of in entries
-    ] + [(cls, name, _recording_exit(cls.__dict__[name])) for cls, name in exits]
+        if name in cls.__dict__
+    ] + [(cls, name, _recording_exit(cls.__dict__[name])) for cls, name in exits
+         if name in cls.__dict__]
 
 
 @contextlib.contextmanager
@@ -520,7 +523,7 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
         )
 
 
-def _module_classes(leaf_modules) -> tuple[type, ...]:
+def module_classes(leaf_modules) -> tuple[type, ...]:
     """``leaf_modules`` as a tuple of module classes (one class alone is accepted too)."""
     classes = (leaf_modules,) if isinstance(leaf_modules, type) else leaf_modules
     try:
@@ -611,7 +614,7 @@ def capture(
         gives both reasons and what to try.
     """
     kwargs = kwargs or {}
-    leaf_modules = _module_classes(leaf_modules)
+    leaf_modules = module_classes(leaf_modules)
     with (
         _CAPTURE_LOCK,
         _capturing_thread(),

@@ -14,7 +14,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
-from planner.capture import capture
+from planner.capture import capture, module_classes
 from planner.errors import PlanningError
 from planner.graph import CostModel, Problem, build_problem
 from planner.profile import profile
@@ -446,6 +446,6 @@ def assemble(
         module=rewrite(captured.graph_module, model, segments),
         problem=problem,
         input_spec=input_spec,
-        leaf_modules=tuple(leaf_modules),
+        leaf_modules=module_classes(leaf_modules),
         training=model.training,
     )
