@@ -28,6 +28,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from planner.capture import CALL_KEY
 from planner.errors import PlanningError
 from planner.graph import compute_nodes
 
@@ -418,6 +419,9 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, segments) -> PlannedModu
     )
     for segment in built:
         segment.root = planned
+    call = captured.meta.get(CALL_KEY)
+    if call is not None:  # calls and outputs like the model's (see planner.capture.ModelCall)
+        call.install(planned)
     return planned
 
 
