@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from planner.errors import PlanningError
 
@@ -65,6 +65,7 @@ class ModelCall:
         *,
         fixed: dict | None = None,
         output=None,
+        sizes: bool = False,
     ):
         self.model_name = type(model).__name__
         self.signature = inspect.signature(model.forward)
@@ -80,6 +81,9 @@ class ModelCall:
                 for name, value in passed.items()
                 if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
             }
+            # Sizes the plan's budget was made for; larger calls get a warning.
+            self.largest = _sizes(passed) if sizes else None
+            self.warned = False
 
     def _passed(self, args: tuple, kwargs: dict) -> dict:
         """The call's arguments by name (``**kwargs`` ones too), planner's fixed ones added."""
@@ -139,6 +143,15 @@ class ModelCall:
                     f"this call leaves it out, which {self.model_name} may compute differently. "
                     f"Pass {name}, or plan without it in the example inputs."
                 )
+        if self.largest is not None and not self.warned and _larger(_sizes(values), self.largest):
+            self.warned = True
+            warnings.warn(
+                f"a call of the plan of {self.model_name} has larger tensors than the example "
+                f"it was planned for ({_describe_sizes(self.largest)}): its peak may exceed the "
+                "budget. Plan with example inputs of the largest size you train with.",
+                UserWarning,
+                stacklevel=4,
+            )
         return (
             tuple(values[name] for name in self.positional),
             {name: values[name] for name in self.keywords},
@@ -161,6 +174,26 @@ class ModelCall:
 
     def _after_forward(self, module, args, output):
         return self.output(output)
+
+
+def _sizes(arguments: dict) -> dict:
+    return {
+        name: tuple(value.shape)
+        for name, value in arguments.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _larger(sizes: dict, largest: dict) -> bool:
+    return any(
+        len(shape) == len(largest.get(name, shape))
+        and any(a > b for a, b in zip(shape, largest.get(name, shape)))
+        for name, shape in sizes.items()
+    )
+
+
+def _describe_sizes(sizes: dict) -> str:
+    return ", ".join(f"{name} {list(shape)}" for name, shape in sizes.items())
 
 
 def _same(value, expected) -> bool:
@@ -347,12 +380,32 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> 
     return gm
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, fixed: dict) -> fx.GraphModule:
+def _any_size(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """``dynamic_shapes`` for ``torch.export``: every dimension of every tensor argument may
+    vary (``Dim.AUTO``: export keeps a dimension static where the model needs it to be)."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    return {
+        name: tree_map_only(
+            torch.Tensor, lambda t: {d: torch.export.Dim.AUTO for d in range(t.dim())}, value
+        )
+        if any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
+        else None
+        for name, value in bound.arguments.items()
+    }
+
+
+def _export(
+    model: nn.Module, args: tuple, kwargs: dict, fixed: dict, dynamic_shapes: bool
+) -> fx.GraphModule:
+    kwargs_fixed = {**kwargs, **fixed}
+    dynamic = _any_size(model, args, kwargs_fixed) if dynamic_shapes else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.export.export(model, args, {**kwargs, **fixed}, strict=False)
+        program = torch.export.export(
+            model, args, kwargs_fixed, dynamic_shapes=dynamic, strict=False
+        )
     gm = program.module()
-    ModelCall(model, args, kwargs, fixed=fixed).install(gm)
+    ModelCall(model, args, kwargs, fixed=fixed, sizes=dynamic_shapes).install(gm)
     return gm
 
 
@@ -429,13 +482,20 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
 
 
 def capture(
-    model: nn.Module, args: tuple, kwargs: dict | None = None, *, leaf_modules: tuple = ()
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    leaf_modules: tuple = (),
+    dynamic_shapes: bool = False,
 ) -> Captured:
     """Capture ``model`` called as ``model(*args, **kwargs)`` as a GraphModule.
 
     ``leaf_modules`` (module classes) stay single ``call_module`` nodes under ``symbolic_trace``
     instead of being traced through: plans then checkpoint whole blocks, and hooks on those
     blocks (e.g. FSDP2's ``fully_shard`` per block) keep running. ``torch.export`` ignores it.
+    ``dynamic_shapes`` lets a ``torch.export`` graph take other sizes of the tensor arguments
+    (batch, sequence length) than the example's; ``symbolic_trace`` graphs always do.
 
     Raises
     ------
@@ -455,7 +515,9 @@ def capture(
         except Exception as trace_error:  # noqa: BLE001 - any tracing failure means: try export
             log.info("symbolic_trace failed (%s); trying torch.export", trace_error)
             try:
-                captured = Captured(_export(model, args, kwargs, fixed), "export")
+                captured = Captured(
+                    _export(model, args, kwargs, fixed, dynamic_shapes), "export"
+                )
             except PlanningError:
                 raise
             except Exception as export_error:  # noqa: BLE001

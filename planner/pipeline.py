@@ -327,12 +327,15 @@ def prepare(
     cost_model: CostModel | None = None,
     optimizer_state_bytes: int = 0,
     leaf_modules: tuple = (),
+    dynamic_shapes: bool = False,
 ):
     """Capture, profile and analyse once: (captured, Problem). Reused by sweeps over budgets."""
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = _keyword_arguments(example_kwargs)
     _check_model(model, args, kwargs)
-    captured = capture(model, args, kwargs, leaf_modules=leaf_modules)
+    captured = capture(
+        model, args, kwargs, leaf_modules=leaf_modules, dynamic_shapes=dynamic_shapes
+    )
     # The planned module checks that calls pass these again (see planner.rewrite).
     captured.graph_module.meta["planner.tensor_arguments"] = tensor_arguments(model, args, kwargs)
     prof = profile(captured.graph_module, *captured.inputs(args, kwargs))
@@ -356,6 +359,7 @@ def plan(
     optimizer_state_bytes: int = 0,
     cost_model: CostModel | None = None,
     leaf_modules: tuple = (),
+    dynamic_shapes: bool = False,
 ) -> Plan:
     """Plan which activations of ``model`` to recompute so that a training step fits a budget.
 
@@ -378,6 +382,11 @@ def plan(
         Module classes to keep whole (e.g. a transformer block class): segments then start and
         end at their boundaries, and hooks on them, such as FSDP2 sharding per block, keep
         running. Only for models ``symbolic_trace`` captures.
+    dynamic_shapes
+        For models captured by ``torch.export`` (Hugging Face transformers): let the planned
+        module take other batch sizes and sequence lengths than the example's (capture is
+        slower). The budget holds for the example's sizes: give the largest you train with;
+        a larger call warns. Models ``symbolic_trace`` captures take any size anyway.
 
     Raises
     ------
@@ -404,6 +413,7 @@ def plan(
         cost_model=cost_model,
         optimizer_state_bytes=optimizer_state_bytes,
         leaf_modules=leaf_modules,
+        dynamic_shapes=dynamic_shapes,
     )
     baseline = simulate(problem, ())
     solve_start = time.perf_counter()

@@ -124,6 +124,9 @@ def _share_user_state(planned: nn.Module, model: nn.Module) -> None:
         own.clear()
         own.update(merged)
     planned._non_persistent_buffers_set |= model._non_persistent_buffers_set
+    # Constants torch.export lifted into buffers (``lifted_tensor_0``: a ``torch.tensor(...)``
+    # in forward) are the graph's, not the model's state: kept out of ``state_dict``.
+    planned._non_persistent_buffers_set |= planned._buffers.keys() - model._buffers.keys()
 
 
 def _holder(captured: fx.GraphModule, model: nn.Module) -> nn.Module:

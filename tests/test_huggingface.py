@@ -127,3 +127,40 @@ def test_activation_checkpointing_advice_uses_the_current_name():
             plan(model, args, budget_gb=1, example_kwargs=kwargs)
     assert "activation_checkpointing_disable()" in str(info.value)
     assert "gradient_checkpointing_disable" not in str(info.value)
+
+
+SHAPE_CASES = [
+    pytest.param(name, marks=[] if name == "llama" else [pytest.mark.models])
+    for name in FAMILIES
+    if name not in ("vit", "clip", "whisper")  # fixed image and audio sizes
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SHAPE_CASES)
+def test_a_dynamic_shapes_plan_trains_smaller_batches_and_lengths_within_its_budget(name):
+    model, args, kwargs = build(name, labels=True, batch=4, length=24)
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        _, problem = prepare(model, args, kwargs)
+        budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
+        p = plan(model, args, budget_bytes=budget, example_kwargs=kwargs, dynamic_shapes=True)
+    assert p.segments
+    for batch, length in [(4, 24), (2, 16), (3, 7)]:
+        _, other_args, other_kwargs = build(name, labels=True, batch=batch, length=length)
+        assert peak_memory(p.module, other_args, other_kwargs).peak_bytes <= budget
+        takes_cache = "use_cache" in inspect.signature(model.forward).parameters
+        call = {**other_kwargs, "use_cache": False} if takes_cache else other_kwargs
+        assert_equivalent(reference, model, p.module, other_args, call)
+    _, larger_args, larger_kwargs = build(name, labels=True, batch=4, length=40)
+    with pytest.warns(UserWarning, match="larger tensors than the example"):
+        p.module(*larger_args, **larger_kwargs)
+
+
+def test_a_static_plan_refuses_other_sizes():
+    model, args, kwargs = build("bert", labels=False)
+    p = plan(model, args, budget_gb=1, example_kwargs=kwargs)
+    _, other_args, other_kwargs = build("bert", labels=False, length=9)
+    with pytest.raises(Exception, match="Guard failed"):
+        p.module(*other_args, **other_kwargs)
