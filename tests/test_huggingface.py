@@ -35,6 +35,10 @@ from strategies import assert_equivalent  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
+# The CPU tracker measures 8 bytes more than any prediction, on every model (an nn.Sequential of
+# two Linear layers too: 70,664 measured, 70,656 predicted): a plan whose prediction is exactly
+# its budget reads 8 bytes over.
+TRACKER_EXTRA = 8
 FAST = {"gpt2", "llama"}  # the default suite's share of the matrix
 CASES = [
     pytest.param(name, labels, marks=[] if name in FAST else [pytest.mark.models])
@@ -72,14 +76,15 @@ def test_default_config_plans_fit_and_train_like_the_model(name, labels):
     p = plan_between_lowest_and_baseline(model, args, kwargs)
     assert p.segments and p.capture_method == "export"
     measured = peak_memory(p.module, args, kwargs).peak_bytes
-    assert measured <= p.budget_bytes
+    assert measured <= p.budget_bytes + TRACKER_EXTRA
     assert abs(measured - p.predicted_peak_bytes) <= 0.05 * measured
     takes_cache = "use_cache" in inspect.signature(model.forward).parameters
     call = {**kwargs, "use_cache": False} if takes_cache else kwargs
     assert_equivalent(reference, model, p.module, args, call)
     # the model's own call, use_cache left out, computes the same
     loss = training_loss(seeded(p.module, *args, **kwargs))
-    torch.testing.assert_close(loss, training_loss(seeded(reference, *args, **call)), rtol=0, atol=0)
+    expected = training_loss(seeded(reference, *args, **call))
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
 
 
 def test_a_default_config_decoder_plans_without_its_cache_and_says_so():
@@ -149,7 +154,8 @@ def test_a_dynamic_shapes_plan_trains_smaller_batches_and_lengths_within_its_bud
     assert p.segments
     for batch, length in [(4, 24), (2, 16), (3, 7)]:
         _, other_args, other_kwargs = build(name, labels=True, batch=batch, length=length)
-        assert peak_memory(p.module, other_args, other_kwargs).peak_bytes <= budget
+        measured = peak_memory(p.module, other_args, other_kwargs).peak_bytes
+        assert measured <= budget + TRACKER_EXTRA
         takes_cache = "use_cache" in inspect.signature(model.forward).parameters
         call = {**other_kwargs, "use_cache": False} if takes_cache else other_kwargs
         assert_equivalent(reference, model, p.module, other_args, call)
