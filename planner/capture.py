@@ -138,10 +138,10 @@ class ModelCall:
                     f"{name}={value!r}. Plan again with {name}={value!r} in the example inputs."
                 )
             if name not in self.constants and value is None:
-                raise TypeError(
-                    f"this plan of {self.model_name} was captured with a tensor for {name}; "
-                    f"this call leaves it out, which {self.model_name} may compute differently. "
-                    f"Pass {name}, or plan without it in the example inputs."
+                raise PlanningError(
+                    f"the planned {self.model_name} needs the tensor argument {name!r}: the plan "
+                    f"was made with {name}= given, and its graph computes with it. Pass it, or "
+                    f"plan again without {name}= to call the model without it."
                 )
         if self.largest is not None and not self.warned and _larger(_sizes(values), self.largest):
             self.warned = True
