@@ -533,7 +533,9 @@ def node_seconds(module, args, kwargs=None, *, repeat=3) -> dict[str, float]:
     if repeat < 1:
         raise ValueError(f"node_seconds needs repeat >= 1, got {repeat=}")
     kwargs = kwargs or {}
-    graph_module = capture(module, tuple(args), kwargs).graph_module
+    captured = capture(module, tuple(args), kwargs)
+    graph_module = captured.graph_module
+    args, kwargs = captured.inputs(tuple(args), kwargs)
     device = _step_device(module, args, kwargs)
     samples: dict[str, list[float]] = {}
 

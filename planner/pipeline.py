@@ -211,6 +211,33 @@ def _keyword_arguments(example_kwargs) -> dict:
     return dict(example_kwargs)
 
 
+def _floor_advice(problem: Problem, lowest: int) -> str:
+    """What takes the memory no plan removes, and what can lower the peak: at 90% or more of
+    the lowest peak, parameters, their gradients and optimizer state set the floor, and a
+    smaller batch barely helps."""
+    optimizer = problem.optimizer_state_bytes
+    state = problem.fixed_bytes - optimizer
+    floor = problem.fixed_bytes + problem.gradient_bytes
+    parts = f"parameters, buffers and inputs take {_mib(state)}, parameter gradients " + (
+        f"{_mib(problem.gradient_bytes)} and optimizer state {_mib(optimizer)}"
+        if optimizer
+        else f"{_mib(problem.gradient_bytes)} and optimizer state none (optimizer_state_bytes=0)"
+    )
+    raise_to = f"Raise the budget to at least budget_bytes={lowest}"
+    if floor >= 0.9 * lowest:
+        return (
+            f"Of that, {parts}: together {_mib(floor)}, which no checkpointing removes, so a "
+            f"smaller batch or input barely helps. {raise_to}, or train fewer parameters "
+            "(requires_grad_(False) on some), keep parameters and gradients in a smaller dtype "
+            "(bfloat16), or shard parameters, gradients and optimizer state across devices "
+            "(FSDP)."
+        )
+    return (
+        f"Of that, {parts}; activations take the rest. {raise_to}, or use a smaller batch or "
+        "shorter inputs."
+    )
+
+
 def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
@@ -300,15 +327,18 @@ def prepare(
     cost_model: CostModel | None = None,
     optimizer_state_bytes: int = 0,
     leaf_modules: tuple = (),
+    dynamic_shapes: bool = False,
 ):
     """Capture, profile and analyse once: (captured, Problem). Reused by sweeps over budgets."""
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = _keyword_arguments(example_kwargs)
     _check_model(model, args, kwargs)
-    captured = capture(model, args, kwargs, leaf_modules=leaf_modules)
+    captured = capture(
+        model, args, kwargs, leaf_modules=leaf_modules, dynamic_shapes=dynamic_shapes
+    )
     # The planned module checks that calls pass these again (see planner.rewrite).
     captured.graph_module.meta["planner.tensor_arguments"] = tensor_arguments(model, args, kwargs)
-    prof = profile(captured.graph_module, args, kwargs)
+    prof = profile(captured.graph_module, *captured.inputs(args, kwargs))
     problem = build_problem(
         captured.graph_module,
         prof,
@@ -329,6 +359,7 @@ def plan(
     optimizer_state_bytes: int = 0,
     cost_model: CostModel | None = None,
     leaf_modules: tuple = (),
+    dynamic_shapes: bool = False,
 ) -> Plan:
     """Plan which activations of ``model`` to recompute so that a training step fits a budget.
 
@@ -351,6 +382,11 @@ def plan(
         Module classes to keep whole (e.g. a transformer block class): segments then start and
         end at their boundaries, and hooks on them, such as FSDP2 sharding per block, keep
         running. Only for models ``symbolic_trace`` captures.
+    dynamic_shapes
+        For models captured by ``torch.export`` (Hugging Face transformers): let the planned
+        module take other batch sizes and sequence lengths than the example's (capture is
+        slower). The budget holds for the example's sizes: give the largest you train with;
+        a larger call warns. Models ``symbolic_trace`` captures take any size anyway.
 
     Raises
     ------
@@ -377,6 +413,7 @@ def plan(
         cost_model=cost_model,
         optimizer_state_bytes=optimizer_state_bytes,
         leaf_modules=leaf_modules,
+        dynamic_shapes=dynamic_shapes,
     )
     baseline = simulate(problem, ())
     solve_start = time.perf_counter()
@@ -396,9 +433,8 @@ def plan(
         raise PlanningError(
             f"no plan fits a budget of {_mib(budget)} ({budget} bytes): the lowest predicted "
             f"peak found is {_mib(lowest.peak_bytes)} ({lowest.peak_bytes} bytes) and the "
-            f"baseline without checkpointing is {_mib(baseline.peak_bytes)}; parameters, "
-            f"buffers and inputs alone take {_mib(problem.fixed_bytes)}. Raise the budget to at "
-            f"least budget_bytes={lowest.peak_bytes}, or use a smaller batch."
+            f"baseline without checkpointing is {_mib(baseline.peak_bytes)}. "
+            + _floor_advice(problem, lowest.peak_bytes)
             + (f" (solver {name} found {_mib(result.peak_bytes)})" if solver != "auto" else "")
         )
     return assemble(

@@ -28,7 +28,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-from planner.capture import closing_regions, updates_in_place
+from planner.capture import CALL_KEY, closing_regions, updates_in_place
 from planner.errors import PlanningError
 from planner.graph import compute_nodes
 
@@ -138,6 +138,9 @@ def _share_user_state(planned: nn.Module, model: nn.Module) -> None:
         own.clear()
         own.update(merged)
     planned._non_persistent_buffers_set |= model._non_persistent_buffers_set
+    # Constants torch.export lifted into buffers (``lifted_tensor_0``: a ``torch.tensor(...)``
+    # in forward) are the graph's, not the model's state: kept out of ``state_dict``.
+    planned._non_persistent_buffers_set |= planned._buffers.keys() - model._buffers.keys()
 
 
 def _holder(captured: fx.GraphModule, model: nn.Module) -> nn.Module:
@@ -441,6 +444,9 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, segments) -> PlannedModu
     )
     for segment in built:
         segment.root = planned
+    call = captured.meta.get(CALL_KEY)
+    if call is not None:  # calls and outputs like the model's (see planner.capture.ModelCall)
+        call.install(planned)
     return planned
 
 

@@ -22,3 +22,15 @@ _COMMON = dict(
 settings.register_profile("ci", max_examples=30, derandomize=True, **_COMMON)
 settings.register_profile("thorough", max_examples=2000, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The ``models`` matrix runs only when asked for (``-m models``): it takes minutes."""
+    import pytest
+
+    if "models" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="the full model matrix: run it with pytest -m models")
+    for item in items:
+        if "models" in item.keywords:
+            item.add_marker(skip)

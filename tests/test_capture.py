@@ -2,9 +2,16 @@
 parameters and buffers from a table instead of scanning the module tree at every use, and must
 give exactly the graph fx gives."""
 
+import collections
+import dataclasses
+from typing import NamedTuple
+
+import pytest
 import torch
 from torch import fx, nn
+from torch.utils._pytree import tree_leaves
 
+import planner
 from planner.capture import _Tracer
 
 
@@ -40,3 +47,48 @@ def test_the_graph_is_the_one_fx_makes_even_when_forward_replaces_a_buffer():
     assert attributes == fx_attributes
     assert output == fx_output
     assert "b" in attributes and any(a.startswith("_tensor_constant") for a in attributes)
+
+
+class Pair(NamedTuple):
+    out: torch.Tensor
+    aux: dict
+
+
+@dataclasses.dataclass
+class Result(collections.OrderedDict):
+    """A mapping output with fields, as Hugging Face's ``ModelOutput`` is."""
+
+    logits: torch.Tensor = None
+
+    def __post_init__(self):
+        self["logits"] = self.logits
+
+
+class Heads(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
+
+    def forward(self, x):
+        h = self.body(x)
+        if self.kind == "ordered":  # torchvision segmentation models return this
+            return collections.OrderedDict(out=h, aux=collections.OrderedDict(mid=h * 2))
+        if self.kind == "namedtuple":
+            return Pair(h, collections.OrderedDict(mid=h))
+        return Result(logits=h)
+
+
+@pytest.mark.parametrize("kind", ["ordered", "namedtuple", "fields"])
+def test_a_planned_module_returns_the_models_own_container_types(kind):
+    model, x = Heads(kind), torch.randn(3, 4)
+    p = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n")
+    assert p.capture_method == "symbolic_trace" and p.segments
+    out, expected = p.module(x), model(x)
+    assert type(out) is type(expected)
+    inner = {"ordered": lambda o: o["aux"], "namedtuple": lambda o: o.aux, "fields": None}[kind]
+    if inner is not None:
+        assert type(inner(out)) is type(inner(expected))
+    torch.testing.assert_close(tree_leaves(out), tree_leaves(expected), rtol=0, atol=0)
+    if kind == "ordered":
+        out.move_to_end("out")
