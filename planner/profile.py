@@ -25,6 +25,13 @@ Keys written into ``node.meta`` (the one place they are documented):
     whether any of its outputs requires grad (then backward allocates a gradient for it).
 ``planner.tensor_output``
     whether it returns any tensor (``x.size(1)`` does not: it holds no memory).
+``planner.kept_bytes``
+    bytes a selective-checkpoint cache holds when the node is *kept* inside a checkpointed
+    segment: every storage its ops create (outputs and temporaries alike: the cache stores the
+    result of each op, from the forward until the segment's recompute consumes it).
+``planner.random``
+    whether one of its ops draws random numbers (tagged ``torch.Tag.nondeterministic_seeded``:
+    dropout, ``rand_like``...).
 ``planner.backward_high``, ``planner.backward_net``
     measured in the fake backward that follows the forward: the most bytes the node's backward
     has allocated at once (input and parameter gradients, temporaries), and what of it is still
@@ -64,6 +71,8 @@ META_KEYS = (
     "planner.bytes_moved",
     "planner.requires_grad",
     "planner.tensor_output",
+    "planner.kept_bytes",
+    "planner.random",
     "planner.backward_high",
     "planner.backward_net",
 )
@@ -141,6 +150,7 @@ class _OpFacts(NamedTuple):
     aliasing: bool  # a return aliases an input: the op moves no bytes
     flops: Callable | None  # torch.utils.flop_counter formula
     cacheable: bool  # a pure function of its arguments' metadata (see _MetaKernels)
+    random: bool  # draws random numbers
 
 
 @functools.cache
@@ -158,7 +168,8 @@ def _op_facts(func: torch._ops.OpOverload) -> _OpFacts:
         and not any(a.alias_info is not None for a in (*schema.arguments, *schema.returns))
         and not {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape} & set(func.tags)
     )
-    return _OpFacts(written, aliasing, flop_registry.get(func.overloadpacket), cacheable)
+    random = torch.Tag.nondeterministic_seeded in func.tags
+    return _OpFacts(written, aliasing, flop_registry.get(func.overloadpacket), cacheable, random)
 
 
 def _call(func, args: tuple, kwargs: dict):
@@ -258,6 +269,7 @@ class _CostMode(TorchDispatchMode):
         self.new: set[int] = set()
         self.reads: set[int] = set()
         self.writes: set[int] = set()
+        self.random = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY:
@@ -272,6 +284,7 @@ class _CostMode(TorchDispatchMode):
         before = len(self.storages.keys)
         out = self.call(func, args, kwargs)
         facts = _op_facts(func)
+        self.random |= facts.random
         for position, name in facts.written:
             value = args[position] if position < len(args) else kwargs.get(name)
             for t in _tensors(value):
@@ -398,6 +411,8 @@ class _Recorder(fx.Interpreter):
         node.meta["planner.saved"] = frozenset(self.saved_by_current)
         node.meta["planner.writes"] = frozenset(self.cost.writes)
         node.meta["planner.workspace"] = sum(nbytes[k] for k in self.cost.new - kept)
+        node.meta["planner.kept_bytes"] = sum(nbytes[k] for k in self.cost.new)
+        node.meta["planner.random"] = self.cost.random
         node.meta["planner.flops"] = self.cost.flops
         node.meta["planner.bytes_moved"] = self.cost.bytes_moved
         node.meta["planner.requires_grad"] = any(t.requires_grad for t in tensors)
