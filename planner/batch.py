@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 from planner.errors import PlanningError
 from planner.graph import CostModel, Problem
 from planner.pipeline import Plan, assemble, budget_in_bytes, choose, lowest_peak, prepare
-from planner.simulate import simulate
+from planner.simulate import as_choice, simulate
 
 __all__ = ["BatchOption", "BatchPlan", "accumulation_problem", "plan_batch"]
 
@@ -335,7 +335,7 @@ def plan_batch(
             predicted_peak_bytes=result.peak_bytes,
             predicted_seconds=steps * (step_seconds + result.recompute_seconds),
             recompute_fraction=result.recompute_seconds / step_seconds if step_seconds else 0.0,
-            segments=len(segments),
+            segments=len(as_choice(segments).segments),
             solver=name,
             fits=fits,
             note=note,

@@ -124,6 +124,23 @@ class Problem:
     parameter_bytes: int
     gradient_bytes: int
     optimizer_state_bytes: int = 0
+    # Per-node keeps (``Choice.keep``): bytes the selective-checkpoint cache holds for a kept
+    # node, whether the node draws random numbers, and whether it may be kept at all. Left out,
+    # they read: every storage the node creates (created_bytes + workspace), no randomness, and
+    # keepable where the node creates memory.
+    kept_bytes: np.ndarray | None = None
+    random: np.ndarray | None = None
+    keepable: np.ndarray | None = None
+
+    def __post_init__(self):
+        defaults = {
+            "kept_bytes": lambda: self.created_bytes + self.workspace,
+            "random": lambda: np.zeros(self.size, dtype=bool),
+            "keepable": lambda: self.kept_bytes > 0,
+        }
+        for name, default in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default())
 
     @property
     def size(self) -> int:
@@ -192,6 +209,19 @@ def articulation_nodes(gm: fx.GraphModule) -> set[fx.Node]:
             if used.op != "get_attr" and used.meta.get("planner.tensor_output", True):
                 graph.add_edge(used, node)
     return {n for n in nx.articulation_points(graph) if getattr(n, "op", None) in COMPUTE_OPS}
+
+
+def _keepable(created: list[dict], writes: list[frozenset], kept_bytes: np.ndarray) -> np.ndarray:
+    """Nodes a selective-checkpoint cache may keep: they create memory, mutate nothing, and
+    nothing later mutates what they create (the cache hands the forward's tensors to the
+    recompute, and torch refuses cached tensors that changed since)."""
+    keepable = (kept_bytes > 0) & np.array([not w for w in writes], dtype=bool)
+    producer = {key: i for i, c in enumerate(created) for key in c}
+    for written in writes:
+        for key in written:
+            if key in producer:
+                keepable[producer[key]] = False
+    return keepable
 
 
 def _mutation_pins(storages: dict, writes: list[frozenset], n: int, fixed: set):
@@ -292,6 +322,7 @@ def build_problem(
     flops = np.array([require_meta(node, "planner.flops") for node in nodes], dtype=np.float64)
     moved = np.array([require_meta(node, "planner.bytes_moved") for node in nodes], np.float64)
     fixed_bytes = sum(profile.storage_bytes[k] for k in profile.fixed_kind)
+    kept_bytes = np.array([require_meta(nd, "planner.kept_bytes") for nd in nodes], np.int64)
     return Problem(
         names=tuple(node.name for node in nodes),
         labels=tuple(_label(node) for node in nodes),
@@ -314,4 +345,7 @@ def build_problem(
         parameter_bytes=profile.fixed_bytes("parameter"),
         gradient_bytes=profile.gradient_bytes,
         optimizer_state_bytes=optimizer_state_bytes,
+        kept_bytes=kept_bytes,
+        random=np.array([bool(require_meta(nd, "planner.random")) for nd in nodes], dtype=bool),
+        keepable=_keepable(created, writes, kept_bytes) & ~pinned,
     )

@@ -20,7 +20,15 @@ from planner.graph import CostModel, Problem, build_problem
 from planner.profile import profile
 from planner.rewrite import rewrite, tensor_arguments
 from planner.serialize import input_spec
-from planner.simulate import Segments, Simulation, simulate, validate_segments
+from planner.simulate import (
+    Choice,
+    Segments,
+    Simulation,
+    as_choice,
+    simulate,
+    validate_choice,
+    validate_segments,
+)
 from planner.solvers import SOLVERS, get_solver
 from planner.solvers.sqrt_n import segments_between
 
@@ -58,6 +66,13 @@ class Plan:
     leaf_modules: tuple = field(default=(), repr=False, compare=False)
     training: bool = field(default=True, repr=False, compare=False)
 
+    keep: frozenset[int] = frozenset()  # positions of kept nodes inside segments
+
+    @property
+    def choice(self) -> Choice:
+        """The segments and kept nodes, as solvers and ``simulate`` take them."""
+        return Choice(self.segments, self.keep)
+
     @property
     def baseline_fixed_bytes(self) -> int:
         """Parameters, buffers, inputs and optimizer state: memory no plan can remove."""
@@ -70,9 +85,13 @@ class Plan:
         segment and read inside it: the checkpoint's inputs, which it holds until its backward
         (as ``simulate`` counts them). Tensors that merely cross the cut on their way to later
         nodes are not among them. Every rendering of the plan (``str``, the notebook HTML, the
-        graph drawing) shows these rows.
+        graph drawing) shows these rows. Kept nodes (``keep``) are neither dropped nor
+        recomputed: ``kept`` names them and ``kept_bytes`` is what their cache holds from the
+        forward to the recompute.
         """
         saved = self.problem.saved_bytes_per_node()
+        seconds = self.problem.seconds.copy()
+        saved[list(self.keep)], seconds[list(self.keep)] = 0, 0.0
         rows = []
         for k, (start, stop) in enumerate(self.segments):
             tensors, nbytes = _segment_inputs(self.problem, start, stop)
@@ -86,14 +105,18 @@ class Plan:
                 "input_tensors": tensors,
                 "input_bytes": nbytes,
                 "dropped_bytes": int(saved[start:stop].sum()),
-                "recompute_seconds": float(self.problem.seconds[start:stop].sum()),
+                "recompute_seconds": float(seconds[start:stop].sum()),
+                "kept": [self.problem.names[i] for i in sorted(self.keep) if start <= i < stop],
+                "kept_bytes": int(sum(int(self.problem.kept_bytes[i])
+                                      for i in self.keep if start <= i < stop)),
             })
         return rows
 
     def __str__(self) -> str:
+        kept = f", {len(self.keep)} nodes kept inside them" if self.keep else ""
         lines = [
-            f"Plan: {len(self.segments)} checkpointed segments over {self.problem.size} nodes "
-            f"(solver {self.solver}, captured by {self.capture_method})",
+            f"Plan: {len(self.segments)} checkpointed segments{kept} over {self.problem.size} "
+            f"nodes (solver {self.solver}, captured by {self.capture_method})",
             f"  budget          {_mib(self.budget_bytes):>12}",
             f"  predicted peak  {_mib(self.predicted_peak_bytes):>12}"
             f"   (baseline {_mib(self.baseline_peak_bytes)}, "
@@ -105,14 +128,16 @@ class Plan:
         ]
         rows = self.segment_table()
         if rows:
-            lines.append(
-                f"  {'seg':>4} {'nodes':>6} {'from':<24} {'to':<24} {'inputs':>10} {'dropped':>10}"
-            )
+            header = (f"  {'seg':>4} {'nodes':>6} {'from':<24} {'to':<24} {'inputs':>10} "
+                      f"{'dropped':>10}")
+            lines.append(header + (f" {'kept':>5} {'kept bytes':>10}" if self.keep else ""))
             for r in rows:
-                lines.append(
-                    f"  {r['segment']:>4} {r['nodes']:>6} {r['first']:<24.24} {r['last']:<24.24} "
-                    f"{_mib(r['input_bytes']):>10} {_mib(r['dropped_bytes']):>10}"
-                )
+                line = (f"  {r['segment']:>4} {r['nodes']:>6} {r['first']:<24.24} "
+                        f"{r['last']:<24.24} {_mib(r['input_bytes']):>10} "
+                        f"{_mib(r['dropped_bytes']):>10}")
+                if self.keep:
+                    line += f" {len(r['kept']):>5} {_mib(r['kept_bytes']):>10}"
+                lines.append(line)
         return "\n".join(lines)
 
     __repr__ = __str__
@@ -259,9 +284,16 @@ def lowest_peak(problem: Problem) -> Simulation:
     return lowest_peak_plan(problem)[1]
 
 
-def _solver_result(name: str, result, problem: Problem) -> Segments:
-    """A solver's segments, sorted, as ints; a clear error naming the solver when they are not
-    the ``(start, stop)`` pairs of int positions every solver must return."""
+def _solver_result(name: str, result, problem: Problem) -> Segments | Choice:
+    """A solver's segments, sorted, as ints (or its ``Choice``, when it keeps nodes inside
+    them); a clear error naming the solver when they are not the ``(start, stop)`` pairs of int
+    positions every solver must return."""
+    if isinstance(result, Choice):
+        try:
+            choice = validate_choice(problem, result)
+        except ValueError as error:
+            raise ValueError(f"solver {name!r} returned an invalid plan: {error}") from None
+        return choice if choice.keep else choice.segments
     try:
         pairs = None if isinstance(result, (str, bytes)) else [tuple(pair) for pair in result]
     except TypeError:  # not iterable, or items that are not
@@ -289,8 +321,9 @@ def _short_repr(value) -> str:
     return f"a {kind}" + (f" of {len(value)} items" if hasattr(value, "__len__") else "")
 
 
-def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str, Segments]:
-    """Run ``solver`` (a name, ``"auto"``, or a callable) and return (name that ran, segments).
+def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str, Segments | Choice]:
+    """Run ``solver`` (a name, ``"auto"``, or a callable) and return (name that ran, choice):
+    plain segments, or a ``Choice`` when the solver keeps nodes inside them.
 
     ``"auto"`` runs ``optimal`` on graphs of at most ``AUTO_OPTIMAL_MAX_NODES`` nodes (its
     search takes about 1-3 s at 10,000-20,000 nodes on two CPU cores, growing about linearly;
@@ -306,7 +339,8 @@ def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str
         if name not in SOLVERS or (name == "optimal" and problem.size > AUTO_OPTIMAL_MAX_NODES):
             continue
         limit = {"time_limit": AUTO_OPTIMAL_SECONDS} if name == "optimal" else {}
-        segments = tuple(SOLVERS[name](problem, budget, **{**limit, **options}))
+        segments = _solver_result(name, SOLVERS[name](problem, budget, **{**limit, **options}),
+                                  problem)
         result = simulate(problem, segments)
         fits = result.peak_bytes <= budget
         key = (not fits, result.recompute_seconds if fits else result.peak_bytes)
@@ -464,12 +498,15 @@ def assemble(
     input_spec: dict | None = None,
     leaf_modules: tuple = (),
 ) -> Plan:
-    """Simulate, rewrite and package chosen segments (shared by plan, load and plan_batch)."""
+    """Simulate, rewrite and package a choice (segments, or a ``Choice``; shared by plan, load
+    and plan_batch)."""
+    choice = as_choice(segments)
     baseline = simulate(problem, ())
-    result = simulate(problem, segments)
+    result = simulate(problem, choice)
     step_seconds = 3 * float(problem.seconds.sum())
     return Plan(
-        segments=tuple(segments),
+        segments=choice.segments,
+        keep=choice.keep,
         solver=solver,
         budget_bytes=budget_bytes,
         predicted_peak_bytes=result.peak_bytes,
@@ -479,7 +516,7 @@ def assemble(
         capture_method=captured.method,
         solve_seconds=solve_seconds,
         planning_seconds=time.perf_counter() - started,
-        module=rewrite(captured.graph_module, model, segments),
+        module=rewrite(captured.graph_module, model, choice),
         problem=problem,
         input_spec=input_spec,
         leaf_modules=module_classes(leaf_modules),

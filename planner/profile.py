@@ -25,6 +25,13 @@ Keys written into ``node.meta`` (the one place they are documented):
     whether any of its outputs requires grad (then backward allocates a gradient for it).
 ``planner.tensor_output``
     whether it returns any tensor (``x.size(1)`` does not: it holds no memory).
+``planner.kept_bytes``
+    bytes a selective-checkpoint cache holds when the node is *kept* inside a checkpointed
+    segment: every storage its ops create (outputs and temporaries alike: the cache stores the
+    result of each op, from the forward until the segment's recompute consumes it).
+``planner.random``
+    whether one of its ops draws random numbers (tagged ``torch.Tag.nondeterministic_seeded``:
+    dropout, ``rand_like``...).
 ``planner.backward_high``, ``planner.backward_net``
     measured in the fake backward that follows the forward: the most bytes the node's backward
     has allocated at once (input and parameter gradients, temporaries), and what of it is still
@@ -67,6 +74,8 @@ META_KEYS = (
     "planner.bytes_moved",
     "planner.requires_grad",
     "planner.tensor_output",
+    "planner.kept_bytes",
+    "planner.random",
     "planner.backward_high",
     "planner.backward_net",
 )
@@ -144,6 +153,7 @@ class _OpFacts(NamedTuple):
     aliasing: bool  # a return aliases an input: the op moves no bytes
     flops: Callable | None  # torch.utils.flop_counter formula
     cacheable: bool  # a pure function of its arguments' metadata (see _MetaKernels)
+    random: bool  # draws random numbers
     several_outputs: bool  # returns more than one tensor (see _FakeCall)
 
 
@@ -162,11 +172,13 @@ def _op_facts(func: torch._ops.OpOverload) -> _OpFacts:
         and not any(a.alias_info is not None for a in (*schema.arguments, *schema.returns))
         and not {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape} & set(func.tags)
     )
+    random = torch.Tag.nondeterministic_seeded in func.tags
     several_outputs = len(schema.returns) > 1 or any(
         isinstance(r.type, torch.ListType) for r in schema.returns
     )
     return _OpFacts(
-        written, aliasing, flop_registry.get(func.overloadpacket), cacheable, several_outputs
+        written, aliasing, flop_registry.get(func.overloadpacket), cacheable, random,
+        several_outputs,
     )
 
 
@@ -301,6 +313,7 @@ class _CostMode(TorchDispatchMode):
         self.new: set[int] = set()
         self.reads: set[int] = set()
         self.writes: set[int] = set()
+        self.random = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY:
@@ -317,6 +330,7 @@ class _CostMode(TorchDispatchMode):
         before = len(self.storages.keys)
         out = self.call(func, args, kwargs)
         facts = _op_facts(func)
+        self.random |= facts.random
         for position, name in facts.written:
             value = args[position] if position < len(args) else kwargs.get(name)
             for t in _tensors(value):
@@ -443,6 +457,8 @@ class _Recorder(fx.Interpreter):
         node.meta["planner.saved"] = frozenset(self.saved_by_current)
         node.meta["planner.writes"] = frozenset(self.cost.writes)
         node.meta["planner.workspace"] = sum(nbytes[k] for k in self.cost.new - kept)
+        node.meta["planner.kept_bytes"] = sum(nbytes[k] for k in self.cost.new)
+        node.meta["planner.random"] = self.cost.random
         node.meta["planner.flops"] = self.cost.flops
         node.meta["planner.bytes_moved"] = self.cost.bytes_moved
         node.meta["planner.requires_grad"] = any(t.requires_grad for t in tensors)

@@ -12,6 +12,11 @@ what the model computes: in another training mode it runs the model itself, and 
 structure changed since planning it refuses (see its docstring). It reads
 ``gm.meta["planner.tensor_arguments"]`` of the captured graph (set by
 ``planner.pipeline.prepare``): the forward arguments that were tensors when planning.
+
+Segments with kept nodes (``planner.simulate.Choice.keep``) run under
+``torch.utils.checkpoint.create_selective_checkpoint_contexts``: the segment's body brackets
+each kept node with two marker calls, ``_keep_on`` and ``_keep_off``, which run identically in
+the forward and in the recompute, and the policy saves the ops called between them.
 """
 
 from __future__ import annotations
@@ -21,16 +26,55 @@ import copy
 import functools
 import inspect
 import operator
+import threading
 import warnings
 
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from planner.capture import CALL_KEY, closing_regions, updates_in_place
 from planner.errors import PlanningError
 from planner.graph import compute_nodes
+from planner.simulate import as_choice
+
+# Whether the ops running now belong to a kept node; per thread, as autograd may recompute a
+# segment on a thread of its own.
+_KEEPING = threading.local()
+
+
+def _keep_on() -> None:
+    _KEEPING.on = True
+
+
+def _keep_off() -> None:
+    _KEEPING.on = False
+
+
+@functools.cache
+def _aliases(op) -> bool:
+    """Whether ``op`` returns a view of, or writes into, an argument."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _keep_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Save what ops of kept nodes create. Views and in-place ops are recomputed (free): saving
+    them would hold the storage of whatever they alias."""
+    if getattr(_KEEPING, "on", False) and not _aliases(op):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@contextlib.contextmanager
+def _nested(outer, inner):
+    with outer, inner:
+        yield
 
 
 class Segment:
@@ -43,13 +87,17 @@ class Segment:
     exactly as one forward leaves them. The buffers are named, not held: ``.double()`` or
     ``.to(device)`` on the model replace buffer tensors after planning, so they are looked up
     through ``root`` (the planned module) when the segment runs and when it is recomputed.
+    A segment that keeps nodes (``selective``) also caches their ops' results in the forward
+    and hands them to the recompute (``_keep_policy``).
     """
 
-    def __init__(self, body: fx.GraphModule, modules: tuple[str, ...], tensors: tuple[str, ...]):
+    def __init__(self, body: fx.GraphModule, modules: tuple[str, ...], tensors: tuple[str, ...],
+                 selective: bool = False):
         self.body = body
         self.modules = modules  # targets of the called modules that have buffers
         self.tensors = tensors  # targets of the buffers the segment reads directly
         self.root: nn.Module | None = None  # the planned module, set once it is built
+        self.selective = selective
 
     def __call__(self, *args):
         with closing_regions(always=False):
@@ -72,7 +120,12 @@ class Segment:
 
     def contexts(self):
         at_forward: list[torch.Tensor] = []
-        return self._remembering(at_forward), self._replaying(at_forward)
+        remembering, replaying = self._remembering(at_forward), self._replaying(at_forward)
+        if not self.selective:
+            return remembering, replaying
+        caching, cached = create_selective_checkpoint_contexts(_keep_policy)
+        # buffers copied outside the cache: its op counts must match in forward and recompute
+        return _nested(remembering, caching), _nested(replaying, cached)
 
     @contextlib.contextmanager
     def _remembering(self, at_forward: list):
@@ -410,14 +463,18 @@ class PlannedModule(fx.GraphModule):
         )
 
 
-def rewrite(captured: fx.GraphModule, model: nn.Module, segments) -> PlannedModule:
-    """A GraphModule computing what ``captured`` computes, with ``segments`` checkpointed.
+def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule:
+    """A GraphModule computing what ``captured`` computes, with ``choice`` checkpointed.
 
-    ``segments`` are ``(start, stop)`` positions over ``planner.graph.compute_nodes(captured)``.
+    ``choice`` is a ``planner.simulate.Choice`` or plain segments: ``(start, stop)`` positions
+    over ``planner.graph.compute_nodes(captured)``, and positions of kept nodes.
     """
+    choice = as_choice(choice)
     holder = _holder(captured, model)
     nodes = compute_nodes(captured)
-    first = {nodes[start]: (k, nodes[start:stop]) for k, (start, stop) in enumerate(segments)}
+    kept = {nodes[k] for k in choice.keep}
+    first = {nodes[start]: (k, nodes[start:stop])
+             for k, (start, stop) in enumerate(choice.segments)}
     inside = {node for _, members in first.values() for node in members}
 
     graph = fx.Graph()
@@ -427,7 +484,7 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, segments) -> PlannedModu
     for node in captured.graph.nodes:
         if node in first:
             k, members = first[node]
-            built.append(_checkpoint_segment(graph, env, holder, f"segment_{k}", members))
+            built.append(_checkpoint_segment(graph, env, holder, f"segment_{k}", members, kept))
         elif node not in inside and node not in env:
             env[node] = graph.node_copy(node, lambda n: env[n])
 
@@ -450,9 +507,10 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, segments) -> PlannedModu
     return planned
 
 
-def _checkpoint_segment(graph, env, holder, name: str, members: list[fx.Node]) -> None:
-    """Append to ``graph`` a checkpoint call of ``members`` as a ``Segment`` named ``name``;
-    return the segment."""
+def _checkpoint_segment(graph, env, holder, name: str, members: list[fx.Node],
+                        kept: set[fx.Node]) -> Segment:
+    """Append to ``graph`` a checkpoint call of ``members`` as a ``Segment`` named ``name``,
+    keeping the members in ``kept``; return the segment."""
     member_set = set(members)
     inputs = list(
         dict.fromkeys(a for m in members for a in m.all_input_nodes if a not in member_set)
@@ -464,10 +522,18 @@ def _checkpoint_segment(graph, env, holder, name: str, members: list[fx.Node]) -
     for a in inputs:
         if a in boxed:
             body_env[a] = body.call_function(_unbox, (body_env[a],))
+    selective = any(m in kept for m in members)
+    if selective:  # a kept node that raised leaves the flag on: a new call starts without it
+        body.call_function(_keep_off)
     for m in members:
+        if m in kept:
+            body.call_function(_keep_on)
         body_env[m] = body.node_copy(m, lambda n: body_env[n])
+        if m in kept:
+            body.call_function(_keep_off)
     body.output(tuple(body_env[m] for m in outputs))
-    segment = Segment(fx.GraphModule(holder, body), *_segment_buffers(holder, members, inputs))
+    segment = Segment(fx.GraphModule(holder, body), *_segment_buffers(holder, members, inputs),
+                      selective)
     holder.__dict__[name] = segment  # a plain attribute, not a child: state_dict stays the user's
 
     for a in inputs:
@@ -475,7 +541,7 @@ def _checkpoint_segment(graph, env, holder, name: str, members: list[fx.Node]) -
             env[a] = graph.node_copy(a, lambda n: env[n])
     callee = graph.get_attr(name)
     kwargs = {"use_reentrant": False, "preserve_rng_state": True}
-    if segment.restores_buffers:
+    if segment.restores_buffers or selective:
         kwargs["context_fn"] = graph.call_function(getattr, (callee, "contexts"))
     args = (
         callee,

@@ -1,14 +1,15 @@
 """Saving plans to JSON and applying them again, without pickle and without re-solving.
 
-A saved plan is a small JSON document (format ``"planner.plan"``, ``"version": 2``)::
+A saved plan is a small JSON document (format ``"planner.plan"``, ``"version": 3``)::
 
     {
-      "format": "planner.plan", "version": 2,
+      "format": "planner.plan", "version": 3,
       "planner_version": "0.1.0", "torch_version": "2.13.0", "model": "GPTWithLoss",
       "solver": "auto:greedy", "capture_method": "symbolic_trace",
       "capture": {"training": true, "leaf_modules": ["planner.zoo._GPTBlock"]},
       "budget_bytes": 12582912, "optimizer_state_bytes": 0,
       "segments": [{"start": 12, "stop": 24, "first": "blocks_0_attn_qkv", "last": "softmax"}],
+      "keep": [{"position": 12, "name": "blocks_0_attn_qkv"}],
       "predictions": {"peak_bytes": ..., "baseline_peak_bytes": ..., "overhead": 0.12,
                       "recompute_flops": ..., "fixed_bytes": ...},
       "timings": {"solve_seconds": 0.02, "planning_seconds": 1.4},
@@ -20,8 +21,10 @@ A saved plan is a small JSON document (format ``"planner.plan"``, ``"version": 2
     }
 
 Segments are half-open ``(start, stop)`` positions over the captured graph's compute nodes, and
-also the names of their first and last nodes. The fingerprint hashes, for every compute node in
-order, its name, its operation (``call_module`` target, method or function) and the sizes the
+also the names of their first and last nodes; ``keep`` lists the nodes kept inside segments
+(selective checkpointing) by position and name; files of versions 1 and 2 (no ``keep``) still
+load, as plans that keep nothing. The fingerprint hashes, for every compute node in order, its
+name, its operation (``call_module`` target, method or function) and the sizes the
 profile derived from its tensor shapes (bytes created, bytes moved, FLOPs), plus the fixed and
 parameter bytes. ``capture`` records what else decides the captured graph: the model's mode
 (train or eval) and ``leaf_modules`` (qualified class names). ``inputs`` records how the example
@@ -61,7 +64,8 @@ __all__ = [
 ]
 
 FORMAT = "planner.plan"
-FORMAT_VERSION = 2  # 2 adds "capture" and input aliasing; files of version 1 still load
+FORMAT_VERSION = 3  # 2 adds "capture" and input aliasing; 3 "keep", the nodes kept inside
+# segments; files of versions 1 and 2 still load
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,6 +296,8 @@ def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
         }
         for start, stop in plan.segments
     ]
+    keep = [{"position": int(k), "name": problem.names[k]}
+            for k in sorted(getattr(plan, "keep", ()))]
     return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -307,6 +313,7 @@ def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
         "budget_bytes": int(plan.budget_bytes),
         "optimizer_state_bytes": int(problem.optimizer_state_bytes),
         "segments": segments,
+        "keep": keep,
         "predictions": {
             "peak_bytes": int(plan.predicted_peak_bytes),
             "baseline_peak_bytes": int(plan.baseline_peak_bytes),
@@ -359,8 +366,10 @@ def save(plan, path, example_inputs=None, example_kwargs=None) -> Path:
     if not path.parent.is_dir():
         raise ValueError(f"cannot save the plan to {path}: there is no directory {path.parent}")
     data = to_dict(plan, example_inputs, example_kwargs)
-    rows = {"segments": data["segments"], "signature": data["graph"]["signature"]}
-    data["segments"], data["graph"]["signature"] = "@segments@", "@signature@"
+    rows = {"segments": data["segments"], "keep": data["keep"],
+            "signature": data["graph"]["signature"]}
+    data["segments"], data["keep"] = "@segments@", "@keep@"
+    data["graph"]["signature"] = "@signature@"
     text = json.dumps(data, indent=1, allow_nan=False)
     for key, items in rows.items():  # one row per line: readable and diffable
         lines = ",\n  ".join(json.dumps(item, allow_nan=False) for item in items)
@@ -493,7 +502,7 @@ def load(
         for (the message names the first differing node).
     """
     from planner.pipeline import assemble, prepare
-    from planner.simulate import validate_segments
+    from planner.simulate import Choice, validate_choice
 
     data = _read(path)
     start_time = time.perf_counter()
@@ -543,8 +552,18 @@ def load(
                 "was edited or corrupted"
             )
         segments.append((begin, stop))
+    keep = []
+    for entry in data.get("keep", []):  # versions 1 and 2 keep nothing
+        position = entry.get("position") if isinstance(entry, dict) else None
+        if not (isinstance(position, int) and 0 <= position < problem.size
+                and problem.names[position] == entry.get("name")):
+            raise PlanningError(
+                f"kept node {entry} of {path} does not name the node at its position; the file "
+                "was edited or corrupted"
+            )
+        keep.append(position)
     try:
-        segments = validate_segments(problem, segments)
+        choice = validate_choice(problem, Choice(tuple(segments), frozenset(keep)))
     except ValueError as error:
         raise PlanningError(f"{path}: {error}") from None
 
@@ -552,7 +571,7 @@ def load(
         model,
         captured,
         problem,
-        segments,
+        choice,
         solver=data["solver"],
         budget_bytes=int(data["budget_bytes"]),
         solve_seconds=float(data.get("timings", {}).get("solve_seconds", 0.0)),

@@ -14,6 +14,17 @@ The replay follows what PyTorch does with non-reentrant ``torch.utils.checkpoint
   never re-created), re-creating its saved storages. Each node's backward then allocates what
   the profile's fake backward measured for it (gradients, temporaries), and frees what it
   measured plus the saved storages no earlier node needs.
+
+A choice may also *keep* nodes inside segments (``Choice.keep``), as
+``torch.utils.checkpoint.create_selective_checkpoint_contexts`` does with a policy that saves
+their ops: a kept node's storages, outputs and temporaries alike (``Problem.kept_bytes``), stay
+live from its forward until the segment's recompute, which takes them from the cache instead of
+running the node (no time, no new memory); from there they are freed as recomputed copies are.
+A kept node must come before its segment's recompute stops (a cache entry the recompute never
+reaches would stay live until the segment's backward ends), and among the random nodes the
+recompute runs, the kept ones must come after all recomputed ones: the recompute restores the
+random state of the segment's start, and a kept node draws nothing, so a random node after it
+would draw different numbers.
 """
 
 from __future__ import annotations
@@ -25,6 +36,21 @@ import numpy as np
 from planner.graph import Problem
 
 Segments = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a plan checkpoints: segments, and nodes inside them whose outputs are kept."""
+
+    segments: Segments  # sorted disjoint (start, stop) pairs
+    keep: frozenset[int] = frozenset()  # positions inside segments saved in forward, not recomputed
+
+
+def as_choice(value) -> Choice:
+    """``value`` as a ``Choice``: a ``Choice`` itself, or plain segments (nothing kept)."""
+    if isinstance(value, Choice):
+        return value
+    return Choice(tuple((int(a), int(b)) for a, b in value))
 
 
 @dataclass(frozen=True)
@@ -55,6 +81,52 @@ def validate_segments(problem: Problem, segments) -> Segments:
     return result
 
 
+def validate_choice(problem: Problem, choice) -> Choice:
+    """A valid ``Choice`` with sorted segments, or a ValueError naming what is wrong.
+
+    Kept nodes must be keepable (``Problem.keepable``), lie inside a segment before the last
+    node its recompute runs, and not change the random numbers the recompute draws (see the
+    module docstring).
+    """
+    choice = as_choice(choice)
+    segments = validate_segments(problem, choice.segments)
+    keep = frozenset(int(k) for k in choice.keep)
+    if not keep:
+        return Choice(segments)
+    for k in sorted(keep):
+        if not 0 <= k < problem.size:
+            raise ValueError(f"kept position {k} is not a node of this graph (0..{problem.size - 1})")
+        if not problem.keepable[k]:
+            raise ValueError(
+                f"node {k} ({problem.names[k]}) cannot be kept: it creates no memory, mutates a "
+                "tensor in place, or what it creates is mutated later"
+            )
+    for start, stop in segments:
+        end = last_recomputed(problem, start, stop)
+        inside = sorted(k for k in keep if start <= k < stop)
+        late = [k for k in inside if k >= end]
+        if late:
+            raise ValueError(
+                f"node {late[0]} ({problem.names[late[0]]}) is kept but the recompute of segment "
+                f"({start}, {stop}) stops at node {end}: keep only nodes before it"
+            )
+        random = np.flatnonzero(problem.random[start : end + 1]) + start
+        kept_random = [k for k in random.tolist() if k in keep]
+        recomputed_random = [k for k in random.tolist() if k not in keep]
+        if kept_random and recomputed_random and kept_random[0] < recomputed_random[-1]:
+            raise ValueError(
+                f"random node {kept_random[0]} ({problem.names[kept_random[0]]}) is kept before "
+                f"random node {recomputed_random[-1]} ({problem.names[recomputed_random[-1]]}), "
+                "which is recomputed: the recompute would draw different random numbers. Keep "
+                "random nodes only after every recomputed one in the segment"
+            )
+    outside = keep - {k for start, stop in segments for k in range(start, stop)}
+    if outside:
+        k = min(outside)
+        raise ValueError(f"node {k} ({problem.names[k]}) is kept but lies in no segment")
+    return Choice(segments, keep)
+
+
 def last_recomputed(problem: Problem, start: int, stop: int) -> int:
     """The last position a recompute of ``(start, stop)`` runs to (early stop), or start - 1."""
     saving = np.flatnonzero(problem.saves[start:stop])
@@ -68,13 +140,15 @@ def _total_at(positions: np.ndarray, nbytes: np.ndarray, n: int) -> np.ndarray:
     return total
 
 
-def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray):
+def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept: np.ndarray):
     """Where each storage is freed: bytes freed after each node's forward and backward, and
     after each node of a recompute, plus the bytes each recompute node re-creates.
 
     A storage kept for backward is released at its first trigger: a saver outside any segment,
     or the start of another segment that saves or reads it. Recomputed copies are freed by
     their first saver inside the segment, else after their last reader the recompute runs.
+    Storages of kept nodes (``kept``, per node) live from the forward to the recompute, which
+    re-creates nothing for them and then frees them as recomputed copies.
     """
     n, a = problem.size, problem.storage_arrays
     never = n  # beyond every position: "no such node"
@@ -97,9 +171,11 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray):
             starts[reader_segment], never,
         )),
     )
-    kept = release < never
-    backward_free = _total_at(release[kept], a.nbytes[kept], n)
-    forward_free = _total_at(a.last_use[~kept], a.nbytes[~kept], n)
+    cached = kept[a.producer]
+    triggered = (release < never) & ~cached
+    backward_free = _total_at(release[triggered], a.nbytes[triggered], n)
+    in_forward = ~triggered & ~cached
+    forward_free = _total_at(a.last_use[in_forward], a.nbytes[in_forward], n)
 
     end = ends[home]  # -1 outside segments: nothing is recomputed
     recomputed = (a.producer < end) | ((a.producer == end) & problem.saves_own[end])
@@ -112,25 +188,32 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray):
     np.maximum.at(last_read, a.read_storage,
                   np.where(a.read_node <= end[a.read_storage], a.read_node, -1))
     by_reader = recomputed & (inner_saver == never)
-    recompute_alloc = _total_at(a.producer[recomputed], a.nbytes[recomputed], n)
+    created = recomputed & ~cached
+    recompute_alloc = _total_at(a.producer[created], a.nbytes[created], n)
     recompute_free = _total_at(last_read[by_reader], a.nbytes[by_reader], n)
     return forward_free, backward_free, recompute_alloc, recompute_free, ends[:-1]
 
 
-def simulate(problem: Problem, segments, *, record: bool = False) -> Simulation:
-    """Replay one training step with ``segments`` checkpointed; see the module docstring.
+def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
+    """Replay one training step under ``choice`` (a ``Choice``, or plain segments); see the
+    module docstring.
 
     The replay is a sequence of steps (forward nodes, then backward nodes with each segment's
     recompute before its last node's backward), each allocating, peaking and freeing; the live
     bytes are a running sum over that sequence.
     """
-    segments = validate_segments(problem, segments)
+    choice = validate_choice(problem, choice)
+    segments = choice.segments
     n = problem.size
+    kept = np.zeros(n, dtype=bool)
+    kept[list(choice.keep)] = True
+    # A kept node's temporaries stay in the cache too: held from its forward to its recompute.
+    held = np.where(kept, problem.kept_bytes - problem.created_bytes, 0)
     segment_of = np.full(n, -1, dtype=np.int64)
     for k, (start, stop) in enumerate(segments):
         segment_of[start:stop] = k
     forward_free, backward_free, recompute_alloc, recompute_free, ends = _releases(
-        problem, segments, segment_of
+        problem, segments, segment_of, kept
     )
 
     # The order of steps: forward 0..n-1, then from n-1 down to 0 the backward of each node,
@@ -149,20 +232,24 @@ def simulate(problem: Problem, segments, *, record: bool = False) -> Simulation:
     recompute = phase == 1
     alloc = np.select(
         [phase == 0, recompute],
-        [problem.created_bytes[position], recompute_alloc[position]],
+        [(problem.created_bytes + held)[position], recompute_alloc[position]],
         (problem.activation_grad_alloc + problem.grad_bytes_at)[position],
     )
     free = np.select(
         [phase == 0, recompute],
-        [forward_free[position], recompute_free[position]],
+        [forward_free[position], (recompute_free + held)[position]],
         (problem.activation_grad_free + backward_free)[position],
     )
-    transient = np.where(backward, 0, problem.workspace[position])
+    # A kept node's forward holds its temporaries (no transient on top); its recompute runs none.
+    forward_transient = np.where(kept, np.maximum(problem.workspace - held, 0), problem.workspace)
+    transient = np.select([phase == 0, recompute & ~kept[position]],
+                          [forward_transient[position], problem.workspace[position]], 0)
     live = np.cumsum(alloc - free) + free + transient  # at each step's high point
     peak = int(live.max(initial=0))
 
-    # Summed in the order backward meets them (last segment first).
+    # Summed in the order backward meets them (last segment first); kept nodes cost nothing.
     recomputed = [slice(start, end + 1) for (start, _), end in zip(segments, ends.tolist())][::-1]
+    seconds, flops = np.where(kept, 0.0, problem.seconds), np.where(kept, 0.0, problem.flops)
     timeline = None
     if record:
         names = ("forward", "recompute", "backward")
@@ -170,7 +257,7 @@ def simulate(problem: Problem, segments, *, record: bool = False) -> Simulation:
                              live.tolist()))
     return Simulation(
         peak_bytes=int(problem.fixed_bytes + peak),
-        recompute_seconds=sum((float(problem.seconds[span].sum()) for span in recomputed), 0.0),
-        recompute_flops=sum((float(problem.flops[span].sum()) for span in recomputed), 0.0),
+        recompute_seconds=sum((float(seconds[span].sum()) for span in recomputed), 0.0),
+        recompute_flops=sum((float(flops[span].sum()) for span in recomputed), 0.0),
         timeline=timeline,
     )

@@ -28,7 +28,7 @@ from planner.errors import PlanningError
 from planner.graph import CostModel, Problem
 from planner.pipeline import choose, lowest_peak, prepare
 from planner.progress import bar
-from planner.simulate import simulate
+from planner.simulate import as_choice, simulate
 
 __all__ = ["Frontier", "FrontierPoint", "frontier", "frontier_of"]
 
@@ -200,7 +200,7 @@ def frontier_of(problem: Problem, *, budgets=None, points: int = 12, solver="aut
                 f"{name} reaches {result.peak_bytes / MIB:,.1f} MiB and the lowest peak found "
                 f"is {lowest / MIB:,.1f} MiB (budget_bytes={lowest}); drop the smaller budgets."
             )
-        chosen = (result, len(segments), name)
+        chosen = (result, len(as_choice(segments).segments), name)
         if previous is not None and previous[0].recompute_seconds < result.recompute_seconds:
             chosen = previous  # it fits this larger budget too, and costs less
         previous = chosen

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.simulate import simulate
+from planner.simulate import as_choice, simulate
 
 __all__ = ["draw", "memory_timeline", "module_paths", "plan_html", "plot_memory"]
 
@@ -116,6 +116,8 @@ class _Row:
     boundary_bytes: int
     dropped_bytes: int
     recompute_share: float
+    kept_nodes: int = 0  # nodes kept inside the segment (selective checkpointing)
+    kept_bytes: int = 0
 
 
 def _segment_rows(plan) -> list[_Row]:
@@ -132,6 +134,8 @@ def _segment_rows(plan) -> list[_Row]:
             boundary_bytes=row["input_bytes"],
             dropped_bytes=row["dropped_bytes"],
             recompute_share=row["recompute_seconds"] / step_seconds,
+            kept_nodes=len(row["kept"]),
+            kept_bytes=row["kept_bytes"],
         )
         for row in plan.segment_table()
     ]
@@ -181,7 +185,9 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
         ("Solver", f"{e(str(plan.solver))} &middot; solved in {plan.solve_seconds:.3f} s "
          f"(planning {plan.planning_seconds:.2f} s, captured by {e(str(plan.capture_method))})"),
         ("Graph", f"{problem.size} nodes; {len(plan.segments)} checkpointed segments "
-         f"cover {covered} of them"),
+         f"cover {covered} of them"
+         + (f", keeping {len(plan.keep)} nodes inside them" if getattr(plan, "keep", ())
+            else "")),
         ("Predicted peak", f"<b>{_mib(plan.predicted_peak_bytes)}</b> of a "
          f"{_mib(plan.budget_bytes)} budget: {verdict} "
          f"(baseline {_mib(plan.baseline_peak_bytes)}, "
@@ -218,23 +224,26 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
             tail = max(3, max_rows // 5)
             shown = rows[: max_rows - tail] + [None] + rows[-tail:]
         open_attr = " open" if len(rows) <= 12 else ""
+        selective = bool(getattr(plan, "keep", ()))
+        titles = [
+            ("seg", "right"), ("nodes", "right"), ("from", "left"), ("to", "left"),
+            ("boundary tensors", "right"), ("recomputed", "right"), ("recompute cost", "right"),
+        ] + ([("kept nodes", "right")] if selective else [])  # fmt: skip
         head = "".join(
             f'<th style="text-align:{align};padding:2px 8px;border-bottom:1px solid #ccc">'
             f"{title}</th>"
-            for title, align in [
-                ("seg", "right"), ("nodes", "right"), ("from", "left"), ("to", "left"),
-                ("boundary tensors", "right"), ("recomputed", "right"), ("recompute cost", "right"),
-            ]
-        )  # fmt: skip
+            for title, align in titles
+        )
         out.append(
             f'<details{open_attr} style="margin-top:6px"><summary>{len(rows)} checkpointed '
-            "segments (boundary tensors are kept; the rest is recomputed in backward)</summary>"
+            "segments (boundary tensors are kept; the rest is recomputed in backward"
+            + (", but for the kept nodes' outputs" if selective else "") + ")</summary>"
             f'<table style="border-collapse:collapse;font-size:12px"><tr>{head}</tr>'
         )
         for r in shown:
             if r is None:
                 out.append(
-                    f'<tr><td colspan="7" style="text-align:center;color:#777">&hellip; '
+                    f'<tr><td colspan="{len(titles)}" style="text-align:center;color:#777">&hellip; '
                     f"{len(rows) - len(shown) + 1} more segments &hellip;</td></tr>"
                 )
                 continue
@@ -248,7 +257,8 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
                 (f"{r.boundary_tensors} &middot; {_mib(r.boundary_bytes)}", "right"),
                 (_mib(r.dropped_bytes), "right"),
                 (f"{r.recompute_share:.1%}", "right"),
-            ]  # fmt: skip
+            ] + ([(f"{r.kept_nodes} &middot; {_mib(r.kept_bytes)}", "right")]
+                 if selective else [])  # fmt: skip
             out.append(
                 "<tr>"
                 + "".join(
@@ -447,6 +457,9 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
     for g, group in enumerate(groups):
         group_of[group.start : group.stop] = g
     saved = problem.saved_bytes_per_node()
+    keep = getattr(plan, "keep", frozenset())
+    kept = np.zeros(problem.size, dtype=bool)
+    kept[list(keep)] = True
 
     graph = nx.DiGraph()
     graph.add_nodes_from(range(len(groups)))
@@ -516,6 +529,8 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
         starts_segment = group.segment >= 0 and plan.segments[group.segment][0] == group.start
         if group.segment >= 0:
             label += f"\nsegment {group.segment}"
+            if kept[group.start : group.stop].any():
+                label += f" · {int(kept[group.start : group.stop].sum())} kept"
         if starts_segment:
             label += f" · in {segment_inputs[group.segment] / MIB:.2f} MiB"
         ax.text(
@@ -570,7 +585,8 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
     )
     ax.set_title(
         f"{_model_name(plan)}: {problem.size} nodes in {count} boxes "
-        f"(modules collapsed to depth {depth}); {len(plan.segments)} checkpointed segments\n"
+        f"(modules collapsed to depth {depth}); {len(plan.segments)} checkpointed segments"
+        + (f", {len(keep)} nodes kept inside them" if keep else "") + "\n"
         f"predicted peak {_mib(plan.predicted_peak_bytes)} of a {_mib(plan.budget_bytes)} "
         f"budget (baseline {_mib(plan.baseline_peak_bytes)}); recompute "
         f"{plan.predicted_overhead:.1%} of a step; solver {plan.solver}",
@@ -605,15 +621,19 @@ class MemoryCurve:
     forward_end: float
 
 
-def _curve(problem, segments, step_seconds: float) -> MemoryCurve:
-    result = simulate(problem, segments, record=True)
+def _curve(problem, choice, step_seconds: float) -> MemoryCurve:
+    choice = as_choice(choice)
+    result = simulate(problem, choice, record=True)
     seconds = problem.seconds if step_seconds > 0 else np.ones(problem.size)
+    kept = np.zeros(problem.size, dtype=bool)
+    kept[list(choice.keep)] = True
     scale = step_seconds if step_seconds > 0 else 3.0 * problem.size
     xs, ys, phases = [0.0], [problem.fixed_bytes], ["start"]
     t = 0.0
     forward_end = 0.0
     for phase, position, live in result.timeline:
-        t += float(seconds[position]) * (2.0 if phase == "backward" else 1.0)
+        if not (phase == "recompute" and kept[position]):  # a kept node's recompute is free
+            t += float(seconds[position]) * (2.0 if phase == "backward" else 1.0)
         xs.append(t / scale)
         ys.append(problem.fixed_bytes + live)
         phases.append(phase)
@@ -631,7 +651,7 @@ def memory_timeline(plan) -> dict[str, MemoryCurve]:
     step_seconds = 3.0 * float(problem.seconds.sum())
     return {
         "baseline": _curve(problem, (), step_seconds),
-        "plan": _curve(problem, plan.segments, step_seconds),
+        "plan": _curve(problem, getattr(plan, "choice", plan.segments), step_seconds),
     }
 
 
@@ -714,7 +734,9 @@ def plot_memory(plan, measured=None, ax=None, *, measured_baseline=None, path=No
     ax.plot(base.x, base.y / unit, drawstyle="steps-pre", color=_BASELINE_COLOUR, lw=1.6,
             label=f"no checkpointing (peak {_mib(base.peak_bytes)})")  # fmt: skip
     ax.plot(planned.x, planned.y / unit, drawstyle="steps-pre", color=_PLAN_COLOUR, lw=1.6,
-            label=f"plan: {len(plan.segments)} segments (peak {_mib(planned.peak_bytes)})")
+            label=f"plan: {len(plan.segments)} segments"
+            + (f", {len(plan.keep)} kept nodes" if getattr(plan, "keep", ()) else "")
+            + f" (peak {_mib(planned.peak_bytes)})")
     ax.axhline(plan.budget_bytes / unit, color=_BUDGET_COLOUR, ls="--", lw=1.4,
                label=f"budget ({_mib(plan.budget_bytes)})")  # fmt: skip
     for curve, colour in ((base, _BASELINE_COLOUR), (planned, _PLAN_COLOUR)):

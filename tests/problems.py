@@ -33,15 +33,24 @@ def random_problem(seed: int, nodes: int | None = None) -> Problem:
                                 readers=readers, savers=tuple(sorted(savers)),
                                 is_output=k in outputs, requires_grad=True))
     seconds = rng.choice([0.5, 1.0, 3.0, 10.0], n)
-    return problem_of(
-        storages,
-        seconds,
+    arrays = dict(
         workspace=rng.choice([0, 0, 1, 4], n),
         grad_bytes_at=rng.choice([0, 0, 2], n),
         activation_grad_alloc=rng.integers(0, 9, n),
         activation_grad_free=rng.integers(0, 9, n),
         checkpointable=rng.random(n) > 0.1,
         cut_allowed=rng.random(n + 1) > 0.15,
+    )
+    # Per-node keeps: what a kept node's cache holds beyond what it creates, random nodes,
+    # nodes that may not be kept.
+    held = rng.choice([0, 0, 1, 4], n)
+    return problem_of(
+        storages,
+        seconds,
+        kept_bytes=np.array([s.nbytes for s in storages], dtype=np.int64) + held,
+        random=rng.random(n) < 0.3,
+        keepable=rng.random(n) > 0.2,
+        **arrays,
     )
 
 

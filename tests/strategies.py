@@ -23,6 +23,8 @@ import torch
 from hypothesis import strategies as st
 from torch import nn
 
+from planner.simulate import Choice, last_recomputed
+
 # Operations, each a tuple whose first item names it:
 #   ("layer", inplace_relu)  the next Linear/Conv2d, optionally followed by nn.ReLU(inplace=True)
 #   ("norm", "ln" | "bn")    LayerNorm (GroupNorm for images) or BatchNorm
@@ -212,6 +214,33 @@ def random_segments(draw, problem) -> tuple[tuple[int, int], ...]:
     valid = [(a, b) for a, b in zip(bounds, bounds[1:]) if problem.is_valid_segment(a, b)]
     keep = draw(st.lists(st.booleans(), min_size=len(valid), max_size=len(valid)))
     return tuple(segment for segment, k in zip(valid, keep) if k)
+
+
+@st.composite
+def random_choices(draw, problem) -> Choice:
+    """Random segments (``random_segments``, or every valid interval between random allowed
+    cuts) with a random subset of the nodes each may keep: keepable nodes before the last node
+    its recompute runs, minus kept random nodes that come before a recomputed random one
+    (``validate_choice``'s rules)."""
+    if draw(st.booleans()):
+        segments = draw(random_segments(problem))
+    else:
+        allowed = [c for c in range(1, problem.size) if problem.cut_allowed[c]]
+        cuts = [c for c in allowed if draw(st.integers(0, 3)) == 0]
+        bounds = sorted({0, problem.size, *cuts})
+        segments = tuple((a, b) for a, b in zip(bounds, bounds[1:])
+                         if problem.is_valid_segment(a, b))
+    keep = set()
+    for start, stop in segments:
+        end = last_recomputed(problem, start, stop)
+        candidates = [k for k in range(start, end) if problem.keepable[k]]
+        chosen = {k for k in candidates if draw(st.booleans())}
+        recomputed_random = [k for k in range(start, end + 1)
+                             if problem.random[k] and k not in chosen]
+        if recomputed_random:
+            chosen -= {k for k in chosen if problem.random[k] and k < recomputed_random[-1]}
+        keep |= chosen
+    return Choice(segments, frozenset(keep))
 
 
 # --------------------------------------------------------------------------------------------

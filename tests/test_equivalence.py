@@ -33,6 +33,7 @@ from strategies import (
     inputs,
     model_specs,
     model_state,
+    random_choices,
     random_segments,
 )
 
@@ -82,6 +83,8 @@ def _check(spec, solver, fraction, data, device="cpu"):
     budget = _budget(problem, fraction)
     if solver == "random":
         segments = data.draw(random_segments(problem), label="segments")
+    elif solver == "selective":
+        segments = data.draw(random_choices(problem), label="choice")
     else:
         name, segments = choose(problem, budget, solver)
         if solver == "auto":
@@ -92,7 +95,7 @@ def _check(spec, solver, fraction, data, device="cpu"):
     assert_equivalent(reference, model, planned, args, kwargs, seed=spec.seed)
 
 
-SOLVER = st.sampled_from(["auto", "sqrt_n", "greedy", "random", "random"])
+SOLVER = st.sampled_from(["auto", "sqrt_n", "greedy", "random", "selective", "selective"])
 
 
 @settings(max_examples=EXAMPLES)
@@ -173,6 +176,17 @@ def test_exported_batchnorm_update_inside_a_segment():
 def test_random_segments_on_every_device(device, spec, data):
     """The same property on each available device (CUDA RNG and allocator included)."""
     _check(spec, "random", 0.5, data, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=max(4, EXAMPLES // 3))
+@given(spec=model_specs(untraceable=None), data=st.data())
+def test_random_selective_choices_train_exactly_like_the_original(device, spec, data):
+    """Segments with random kept nodes (selective checkpointing): outputs, gradients, RNG
+    stream and buffers stay exact, traced or exported."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        _check(spec, "selective", 0.5, data, device)
 
 
 @pytest.mark.cuda

@@ -366,3 +366,53 @@ def test_save_to_a_directory_or_a_missing_folder_is_a_clear_error(saved, tmp_pat
     with pytest.raises(ValueError, match="there is no directory"):
         plan.save(tmp_path / "missing" / "plan.json")
     assert list(tmp_path.iterdir()) == []
+
+
+def _keep_every_keepable(plan):
+    """A solver that returns ``plan``'s segments, keeping every node they allow."""
+    from planner.simulate import Choice, last_recomputed
+
+    def solve(problem, budget_bytes, **options):
+        keep = {k for start, stop in plan.segments
+                for k in range(start, last_recomputed(problem, start, stop))
+                if problem.keepable[k] and not problem.random[k]}
+        return Choice(plan.segments, frozenset(keep))
+
+    return solve
+
+
+def test_kept_nodes_round_trip_by_position_and_name(saved, tmp_path):
+    plan, _, inputs = saved
+    model, _ = small_gpt()
+    selective = planner.plan(model, inputs, budget_gb=1, solver=_keep_every_keepable(plan))
+    assert selective.keep
+    path = serialize.save(selective, tmp_path / "selective.json")
+    data = json.loads(path.read_text())
+    assert data["keep"] == [{"position": k, "name": selective.problem.names[k]}
+                            for k in sorted(selective.keep)]
+    loaded = serialize.load(path, small_gpt(seed=3)[0])
+    assert (loaded.segments, loaded.keep) == (selective.segments, selective.keep)
+    assert loaded.predicted_peak_bytes == selective.predicted_peak_bytes
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_file_loads_as_a_plan_that_keeps_nothing(saved, tmp_path, version):
+    plan, path, _ = saved
+    data = json.loads(path.read_text())
+    data["version"] = version
+    del data["keep"]
+    old = tmp_path / "v1.json"
+    old.write_text(json.dumps(data))
+    loaded = serialize.load(old, small_gpt(seed=3)[0])
+    assert loaded.segments == plan.segments and loaded.keep == frozenset()
+
+
+def test_a_kept_node_that_does_not_match_the_graph_is_refused(saved, tmp_path):
+    plan, path, _ = saved
+    data = json.loads(path.read_text())
+    start = plan.segments[0][0]
+    data["keep"] = [{"position": start, "name": "not_a_node"}]
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    with pytest.raises(PlanningError, match="kept node .* does not name the node"):
+        serialize.load(edited, small_gpt(seed=3)[0])

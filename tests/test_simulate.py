@@ -13,15 +13,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.graph import Problem
-from planner.simulate import last_recomputed, simulate, validate_segments
+from planner.simulate import Choice, last_recomputed, simulate, validate_choice
 from problems import random_problem
-from strategies import random_segments
+from strategies import random_choices, random_segments
 
 
-def replay(problem: Problem, segments) -> tuple[int, float, list]:
+def replay(problem: Problem, choice) -> tuple[int, float, list]:
     """(peak bytes, recompute seconds, timeline), one step at a time."""
-    segments = validate_segments(problem, segments)
+    choice = validate_choice(problem, choice)
+    segments, keep = choice.segments, choice.keep
     n = problem.size
+    # What a kept node's cache holds beyond the storages it creates (its temporaries).
+    held = [int(problem.kept_bytes[i] - problem.created_bytes[i]) if i in keep else 0
+            for i in range(n)]
     segment_of = [-1] * n
     for k, (start, stop) in enumerate(segments):
         segment_of[start:stop] = [k] * (stop - start)
@@ -29,13 +33,16 @@ def replay(problem: Problem, segments) -> tuple[int, float, list]:
     recompute_alloc, recompute_free = [0] * n, [0] * n
     for s in problem.storages:
         home = segment_of[s.producer]
+        cached = s.producer in keep  # held by the cache from the forward to the recompute
         # Kept for backward until the first trigger: an outside saver, or another segment's
         # start when that segment saves or reads it.
         triggers = [j if segment_of[j] < 0 else segments[segment_of[j]][0]
                     for j in s.savers if segment_of[j] != home or segment_of[j] < 0]
         triggers += [segments[segment_of[j]][0] for j in s.readers
                      if segment_of[j] >= 0 and segment_of[j] != home]
-        if triggers:
+        if cached:
+            pass  # the recompute frees it, below
+        elif triggers:
             backward_free[min(triggers)] += s.nbytes
         else:
             forward_free[n - 1 if s.is_output else s.last_reader] += s.nbytes
@@ -45,7 +52,8 @@ def replay(problem: Problem, segments) -> tuple[int, float, list]:
         end = last_recomputed(problem, start, stop)
         if s.producer > end or (s.producer == end and not problem.saves_own[end]):
             continue  # the recompute stops before re-creating it
-        recompute_alloc[s.producer] += s.nbytes
+        if not cached:
+            recompute_alloc[s.producer] += s.nbytes
         inner_savers = [j for j in s.savers if start <= j < stop]
         if inner_savers:
             backward_free[min(inner_savers)] += s.nbytes
@@ -63,23 +71,30 @@ def replay(problem: Problem, segments) -> tuple[int, float, list]:
         live -= int(free)
 
     for i in range(n):
-        step("forward", i, problem.created_bytes[i], problem.workspace[i], forward_free[i])
+        # A kept node's temporaries are held, not transient.
+        step("forward", i, problem.created_bytes[i] + held[i],
+             max(problem.workspace[i] - held[i], 0), forward_free[i])
     for i in range(n - 1, -1, -1):
         k = segment_of[i]
         if k >= 0 and i == segments[k][1] - 1:
             start = segments[k][0]
             end = last_recomputed(problem, start, i + 1)
             for j in range(start, end + 1):
-                step("recompute", j, recompute_alloc[j], problem.workspace[j], recompute_free[j])
-            seconds += float(problem.seconds[start : end + 1].sum())
+                if j in keep:  # taken from the cache: nothing runs, its temporaries go
+                    step("recompute", j, 0, 0, recompute_free[j] + held[j])
+                else:
+                    step("recompute", j, recompute_alloc[j], problem.workspace[j],
+                         recompute_free[j])
+            seconds += float(np.where([j in keep for j in range(n)], 0.0,
+                                      problem.seconds)[start : end + 1].sum())
         step("backward", i, problem.activation_grad_alloc[i] + problem.grad_bytes_at[i], 0,
              problem.activation_grad_free[i] + backward_free[i])
     return problem.fixed_bytes + peak, seconds, timeline
 
 
-def assert_agree(problem: Problem, segments) -> None:
-    result = simulate(problem, segments, record=True)
-    peak, seconds, timeline = replay(problem, segments)
+def assert_agree(problem: Problem, choice) -> None:
+    result = simulate(problem, choice, record=True)
+    peak, seconds, timeline = replay(problem, choice)
     assert result.peak_bytes == peak
     assert result.recompute_seconds == seconds
     assert list(result.timeline) == timeline
@@ -90,6 +105,22 @@ def assert_agree(problem: Problem, segments) -> None:
 def test_agrees_with_the_step_by_step_replay_on_random_problems(seed, nodes, data):
     problem = random_problem(seed, nodes)
     assert_agree(problem, data.draw(random_segments(problem)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 10**6), st.integers(3, 40), st.data())
+def test_agrees_with_the_step_by_step_replay_with_kept_nodes(seed, nodes, data):
+    problem = random_problem(seed, nodes)
+    assert_agree(problem, data.draw(random_choices(problem)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 10**6), st.integers(3, 40), st.data())
+def test_keeping_nothing_simulates_as_plain_segments(seed, nodes, data):
+    problem = random_problem(seed, nodes)
+    segments = data.draw(random_segments(problem))
+    assert simulate(problem, Choice(segments), record=True) == simulate(problem, segments,
+                                                                         record=True)
 
 
 @pytest.mark.parametrize("name", ["mlp", "resnet", "gpt", "bert", "unet"])

@@ -1,0 +1,178 @@
+"""Plans that keep nodes inside checkpointed segments (selective checkpointing).
+
+A kept node's ops run under ``create_selective_checkpoint_contexts`` with a policy that saves
+them: the recompute takes their results from the cache instead of running them. These tests
+pin down what that must preserve (gradients, the random stream, BatchNorm statistics), what the
+simulator predicts against what the CPU tracker measures, and how plans show their keeps.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from planner.measure import peak_memory
+from planner.pipeline import assemble, prepare
+from planner.rewrite import rewrite
+from planner.simulate import Choice, last_recomputed, simulate, validate_choice
+from strategies import assert_equivalent
+
+
+def _plan(model, args, choice):
+    captured, problem = prepare(model, args)
+    return assemble(model, captured, problem, choice, solver="test", budget_bytes=1,
+                    solve_seconds=0.0, started=time.perf_counter())
+
+
+class RandomMasks(nn.Module):
+    """Two random masks (``rand_like``, out of place: keepable) between linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.a(x)
+        x = x * (torch.rand_like(x) > 0.5)
+        x = self.b(x)
+        x = x * (torch.rand_like(x) > 0.5)
+        return self.c(x).tanh()
+
+
+def _random_nodes():
+    torch.manual_seed(0)
+    model, args = RandomMasks(), (torch.randn(4, 8),)
+    captured, problem = prepare(model, args)
+    first, second = [k for k in range(problem.size) if problem.random[k]]
+    return model, args, captured, problem, first, second
+
+
+def test_a_kept_random_node_before_a_recomputed_one_is_refused():
+    _, _, _, problem, first, second = _random_nodes()
+    whole = ((0, problem.size),)
+    assert problem.keepable[first] and problem.keepable[second]
+    with pytest.raises(ValueError, match="draw different random numbers"):
+        validate_choice(problem, Choice(whole, frozenset({first})))
+    validate_choice(problem, Choice(whole, frozenset({second})))  # after every recomputed one
+    validate_choice(problem, Choice(whole, frozenset({first, second})))
+
+
+def test_fact_the_refused_random_keep_would_change_gradients():
+    """Why the rule exists: the recompute restores the random state of the segment's start,
+    and a kept random node draws nothing there, so the next random node draws other numbers."""
+    model, args, captured, problem, first, second = _random_nodes()
+    reference = copy.deepcopy(model)
+    planned = rewrite(captured.graph_module, model, Choice(((0, problem.size),), frozenset({first})))
+    with pytest.raises(AssertionError):
+        assert_equivalent(reference, model, planned, args, {})
+
+
+@pytest.mark.parametrize("kept", ["second", "both"])
+def test_allowed_random_keeps_train_exactly_like_the_original(kept):
+    model, args, captured, problem, first, second = _random_nodes()
+    reference = copy.deepcopy(model)
+    keep = {second} if kept == "second" else {first, second}
+    planned = rewrite(captured.graph_module, model, Choice(((0, problem.size),), frozenset(keep)))
+    assert_equivalent(reference, model, planned, args, {})
+
+
+def test_batchnorm_statistics_are_updated_once_under_a_partial_recompute():
+    """The buffer-restoring context composes with the selective-checkpoint ones: the
+    recompute reruns BatchNorm (never keepable: it writes its statistics) beside kept Linears."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6),
+                          nn.BatchNorm1d(6), nn.Tanh())
+    args = (torch.randn(5, 6),)
+    reference = copy.deepcopy(model)
+    captured, problem = prepare(model, args)
+    batchnorms = [k for k, label in enumerate(problem.labels) if label in ("1", "4")]
+    assert not problem.keepable[batchnorms].any()
+    linears = frozenset(k for k, label in enumerate(problem.labels) if label in ("0", "3"))
+    planned = rewrite(captured.graph_module, model, Choice(((0, problem.size),), linears))
+    assert_equivalent(reference, model, planned, args, {})
+    assert int(model[1].num_batches_tracked) == 2  # one per step of assert_equivalent
+
+
+def test_a_node_that_is_mutated_in_place_later_cannot_be_kept():
+    """torch refuses a cached tensor that changed since the forward; such nodes are not
+    keepable (and nodes that mutate anything themselves, e.g. dropout's bernoulli_)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4))
+    _, problem = prepare(model, (torch.randn(2, 4),))
+    assert problem.keepable.tolist() == [False, False, True]
+
+
+def _chain():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16)]
+    return nn.Sequential(*layers), (torch.randn(1024, 16),)
+
+
+@pytest.mark.parametrize("every", [3, 2])
+def test_simulated_peak_moves_exactly_as_the_measured_peak_when_nodes_are_kept(every):
+    """Against the CPU live-storage tracker: keeping nodes changes the predicted peak by
+    exactly what it changes the measured one (the simulator's fixed offset on this model,
+    a few bytes, is that of the plain plan)."""
+    model, args = _chain()
+    captured, problem = prepare(model, args)
+    segments = ((0, 6), (6, problem.size))
+    errors = set()
+    for offset in range(every):
+        keep = frozenset(k for start, stop in segments
+                         for k in range(start, last_recomputed(problem, start, stop))
+                         if (k - offset) % every == 0 and problem.keepable[k])
+        plan = assemble(model, captured, problem, Choice(segments, keep), solver="test",
+                        budget_bytes=1, solve_seconds=0.0, started=time.perf_counter())
+        peak_memory(plan.module, args)  # warm up: first steps allocate lazily
+        errors.add(plan.predicted_peak_bytes - peak_memory(plan.module, args).peak_bytes)
+    flat = _plan(model, args, segments)
+    peak_memory(flat.module, args)
+    assert errors == {flat.predicted_peak_bytes - peak_memory(flat.module, args).peak_bytes}
+    assert max(abs(e) for e in errors) < 64
+
+
+def test_keeping_costs_memory_and_saves_recompute():
+    model, args = _chain()
+    captured, problem = prepare(model, args)
+    segments = ((0, 6), (6, problem.size))
+    linears = frozenset(k for k in range(problem.size) if problem.labels[k] in ("0", "3", "6"))
+    flat, selective = simulate(problem, segments), simulate(problem, Choice(segments, linears))
+    assert selective.peak_bytes > flat.peak_bytes
+    assert selective.recompute_seconds < flat.recompute_seconds
+
+
+def test_a_plan_shows_its_kept_nodes():
+    model, args = _chain()
+    captured, problem = prepare(model, args)
+    keep = frozenset({0, 3})
+    plan = _plan(model, args, Choice(((0, 6), (6, problem.size)), keep))
+    assert plan.keep == keep and plan.choice == Choice(((0, 6), (6, problem.size)), keep)
+    rows = plan.segment_table()
+    assert rows[0]["kept"] == [problem.names[0], problem.names[3]] and rows[1]["kept"] == []
+    assert rows[0]["kept_bytes"] == int(problem.kept_bytes[0] + problem.kept_bytes[3])
+    text = str(plan)
+    assert "2 nodes kept inside them" in text and "kept bytes" in text
+    assert "kept nodes" in plan._repr_html_()
+    from planner import viz
+
+    assert viz.memory_timeline(plan)["plan"].peak_bytes == plan.predicted_peak_bytes
+
+
+def test_the_drawing_and_memory_plot_name_the_kept_nodes():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    model, args = _chain()
+    _, problem = prepare(model, args)
+    plan = _plan(model, args, Choice(((0, 6), (6, problem.size)), frozenset({0, 3})))
+    figure = plan.draw()
+    assert "2 nodes kept inside them" in figure.axes[0].get_title()
+    assert any("kept" in t.get_text() for t in figure.axes[0].texts)
+    axes = plan.plot_memory().axes[0]
+    assert any("2 kept nodes" in t.get_text() for t in axes.get_legend().get_texts())
+    plt.close("all")
