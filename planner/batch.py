@@ -212,6 +212,7 @@ def plan_batch(
     optimizer_state_bytes: int = 0,
     cost_model: CostModel | None = None,
     leaf_modules: tuple = (),
+    make_loss_fn=None,
 ) -> BatchPlan:
     """Choose micro-batch size, accumulation steps and checkpoint plan for a global batch.
 
@@ -246,6 +247,10 @@ def plan_batch(
         Candidate micro-batch sizes, each dividing the per-rank batch (default: all divisors).
     solver, optimizer_state_bytes, cost_model, leaf_modules
         As in :func:`planner.plan`.
+    make_loss_fn
+        ``make_loss_fn(batch_size)`` returns the ``loss_fn`` (see :func:`planner.plan`) for a
+        micro-batch of that many samples, e.g. with labels of that size; default: the sum of
+        the outputs.
 
     Returns
     -------
@@ -309,6 +314,7 @@ def plan_batch(
             cost_model=cost_model,
             optimizer_state_bytes=optimizer_state_bytes,
             leaf_modules=leaf_modules,
+            loss_fn=None if make_loss_fn is None else make_loss_fn(m),
         )
         if steps > 1:
             problem = accumulation_problem(problem)

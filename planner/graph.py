@@ -141,6 +141,7 @@ class Problem:
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default())
+    has_loss: bool = False  # the last position is the user's loss_fn, outside the module
 
     @property
     def size(self) -> int:
@@ -250,9 +251,14 @@ def build_problem(
     cost_model: CostModel | None = None,
     optimizer_state_bytes: int = 0,
 ) -> Problem:
-    """Read the profile annotations of ``gm`` into a ``Problem``."""
+    """Read the profile annotations of ``gm`` into a ``Problem``.
+
+    A loss the profile recorded (``Profile.loss``) becomes the last position, after the graph's
+    nodes: it reads the graph's outputs, and it is never checkpointed (it runs outside the
+    planned module), so positions ``0..n-1`` stay those of ``compute_nodes(gm)``.
+    """
     cost_model = cost_model or CostModel()
-    nodes = compute_nodes(gm)
+    nodes = compute_nodes(gm) + ([profile.loss] if profile.loss is not None else [])
     n = len(nodes)
     position = {node: i for i, node in enumerate(nodes)}
     created = [require_meta(node, "planner.created") for node in nodes]
@@ -315,6 +321,7 @@ def build_problem(
         cut_allowed[entry + 1 : exit_ + 1] = False
     # torch.export's input guards: cheap assertions, never worth recomputing.
     pinned |= np.array([n.op == "call_module" and n.target == "_guards_fn" for n in nodes], bool)
+    pinned |= np.array([n is profile.loss for n in nodes], bool)
 
     articulation = articulation_nodes(gm)
     articulation_cuts = tuple(sorted(position[a] + 1 for a in articulation if a in position))
@@ -325,7 +332,7 @@ def build_problem(
     kept_bytes = np.array([require_meta(nd, "planner.kept_bytes") for nd in nodes], np.int64)
     return Problem(
         names=tuple(node.name for node in nodes),
-        labels=tuple(_label(node) for node in nodes),
+        labels=tuple("loss_fn" if node is profile.loss else _label(node) for node in nodes),
         flops=flops,
         bytes_moved=moved,
         seconds=cost_model.seconds(flops, moved, [node.name for node in nodes]),
@@ -348,4 +355,5 @@ def build_problem(
         kept_bytes=kept_bytes,
         random=np.array([bool(require_meta(nd, "planner.random")) for nd in nodes], dtype=bool),
         keepable=_keepable(created, writes, kept_bytes) & ~pinned,
+        has_loss=profile.loss is not None,
     )

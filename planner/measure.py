@@ -2,8 +2,9 @@
 
 The planner *predicts* the peak memory of a training step; this module *measures* it, so that
 predictions can be checked against reality. "One training step" means the same thing everywhere
-in the project: run the module forward, reduce its output with :func:`training_loss`, and call
-``backward()`` (see :func:`training_step`). No optimizer step is taken.
+in the project: run the module forward, reduce its output to a loss (the user's ``loss_fn``, by
+default :func:`training_loss`), and call ``backward()`` (see :func:`training_step`). No optimizer
+step is taken.
 
 Peak memory is measured differently per device:
 
@@ -138,11 +139,13 @@ def _describe(output) -> str:
     return f"{type(output).__name__} of tensors [{kinds}{more}]"
 
 
-def training_step(module, args, kwargs=None) -> torch.Tensor:
-    """Run one training step: forward, :func:`training_loss`, backward.
+def training_step(module, args, kwargs=None, *, loss_fn=None) -> torch.Tensor:
+    """Run one training step: forward, the loss, backward.
 
     This is the unit of work that the planner's predictions and every measurement here refer
     to. Gradients accumulate into ``.grad`` as in any backward pass; no optimizer step is taken.
+    The loss is ``loss_fn(output)`` when given (plan with the same ``loss_fn``), else
+    :func:`training_loss`.
 
     Parameters
     ----------
@@ -159,7 +162,7 @@ def training_step(module, args, kwargs=None) -> torch.Tensor:
         The loss, detached (so holding it keeps no graph alive).
     """
     output = module(*args, **(kwargs or {}))
-    loss = training_loss(output)
+    loss = training_loss(output) if loss_fn is None else loss_fn(output)
     del output  # let backward free what only the output kept alive, as a training loop would
     loss.backward()
     return loss.detach()
@@ -202,7 +205,7 @@ class MemoryReport:
         return self.peak_bytes - self.start_bytes
 
 
-def peak_memory(module, args, kwargs=None, *, record_timeline=False) -> MemoryReport:
+def peak_memory(module, args, kwargs=None, *, record_timeline=False, loss_fn=None) -> MemoryReport:
     """Run one training step and measure its peak memory.
 
     The step starts from a clean state: every parameter's ``.grad`` is first set to ``None``
@@ -227,6 +230,8 @@ def peak_memory(module, args, kwargs=None, *, record_timeline=False) -> MemoryRe
     record_timeline : bool, default False
         Also record the live bytes after each allocation and free (CPU tracker only), e.g. to
         plot memory over the step.
+    loss_fn : callable, optional
+        The step's loss, as in :func:`training_step`.
 
     Returns
     -------
@@ -237,22 +242,22 @@ def peak_memory(module, args, kwargs=None, *, record_timeline=False) -> MemoryRe
     gc.collect()
     device = _step_device(module, args, kwargs)
     if device.type == "cuda":
-        return _cuda_peak_memory(module, args, kwargs, device)
+        return _cuda_peak_memory(module, args, kwargs, device, loss_fn)
     tracker = _LiveStorageTracker(record_timeline=record_timeline)
     for t in _state_tensors(module, args, kwargs):
         tracker.register_existing(t)
     with tracker:
-        training_step(module, args, kwargs)
+        training_step(module, args, kwargs, loss_fn=loss_fn)
         gc.collect()  # free reference cycles, if the step made any, while still tracking
     return tracker.report(str(device))
 
 
-def _cuda_peak_memory(module, args, kwargs, device) -> MemoryReport:
+def _cuda_peak_memory(module, args, kwargs, device, loss_fn) -> MemoryReport:
     """Peak memory of one step on CUDA from the caching allocator's statistics."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     start = torch.cuda.memory_allocated(device)
-    training_step(module, args, kwargs)
+    training_step(module, args, kwargs, loss_fn=loss_fn)
     gc.collect()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)

@@ -263,6 +263,14 @@ def _floor_advice(problem: Problem, lowest: int) -> str:
     )
 
 
+def _check_loss_fn(loss_fn) -> None:
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn must be a callable from the model's output to a scalar loss, got "
+            f"{type(loss_fn).__name__}"
+        )
+
+
 def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
@@ -362,6 +370,7 @@ def prepare(
     optimizer_state_bytes: int = 0,
     leaf_modules: tuple = (),
     dynamic_shapes: bool = False,
+    loss_fn=None,
 ):
     """Capture, profile and analyse once: (captured, Problem). Reused by sweeps over budgets."""
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -372,7 +381,8 @@ def prepare(
     )
     # The planned module checks that calls pass these again (see planner.rewrite).
     captured.graph_module.meta["planner.tensor_arguments"] = tensor_arguments(model, args, kwargs)
-    prof = profile(captured.graph_module, *captured.inputs(args, kwargs))
+    _check_loss_fn(loss_fn)
+    prof = profile(captured.graph_module, *captured.inputs(args, kwargs), loss_fn=loss_fn)
     problem = build_problem(
         captured.graph_module,
         prof,
@@ -394,6 +404,7 @@ def plan(
     cost_model: CostModel | None = None,
     leaf_modules: tuple = (),
     dynamic_shapes: bool = False,
+    loss_fn=None,
 ) -> Plan:
     """Plan which activations of ``model`` to recompute so that a training step fits a budget.
 
@@ -421,6 +432,14 @@ def plan(
         module take other batch sizes and sequence lengths than the example's (capture is
         slower). The budget holds for the example's sizes: give the largest you train with;
         a larger call warns. Models ``symbolic_trace`` captures take any size anyway.
+    loss_fn
+        The training step's loss: ``loss_fn(output)`` returns a 0-dim tensor from what the
+        model returns; labels come through its closure, e.g.
+        ``lambda out: F.cross_entropy(out.flatten(0, 1), labels.flatten())``. Its memory (a
+        float copy of the logits, a log-softmax, their gradients) is planned for. Measure with
+        the same ``loss_fn`` (``planner.measure.peak_memory(..., loss_fn=...)``). Default: the
+        sum of the outputs (``planner.measure.training_loss``), or the output itself when the
+        model returns a 0-dim loss.
 
     Raises
     ------
@@ -448,6 +467,7 @@ def plan(
         optimizer_state_bytes=optimizer_state_bytes,
         leaf_modules=leaf_modules,
         dynamic_shapes=dynamic_shapes,
+        loss_fn=loss_fn,
     )
     baseline = simulate(problem, ())
     solve_start = time.perf_counter()

@@ -55,7 +55,7 @@ from typing import NamedTuple
 
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
@@ -94,6 +94,8 @@ class Profile:
     trainable: frozenset[int]  # parameter storages that require grad (backward makes a grad)
     output_storages: frozenset[int]  # storages reachable from the graph's output
     seconds: float = 0.0
+    # The user's loss, recorded as one more node after the graph's last (see ``loss_node``).
+    loss: fx.Node | None = None
 
     def fixed_bytes(self, kind: str) -> int:
         return sum(self.storage_bytes[s] for s, k in self.fixed_kind.items() if k == kind)
@@ -437,17 +439,21 @@ class _Recorder(fx.Interpreter):
     def run_node(self, node: fx.Node):
         if node.op not in COMPUTE_OPS:
             return super().run_node(node)
+        try:
+            return self.record(node, lambda: super(_Recorder, self).run_node(node))
+        except Exception as error:
+            raise PlanningError(
+                f"the model's forward failed on the example inputs at node {node.name!r} "
+                f"({node.op} {node.target}): {type(error).__name__}: {error}. Check the "
+                "example inputs' shapes and dtypes against what the model expects."
+            ) from error
+
+    def record(self, node: fx.Node, run: Callable):
+        """Run ``run()`` as the computation of ``node`` and write its annotations."""
         self.cost.reset()
         self.saved_by_current = set()
         with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
-            try:
-                out = super().run_node(node)
-            except Exception as error:
-                raise PlanningError(
-                    f"the model's forward failed on the example inputs at node {node.name!r} "
-                    f"({node.op} {node.target}): {type(error).__name__}: {error}. Check the "
-                    "example inputs' shapes and dtypes against what the model expects."
-                ) from error
+            out = run()
         tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         out_keys = {self.storages.key(t) for t in tensors} - {None}
         kept = (self.cost.new & out_keys) | (self.cost.new & self.saved_by_current)
@@ -574,9 +580,73 @@ def _quiet_fake_failures():
         logger.removeFilter(quiet)
 
 
-def profile(gm: fx.GraphModule, args: tuple, kwargs: dict | None = None) -> Profile:
+
+def loss_node(loss_fn: Callable) -> fx.Node:
+    """A stand-alone node for the user's loss, annotated like the graph's nodes.
+
+    It is not part of any graph: the loss runs outside the planned module, after its forward and
+    before its backward, and is never checkpointed; but its memory (a float copy of the logits,
+    a log-softmax saved for backward, the logits' gradient) is often the largest of the step.
+    """
+    graph = fx.Graph()
+    return graph.create_node("call_function", loss_fn, (graph.placeholder("output"),),
+                             name="loss_fn")
+
+
+class _StandIns(TorchDispatchMode):
+    """Replaces the user's tensors that reach an op (a loss's labels, closed over) by their
+    stand-ins, once each, before the cost mode sees them: the labels then cost their bytes
+    once, as a constant, and the user's tensors are only read."""
+
+    def __init__(self, copies: _Copies):
+        super().__init__()
+        self.copies = copies
+
+    def _stand_in(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if isinstance(tensor, FakeTensor) or tensor.is_meta else self.copies(tensor)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map_only(torch.Tensor, self._stand_in, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _run_loss(loss_fn: Callable, output, copies: _Copies) -> torch.Tensor:
+    """``loss_fn(output)`` on the stand-in output (see ``_StandIns`` for its labels)."""
+    with _StandIns(copies):
+        try:
+            loss = loss_fn(output)
+        except Exception as error:
+            raise PlanningError(
+                f"loss_fn failed on the model's output: {type(error).__name__}: {error}. It is "
+                "called as loss_fn(output) with what the model returns (on fake tensors while "
+                "planning); labels and other tensors it needs come through its closure."
+            ) from error
+    check_loss(loss)
+    return loss
+
+
+def check_loss(loss) -> None:
+    """A loss must be a 0-dim floating-point tensor that requires grad, as ``backward()`` needs."""
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()
+            and loss.requires_grad):
+        got = (f"a tensor of shape {tuple(loss.shape)}, dtype {loss.dtype}, requires_grad="
+               f"{loss.requires_grad}" if isinstance(loss, torch.Tensor) else type(loss).__name__)
+        raise PlanningError(
+            f"loss_fn must return a 0-dim floating-point tensor that requires grad (the value "
+            f"whose backward() is the training step), got {got}. Reduce it to a scalar, e.g. "
+            ".mean(), and compute it from the model's output."
+        )
+
+
+def profile(
+    gm: fx.GraphModule, args: tuple, kwargs: dict | None = None, *, loss_fn: Callable | None = None
+) -> Profile:
     """Annotate every compute node of ``gm`` (see the module docstring) from one fake training
-    step: forward, the loss of ``planner.measure.training_loss``, backward.
+    step: forward, the loss, backward.
+
+    The loss is ``loss_fn(output)`` when given, recorded as the node ``Profile.loss`` (its
+    memory, reads, saves and backward, like any node's); otherwise the loss of
+    ``planner.measure.training_loss``, whose memory is negligible and not recorded.
 
     ``gm`` itself is not run: a copy on fake tensors is, so neither real memory nor the user's
     parameters are touched. When every input, parameter and buffer is already on the ``meta``
@@ -619,12 +689,19 @@ def profile(gm: fx.GraphModule, args: tuple, kwargs: dict | None = None) -> Prof
             warnings.simplefilter("ignore", FutureWarning)  # pytree specs of exported modules
             output = recorder.run(*placeholder_values(gm, args, kwargs))
         output_keys = {storages.key(t) for t in tree_leaves(output)} - {None}
-        loss = training_loss(output)
-        with recorder.backward:
+        loss_at = None if loss_fn is None else loss_node(loss_fn)
+        if loss_at is None:
+            loss = training_loss(output)
+        else:
+            recorder.backward.nodes.append(loss_at)
+            with cost:
+                loss = recorder.record(loss_at, lambda: _run_loss(loss_fn, output, copies))
+        del output
+        with recorder.backward, _StandIns(copies):  # the loss's labels, saved for backward
             loss.backward()
         recorder.backward.finish()
     produced, read = set(), set()
-    for node in gm.graph.nodes:
+    for node in [*gm.graph.nodes, *([loss_at] if loss_at is not None else [])]:
         if node.op in COMPUTE_OPS:
             produced.update(require_meta(node, "planner.created"))
             read.update(node.meta["planner.reads"])
@@ -636,4 +713,5 @@ def profile(gm: fx.GraphModule, args: tuple, kwargs: dict | None = None) -> Prof
         trainable=frozenset(trainable),
         output_storages=frozenset(output_keys),
         seconds=time.perf_counter() - start,
+        loss=loss_at,
     )

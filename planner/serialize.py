@@ -312,6 +312,7 @@ def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
         },
         "budget_bytes": int(plan.budget_bytes),
         "optimizer_state_bytes": int(problem.optimizer_state_bytes),
+        "loss_fn": bool(problem.has_loss),
         "segments": segments,
         "keep": keep,
         "predictions": {
@@ -466,6 +467,7 @@ def load(
     *,
     cost_model=None,
     leaf_modules=None,
+    loss_fn=None,
 ):
     """Apply a saved plan to ``model``: capture, profile, check, rewrite; no solving.
 
@@ -486,6 +488,9 @@ def load(
         As given to ``planner.plan``. By default the classes the file records (by qualified
         name) among the classes of ``model``'s modules; needed only for files of format
         version 1, which did not record them.
+    loss_fn : callable, optional
+        The loss the plan was made with (``planner.plan(..., loss_fn=)``), needed again to
+        predict the step's memory; plans made without one must be loaded without one.
 
     Returns
     -------
@@ -520,6 +525,12 @@ def load(
             )
         example_inputs, example_kwargs = build_inputs(spec, _model_device(model))
 
+    if bool(data.get("loss_fn", False)) != (loss_fn is not None):
+        raise PlanningError(
+            f"the plan in {path} was made "
+            + ("with a loss_fn: pass the same one, planner.load(path, model, loss_fn=...)"
+               if loss_fn is None else "without a loss_fn: load it without one")
+        )
     captured, problem = prepare(
         model,
         example_inputs,
@@ -527,6 +538,7 @@ def load(
         cost_model=cost_model,
         optimizer_state_bytes=int(data.get("optimizer_state_bytes", 0)),
         leaf_modules=leaf_modules,
+        loss_fn=loss_fn,
     )
     graph = data["graph"]
     if fingerprint(problem) != graph.get("fingerprint"):

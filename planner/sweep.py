@@ -228,6 +228,7 @@ def frontier(
     optimizer_state_bytes: int = 0,
     cost_model: CostModel | None = None,
     leaf_modules: tuple = (),
+    loss_fn=None,
 ) -> Frontier:
     """Sweep budgets for ``model``: the least recompute at each, from the lowest peak to none.
 
@@ -237,7 +238,8 @@ def frontier(
 
     Parameters
     ----------
-    model, example_inputs, example_kwargs, optimizer_state_bytes, cost_model, leaf_modules
+    model, example_inputs, example_kwargs, optimizer_state_bytes, cost_model, leaf_modules,
+    loss_fn
         As for ``planner.plan``.
     budgets
         Budgets in bytes; default: ``points`` budgets evenly spaced from the lowest peak found
@@ -261,5 +263,6 @@ def frontier(
     (0.0, True)
     """
     _, problem = prepare(model, example_inputs, example_kwargs, cost_model=cost_model,
-                         optimizer_state_bytes=optimizer_state_bytes, leaf_modules=leaf_modules)
+                         optimizer_state_bytes=optimizer_state_bytes, leaf_modules=leaf_modules,
+                         loss_fn=loss_fn)
     return frontier_of(problem, budgets=budgets, points=points, solver=solver)

@@ -180,9 +180,10 @@ _op = st.one_of(
 
 
 @st.composite
-def model_specs(draw, *, untraceable: bool | None = False, max_ops: int = 10) -> ModelSpec:
+def model_specs(draw, *, untraceable: bool | None = False, max_ops: int = 10,
+                kinds: tuple[str, ...] = ("dense", "conv")) -> ModelSpec:
     """A random :class:`ModelSpec`; ``untraceable=None`` draws it too."""
-    kind = draw(st.sampled_from(["dense", "conv"]))
+    kind = draw(st.sampled_from(kinds))
     ops = tuple(draw(st.lists(_op, min_size=1, max_size=max_ops)))
     n_layers = max(1, sum(op[0] == "layer" for op in ops)) + 1  # + head
     return ModelSpec(
@@ -313,7 +314,7 @@ def _assert_same_tree(expected, actual, what: str) -> None:
             assert a == b, f"{what}[{k}]"
 
 
-def _step(module, params, args, kwargs, seed: int, use_autograd_grad: bool):
+def _step(module, params, args, kwargs, seed: int, use_autograd_grad: bool, loss_fn=None):
     args, kwargs = fresh(args), fresh(kwargs)
     inputs = [t for t in tree_flatten((args, kwargs))[0]
               if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -321,7 +322,7 @@ def _step(module, params, args, kwargs, seed: int, use_autograd_grad: bool):
         p.grad = None
     torch.manual_seed(seed)
     out = module(*args, **kwargs)
-    loss = training_loss(out)
+    loss = training_loss(out) if loss_fn is None else loss_fn(out)
     trainable = [p for p in params if p.requires_grad]
     if use_autograd_grad:
         grads = list(torch.autograd.grad(loss, trainable + inputs, allow_unused=True))
@@ -332,19 +333,21 @@ def _step(module, params, args, kwargs, seed: int, use_autograd_grad: bool):
 
 
 def assert_equivalent(reference: nn.Module, model: nn.Module, planned, args, kwargs,
-                      *, seed: int = 0, check_output_type: bool = True) -> None:
+                      *, seed: int = 0, check_output_type: bool = True,
+                      loss_fn=None) -> None:
     """One step of ``planned`` (sharing ``model``'s parameters) equals one of ``reference`` (an
     untouched deep copy of ``model``): outputs, loss, every parameter and input gradient, the
     RNG state after the step (so every dropout mask drew the same numbers), and every buffer
     (BatchNorm running statistics and ``num_batches_tracked``: updated once, not twice); by
-    ``backward()`` and by ``torch.autograd.grad``; then ``state_dict`` both ways."""
+    ``backward()`` and by ``torch.autograd.grad``; then ``state_dict`` both ways. The loss is
+    ``loss_fn(output)``, by default ``planner.measure.training_loss``."""
     names = [n for n, _ in reference.named_parameters()]
     assert names == [n for n, _ in model.named_parameters()]
     ref_params = [p for _, p in reference.named_parameters()]
     params = [p for _, p in model.named_parameters()]
     for step, use_grad in enumerate((False, True)):
-        expected = _step(reference, ref_params, args, kwargs, seed + step, use_grad)
-        actual = _step(planned, params, args, kwargs, seed + step, use_grad)
+        expected = _step(reference, ref_params, args, kwargs, seed + step, use_grad, loss_fn)
+        actual = _step(planned, params, args, kwargs, seed + step, use_grad, loss_fn)
         how = "autograd.grad" if use_grad else "backward"
         if check_output_type:
             _assert_same_tree(expected[0], actual[0], f"output ({how})")

@@ -1,0 +1,193 @@
+"""The user's loss in the plan: ``planner.plan(..., loss_fn=...)``.
+
+A budget is the memory of the step the user runs: forward, *their* loss, backward. A loss holds
+memory of its own (cross-entropy over a vocabulary keeps a log-softmax as large as the logits,
+then allocates the logits' gradient), so the profile records it as one more node after the
+graph's last, and the simulator replays it. Each property compares the plan with one real step
+of the same loss: outputs and gradients exactly equal the unplanned model's, the measured peak
+(CPU live-storage tracker) fits the budget and matches the prediction.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import planner
+from planner.errors import PlanningError
+from planner.measure import peak_memory, training_loss
+from planner.pipeline import lowest_peak, prepare
+from planner.simulate import simulate
+from strategies import assert_equivalent, build, inputs, model_specs
+
+EXAMPLES = max(4, settings.default.max_examples // 3)
+# The loss value and the gradient that seeds backward (4 bytes each) are not modelled.
+LOSS_SCALARS = 8
+
+
+def _main_output(out) -> torch.Tensor:
+    if isinstance(out, dict):
+        return out["out"]
+    return out[0] if isinstance(out, tuple) else out
+
+
+def make_loss(kind: str, out: torch.Tensor, seed: int = 0):
+    """A loss of one of the kinds users write, for outputs shaped like ``out``: the labels of
+    cross-entropy are drawn at random and closed over."""
+    if kind == "sum":
+        return training_loss  # the default's loss, given explicitly: its scalars are planned too
+    if kind == "mean_of_squares":
+        return lambda output: _main_output(output).float().pow(2).mean()
+    generator = torch.Generator().manual_seed(seed)
+    classes = out.shape[1]
+    labels = torch.randint(0, classes, (out.shape[0], *out.shape[2:]), generator=generator)
+    return lambda output: F.cross_entropy(_main_output(output), labels)
+
+
+LOSSES = st.sampled_from(["sum", "mean_of_squares", "cross_entropy"])
+
+
+def _planned(spec, kind, fraction):
+    """(model, untouched copy, args, kwargs, loss_fn, budget, plan) for a generated model."""
+    model = build(spec)
+    args, kwargs = inputs(spec)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        loss_fn = make_loss(kind, _main_output(copy.deepcopy(model)(*args, **kwargs)), spec.seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        _, problem = prepare(model, args, kwargs, loss_fn=loss_fn)
+        low, high = lowest_peak(problem).peak_bytes, simulate(problem, ()).peak_bytes
+        budget = int(low + fraction * (high - low))
+        p = planner.plan(model, args, budget_bytes=budget, example_kwargs=kwargs, loss_fn=loss_fn)
+    return model, reference, args, kwargs, loss_fn, budget, p
+
+
+@settings(max_examples=EXAMPLES)
+@given(spec=model_specs(untraceable=None, max_ops=8), kind=LOSSES, fraction=st.floats(0, 1))
+def test_planned_step_with_the_users_loss_trains_exactly_like_the_original(spec, kind, fraction):
+    model, reference, args, kwargs, loss_fn, _, p = _planned(spec, kind, fraction)
+    assert_equivalent(reference, model, p.module, args, kwargs, seed=spec.seed, loss_fn=loss_fn)
+
+
+@settings(max_examples=EXAMPLES)
+@given(spec=model_specs(untraceable=None, max_ops=8, kinds=("dense",)), kind=LOSSES,
+       fraction=st.floats(0, 1))
+def test_measured_step_with_the_users_loss_fits_and_matches_the_prediction(spec, kind, fraction):
+    """Memory the step adds to what was live before it (parameters the graph never reads are
+    live too, but no plan changes them: they are left out on both sides), at a batch large
+    enough that activations, not a few scalars of bookkeeping, make the peak. One output: the
+    fake backward over-predicts (never under) when two outputs' gradients meet in one tensor."""
+    spec = dataclasses.replace(spec, batch=256, output="tensor")
+    _, _, args, kwargs, loss_fn, budget, p = _planned(spec, kind, fraction)
+    step = peak_memory(p.module, args, kwargs, loss_fn=loss_fn).activation_peak_bytes
+    fixed = p.problem.fixed_bytes
+    assert step <= budget - fixed + LOSS_SCALARS
+    assert math.isclose(p.predicted_peak_bytes - fixed, step, rel_tol=0.05)
+
+
+def _gpt_with_cross_entropy(vocab=2048):
+    model, (idx,) = planner.zoo.gpt(layers=2, vocab=vocab, with_loss=False)
+    labels = torch.randint(0, vocab, idx.shape, generator=torch.Generator().manual_seed(1))
+    return model, (idx,), lambda logits: F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_cross_entropy_over_a_vocabulary_is_predicted_to_the_byte():
+    """The log-softmax and the logits' gradient are as large as the logits: without the loss
+    in the plan the prediction is far too low; with it, it matches the step."""
+    model, args, loss_fn = _gpt_with_cross_entropy()
+    measured = peak_memory(model, args, loss_fn=loss_fn).peak_bytes
+    _, without = prepare(model, args)
+    _, problem = prepare(model, args, loss_fn=loss_fn)
+    assert simulate(without, ()).peak_bytes < 0.8 * measured
+    assert abs(simulate(problem, ()).peak_bytes - measured) <= LOSS_SCALARS
+    assert problem.has_loss and problem.names[-1] == "loss_fn"
+    assert not problem.checkpointable[-1]
+
+
+def test_a_plan_with_the_loss_fits_a_budget_the_loss_would_break():
+    model, args, loss_fn = _gpt_with_cross_entropy()
+    _, problem = prepare(model, args, loss_fn=loss_fn)
+    budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
+    p = planner.plan(model, args, budget_bytes=budget, loss_fn=loss_fn)
+    assert peak_memory(p.module, args, loss_fn=loss_fn).peak_bytes <= budget + LOSS_SCALARS
+    blind = planner.plan(model, args, budget_bytes=budget)  # planned for the sum of outputs
+    assert peak_memory(blind.module, args, loss_fn=loss_fn).peak_bytes > budget
+
+
+def test_planning_on_the_meta_device_counts_the_loss_the_same():
+    """Labels closed over by the loss are replaced by stand-ins, on fake and meta tensors."""
+    model, args, loss_fn = _gpt_with_cross_entropy()
+    _, problem = prepare(model, args, loss_fn=loss_fn)
+    meta_model, (meta_idx,) = planner.zoo.gpt(layers=2, vocab=2048, with_loss=False,
+                                              device="meta")
+    labels = torch.zeros(meta_idx.shape, dtype=torch.long)  # on the CPU: made meta too
+    meta_loss = lambda logits: F.cross_entropy(logits.flatten(0, 1), labels.flatten())  # noqa: E731
+    _, meta_problem = prepare(meta_model, (meta_idx,), loss_fn=meta_loss)
+    assert simulate(meta_problem, ()).peak_bytes == simulate(problem, ()).peak_bytes
+
+
+def test_a_model_that_returns_its_own_loss_needs_no_loss_fn():
+    model, args = planner.zoo.gpt(layers=2)  # forward(idx, targets) returns the loss
+    p = planner.plan(model, args, budget_gb=1)
+    measured = peak_memory(p.module, args).peak_bytes
+    assert abs(p.predicted_peak_bytes - measured) <= LOSS_SCALARS
+
+
+def test_loss_fn_must_be_callable():
+    model, args = planner.zoo.mlp_chain(depth=2, width=8)
+    with pytest.raises(TypeError, match="loss_fn must be a callable"):
+        planner.plan(model, args, budget_gb=1, loss_fn="cross_entropy")
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused_with_what_to_do():
+    model, args = planner.zoo.mlp_chain(depth=2, width=8)
+    with pytest.raises(PlanningError, match=r"0-dim .* got a tensor of shape \(.*\).*\.mean\(\)"):
+        planner.plan(model, args, budget_gb=1, loss_fn=lambda out: out.pow(2))
+
+
+def test_a_loss_that_fails_names_loss_fn_and_leaves_the_labels_alone():
+    model, args = planner.zoo.mlp_chain(depth=2, width=8)
+    labels = torch.tensor([0, 1])  # the wrong batch size
+    with pytest.raises(PlanningError, match="loss_fn failed on the model's output"):
+        planner.plan(model, args, budget_gb=1, loss_fn=lambda out: F.cross_entropy(out, labels))
+    assert type(labels) is torch.Tensor and labels.tolist() == [0, 1]
+
+
+def test_a_saved_plan_is_loaded_with_its_loss(tmp_path):
+    model, args, loss_fn = _gpt_with_cross_entropy()
+    _, problem = prepare(model, args, loss_fn=loss_fn)
+    budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
+    p = planner.plan(model, args, budget_bytes=budget, loss_fn=loss_fn)
+    path = p.save(tmp_path / "plan.json", args)
+    with pytest.raises(PlanningError, match="made with a loss_fn"):
+        planner.load(path, model)
+    loaded = planner.load(path, model, loss_fn=loss_fn)
+    assert loaded.segments == p.segments
+    assert loaded.predicted_peak_bytes == p.predicted_peak_bytes
+
+
+def test_frontier_and_plan_batch_take_the_loss():
+    model, args, loss_fn = _gpt_with_cross_entropy()
+    f = planner.frontier(model, args, points=2, loss_fn=loss_fn)
+    _, problem = prepare(model, args, loss_fn=loss_fn)
+    assert f.baseline_peak_bytes == simulate(problem, ()).peak_bytes
+
+    def make_inputs(batch):
+        return planner.zoo.gpt(layers=2, vocab=2048, with_loss=False, batch=batch)[1]
+
+    def make_loss_fn(batch):
+        labels = torch.zeros(batch, 64, dtype=torch.long)
+        return lambda logits: F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    choice = planner.plan_batch(model, make_inputs, budget_bytes=f.baseline_peak_bytes,
+                                global_batch=4, micro_batches=[4], make_loss_fn=make_loss_fn)
+    assert choice.predicted_peak_bytes == f.baseline_peak_bytes
