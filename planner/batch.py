@@ -209,10 +209,11 @@ def plan_batch(
     world_size: int = 1,
     micro_batches=None,
     solver="auto",
-    optimizer_state_bytes: int = 0,
+    optimizer_state_bytes: int | None = None,
     cost_model: CostModel | None = None,
     leaf_modules: tuple = (),
     make_loss_fn=None,
+    optimizer=None,
 ) -> BatchPlan:
     """Choose micro-batch size, accumulation steps and checkpoint plan for a global batch.
 
@@ -245,7 +246,7 @@ def plan_batch(
         prediction is per rank and leaves out communication.
     micro_batches
         Candidate micro-batch sizes, each dividing the per-rank batch (default: all divisors).
-    solver, optimizer_state_bytes, cost_model, leaf_modules
+    solver, optimizer_state_bytes, cost_model, leaf_modules, optimizer
         As in :func:`planner.plan`.
     make_loss_fn
         ``make_loss_fn(batch_size)`` returns the ``loss_fn`` (see :func:`planner.plan`) for a
@@ -315,6 +316,7 @@ def plan_batch(
             optimizer_state_bytes=optimizer_state_bytes,
             leaf_modules=leaf_modules,
             loss_fn=None if make_loss_fn is None else make_loss_fn(m),
+            optimizer=optimizer,
         )
         if steps > 1:
             problem = accumulation_problem(problem)

@@ -141,6 +141,8 @@ class Problem:
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default())
+    # What optimizer.step() holds at once beyond parameters, gradients and state (temporaries).
+    optimizer_step_bytes: int = 0
     has_loss: bool = False  # the last position is the user's loss_fn, outside the module
 
     @property
@@ -250,6 +252,7 @@ def build_problem(
     *,
     cost_model: CostModel | None = None,
     optimizer_state_bytes: int = 0,
+    optimizer_step_bytes: int = 0,
 ) -> Problem:
     """Read the profile annotations of ``gm`` into a ``Problem``.
 
@@ -355,5 +358,6 @@ def build_problem(
         kept_bytes=kept_bytes,
         random=np.array([bool(require_meta(nd, "planner.random")) for nd in nodes], dtype=bool),
         keepable=_keepable(created, writes, kept_bytes) & ~pinned,
+        optimizer_step_bytes=optimizer_step_bytes,
         has_loss=profile.loss is not None,
     )

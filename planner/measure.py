@@ -139,13 +139,14 @@ def _describe(output) -> str:
     return f"{type(output).__name__} of tensors [{kinds}{more}]"
 
 
-def training_step(module, args, kwargs=None, *, loss_fn=None) -> torch.Tensor:
+def training_step(module, args, kwargs=None, *, loss_fn=None, optimizer=None) -> torch.Tensor:
     """Run one training step: forward, the loss, backward.
 
     This is the unit of work that the planner's predictions and every measurement here refer
     to. Gradients accumulate into ``.grad`` as in any backward pass; no optimizer step is taken.
     The loss is ``loss_fn(output)`` when given (plan with the same ``loss_fn``), else
-    :func:`training_loss`.
+    :func:`training_loss`. With ``optimizer``, the step ends with ``optimizer.step()`` (plan
+    with the same ``optimizer=``).
 
     Parameters
     ----------
@@ -165,6 +166,8 @@ def training_step(module, args, kwargs=None, *, loss_fn=None) -> torch.Tensor:
     loss = training_loss(output) if loss_fn is None else loss_fn(output)
     del output  # let backward free what only the output kept alive, as a training loop would
     loss.backward()
+    if optimizer is not None:
+        optimizer.step()
     return loss.detach()
 
 
@@ -205,7 +208,9 @@ class MemoryReport:
         return self.peak_bytes - self.start_bytes
 
 
-def peak_memory(module, args, kwargs=None, *, record_timeline=False, loss_fn=None) -> MemoryReport:
+def peak_memory(
+    module, args, kwargs=None, *, record_timeline=False, loss_fn=None, optimizer=None
+) -> MemoryReport:
     """Run one training step and measure its peak memory.
 
     The step starts from a clean state: every parameter's ``.grad`` is first set to ``None``
@@ -232,6 +237,9 @@ def peak_memory(module, args, kwargs=None, *, record_timeline=False, loss_fn=Non
         plot memory over the step.
     loss_fn : callable, optional
         The step's loss, as in :func:`training_step`.
+    optimizer : torch.optim.Optimizer, optional
+        Ends the step with ``optimizer.step()``. Its state, when a step has already made it, is
+        counted among the start bytes (it is read, so seen, during the step).
 
     Returns
     -------
@@ -242,22 +250,22 @@ def peak_memory(module, args, kwargs=None, *, record_timeline=False, loss_fn=Non
     gc.collect()
     device = _step_device(module, args, kwargs)
     if device.type == "cuda":
-        return _cuda_peak_memory(module, args, kwargs, device, loss_fn)
+        return _cuda_peak_memory(module, args, kwargs, device, loss_fn, optimizer)
     tracker = _LiveStorageTracker(record_timeline=record_timeline)
     for t in _state_tensors(module, args, kwargs):
         tracker.register_existing(t)
     with tracker:
-        training_step(module, args, kwargs, loss_fn=loss_fn)
+        training_step(module, args, kwargs, loss_fn=loss_fn, optimizer=optimizer)
         gc.collect()  # free reference cycles, if the step made any, while still tracking
     return tracker.report(str(device))
 
 
-def _cuda_peak_memory(module, args, kwargs, device, loss_fn) -> MemoryReport:
+def _cuda_peak_memory(module, args, kwargs, device, loss_fn, optimizer) -> MemoryReport:
     """Peak memory of one step on CUDA from the caching allocator's statistics."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     start = torch.cuda.memory_allocated(device)
-    training_step(module, args, kwargs, loss_fn=loss_fn)
+    training_step(module, args, kwargs, loss_fn=loss_fn, optimizer=optimizer)
     gc.collect()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 from planner.capture import capture, module_classes
 from planner.errors import PlanningError
 from planner.graph import CostModel, Problem, build_problem
+from planner.optimizer import optimizer_memory
 from planner.profile import profile
 from planner.rewrite import rewrite, tensor_arguments
 from planner.serialize import input_spec
@@ -125,6 +126,7 @@ class Plan:
             f"({self.recompute_flops:.3g} FLOPs)",
             f"  planning time   {self.planning_seconds:>10.2f} s   "
             f"(solve {self.solve_seconds:.3f} s)",
+            *self._step_lines(),
         ]
         rows = self.segment_table()
         if rows:
@@ -139,6 +141,24 @@ class Plan:
                     line += f" {len(r['kept']):>5} {_mib(r['kept_bytes']):>10}"
                 lines.append(line)
         return "\n".join(lines)
+
+    def _step_lines(self) -> list[str]:
+        """The loss and optimizer parts of the step, when the plan was given them."""
+        problem, lines = self.problem, []
+        if problem.has_loss:
+            lines.append(
+                f"  loss_fn         {_mib(problem.created_bytes[-1]):>12}   kept for its backward, "
+                f"which allocates {_mib(problem.activation_grad_alloc[-1])}"
+            )
+        if problem.optimizer_state_bytes or problem.optimizer_step_bytes:
+            step = simulate(problem, self.choice).optimizer_step_bytes
+            peak = "; the step's peak" if step >= self.predicted_peak_bytes else ""
+            lines.append(
+                f"  optimizer       {_mib(problem.optimizer_state_bytes):>12}   state; step() "
+                f"holds {_mib(step)} with {_mib(problem.optimizer_step_bytes)} of "
+                f"temporaries{peak}"
+            )
+        return lines
 
     __repr__ = __str__
 
@@ -367,10 +387,11 @@ def prepare(
     example_kwargs: dict | None = None,
     *,
     cost_model: CostModel | None = None,
-    optimizer_state_bytes: int = 0,
+    optimizer_state_bytes: int | None = None,
     leaf_modules: tuple = (),
     dynamic_shapes: bool = False,
     loss_fn=None,
+    optimizer=None,
 ):
     """Capture, profile and analyse once: (captured, Problem). Reused by sweeps over budgets."""
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -383,11 +404,15 @@ def prepare(
     captured.graph_module.meta["planner.tensor_arguments"] = tensor_arguments(model, args, kwargs)
     _check_loss_fn(loss_fn)
     prof = profile(captured.graph_module, *captured.inputs(args, kwargs), loss_fn=loss_fn)
+    counted = optimizer_memory(optimizer, model) if optimizer is not None else None
+    if optimizer_state_bytes is None:
+        optimizer_state_bytes = counted.state_bytes if counted is not None else 0
     problem = build_problem(
         captured.graph_module,
         prof,
         cost_model=cost_model,
         optimizer_state_bytes=optimizer_state_bytes,
+        optimizer_step_bytes=counted.step_bytes if counted is not None else 0,
     )
     return captured, problem
 
@@ -400,11 +425,12 @@ def plan(
     budget_bytes: int | None = None,
     example_kwargs: dict | None = None,
     solver="auto",
-    optimizer_state_bytes: int = 0,
+    optimizer_state_bytes: int | None = None,
     cost_model: CostModel | None = None,
     leaf_modules: tuple = (),
     dynamic_shapes: bool = False,
     loss_fn=None,
+    optimizer=None,
 ) -> Plan:
     """Plan which activations of ``model`` to recompute so that a training step fits a budget.
 
@@ -416,8 +442,9 @@ def plan(
         A tensor or a tuple of positional arguments, as in ``model(*example_inputs)``.
     budget_gb, budget_bytes
         Exactly one: the memory of the whole training step, in GiB (2**30 bytes) or bytes:
-        parameters + gradients + optimizer state (``optimizer_state_bytes``) + activations +
-        working memory of the largest operation.
+        parameters + gradients + optimizer state + activations + working memory of the largest
+        operation; or, when higher, what ``optimizer.step()`` holds (parameters, gradients,
+        state and its temporaries).
     example_kwargs
         Keyword arguments of the call.
     solver
@@ -440,6 +467,14 @@ def plan(
         the same ``loss_fn`` (``planner.measure.peak_memory(..., loss_fn=...)``). Default: the
         sum of the outputs (``planner.measure.training_loss``), or the output itself when the
         model returns a 0-dim loss.
+    optimizer
+        The optimizer the step ends with: an instance (it counts the parameters it was given),
+        its class or a factory (``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``,
+        given the trainable parameters). Its state (Adam: two tensors per trainable parameter)
+        and the temporaries of its ``step()`` are counted, by one meta run of the same
+        optimizer (``planner.optimizer.optimizer_memory``).
+    optimizer_state_bytes
+        Bytes of optimizer state, counted by hand; overrides what ``optimizer`` counts.
 
     Raises
     ------
@@ -468,6 +503,7 @@ def plan(
         leaf_modules=leaf_modules,
         dynamic_shapes=dynamic_shapes,
         loss_fn=loss_fn,
+        optimizer=optimizer,
     )
     baseline = simulate(problem, ())
     solve_start = time.perf_counter()

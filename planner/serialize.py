@@ -41,6 +41,7 @@ same model with inputs of other shapes, is a ``PlanningError`` naming the first 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -312,6 +313,7 @@ def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
         },
         "budget_bytes": int(plan.budget_bytes),
         "optimizer_state_bytes": int(problem.optimizer_state_bytes),
+        "optimizer_step_bytes": int(problem.optimizer_step_bytes),
         "loss_fn": bool(problem.has_loss),
         "segments": segments,
         "keep": keep,
@@ -539,6 +541,9 @@ def load(
         optimizer_state_bytes=int(data.get("optimizer_state_bytes", 0)),
         leaf_modules=leaf_modules,
         loss_fn=loss_fn,
+    )
+    problem = dataclasses.replace(
+        problem, optimizer_step_bytes=int(data.get("optimizer_step_bytes", 0))
     )
     graph = data["graph"]
     if fingerprint(problem) != graph.get("fingerprint"):

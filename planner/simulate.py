@@ -14,6 +14,8 @@ The replay follows what PyTorch does with non-reentrant ``torch.utils.checkpoint
   never re-created), re-creating its saved storages. Each node's backward then allocates what
   the profile's fake backward measured for it (gradients, temporaries), and frees what it
   measured plus the saved storages no earlier node needs.
+* optimizer step: on what backward leaves (parameter gradients), ``optimizer.step()`` holds its
+  temporaries (``Problem.optimizer_step_bytes``); its state is fixed memory, live all along.
 
 A choice may also *keep* nodes inside segments (``Choice.keep``), as
 ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` does with a policy that saves
@@ -60,6 +62,8 @@ class Simulation:
     peak_bytes: int
     recompute_seconds: float
     recompute_flops: float
+    # Live bytes at the high point of optimizer.step() (after backward, plus its temporaries).
+    optimizer_step_bytes: int = 0
     # (phase, position, live bytes at the node's high point, before it frees anything)
     timeline: tuple[tuple[str, int, int], ...] | None = None
 
@@ -244,8 +248,12 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     forward_transient = np.where(kept, np.maximum(problem.workspace - held, 0), problem.workspace)
     transient = np.select([phase == 0, recompute & ~kept[position]],
                           [forward_transient[position], problem.workspace[position]], 0)
-    live = np.cumsum(alloc - free) + free + transient  # at each step's high point
+    after = np.cumsum(alloc - free)
+    live = after + free + transient  # at each step's high point
     peak = int(live.max(initial=0))
+    # optimizer.step() runs on what backward leaves (gradients), with its temporaries.
+    step = int(after[-1]) + problem.optimizer_step_bytes if n else problem.optimizer_step_bytes
+    peak = max(peak, step)
 
     # Summed in the order backward meets them (last segment first); kept nodes cost nothing.
     recomputed = [slice(start, end + 1) for (start, _), end in zip(segments, ends.tolist())][::-1]
@@ -257,6 +265,7 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
                              live.tolist()))
     return Simulation(
         peak_bytes=int(problem.fixed_bytes + peak),
+        optimizer_step_bytes=int(problem.fixed_bytes + step),
         recompute_seconds=sum((float(seconds[span].sum()) for span in recomputed), 0.0),
         recompute_flops=sum((float(flops[span].sum()) for span in recomputed), 0.0),
         timeline=timeline,

@@ -225,10 +225,11 @@ def frontier(
     budgets=None,
     points: int = 12,
     solver="auto",
-    optimizer_state_bytes: int = 0,
+    optimizer_state_bytes: int | None = None,
     cost_model: CostModel | None = None,
     leaf_modules: tuple = (),
     loss_fn=None,
+    optimizer=None,
 ) -> Frontier:
     """Sweep budgets for ``model``: the least recompute at each, from the lowest peak to none.
 
@@ -239,7 +240,7 @@ def frontier(
     Parameters
     ----------
     model, example_inputs, example_kwargs, optimizer_state_bytes, cost_model, leaf_modules,
-    loss_fn
+    loss_fn, optimizer
         As for ``planner.plan``.
     budgets
         Budgets in bytes; default: ``points`` budgets evenly spaced from the lowest peak found
@@ -264,5 +265,5 @@ def frontier(
     """
     _, problem = prepare(model, example_inputs, example_kwargs, cost_model=cost_model,
                          optimizer_state_bytes=optimizer_state_bytes, leaf_modules=leaf_modules,
-                         loss_fn=loss_fn)
+                         loss_fn=loss_fn, optimizer=optimizer)
     return frontier_of(problem, budgets=budgets, points=points, solver=solver)

@@ -20,6 +20,7 @@ EXTRA = {
     "planner.pipeline": ["prepare", "choose", "lowest_peak"],
     "planner.graph": ["build_problem", "articulation_nodes"],
     "planner.profile": ["profile"],
+    "planner.optimizer": ["optimizer_memory", "OptimizerMemory"],
     "planner.capture": ["capture"],
 }
 

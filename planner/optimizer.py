@@ -1,0 +1,130 @@
+"""Optimizer memory: the state ``optimizer.step()`` keeps between steps, and the temporaries it
+holds while it runs (``foreach`` implementations make whole-model-sized ones).
+
+Both are found by running the same optimizer, with the same options, for two steps on meta
+copies of the parameters it trains: no memory is used and nothing of the user's is touched, and
+any optimizer is counted as it really allocates (Adam and AdamW: two tensors per parameter, plus
+a step counter; SGD with momentum: one; without: none).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["OptimizerMemory", "optimizer_memory"]
+
+
+@dataclass(frozen=True)
+class OptimizerMemory:
+    """Bytes of an optimizer: ``state_bytes`` live between steps (from the first step on), and
+    ``step_bytes`` the most that ``step()`` holds at once beyond parameters, gradients and
+    state."""
+
+    state_bytes: int
+    step_bytes: int
+
+
+class _Allocations(TorchDispatchMode):
+    """Live bytes of the storages created under it, and their high-water mark."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.high = 0
+        self.tracked: dict[int, tuple[int, weakref.ref]] = {}
+
+    def _free(self, cdata: int, reference: weakref.ref) -> None:  # a weakref callback
+        self.live -= self.tracked.pop(cdata)[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        seen = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
+                continue
+            storage = t.untyped_storage()
+            cdata = storage._cdata
+            if cdata in seen or cdata in self.tracked:
+                continue
+            reference = weakref.ref(storage, functools.partial(self._free, cdata))
+            self.tracked[cdata] = (storage.nbytes(), reference)
+            self.live += storage.nbytes()
+        self.high = max(self.high, self.live)
+        return out
+
+
+def _meta_groups(groups: list[dict], on_cuda: bool) -> list[dict]:
+    """The parameter groups on meta copies (with gradients), options kept. Fused kernels do not
+    run on meta: their state is the same as the plain one's. On CUDA, PyTorch defaults to the
+    ``foreach`` implementation: the copies ask for it, since meta tensors would not."""
+    result = []
+    for group in groups:
+        params = []
+        for p in group["params"]:
+            copy = torch.empty_like(p, device="meta").requires_grad_(True)
+            copy.grad = torch.empty_like(copy)
+            params.append(copy)
+        options = {**group, "params": params}
+        if options.get("fused"):
+            options["fused"] = False
+        if on_cuda and "foreach" in options and options["foreach"] is None:
+            options["foreach"] = True
+        result.append(options)
+    return result
+
+
+def optimizer_memory(optimizer, model: nn.Module | None = None) -> OptimizerMemory:
+    """State and step bytes of ``optimizer`` for the parameters it would train.
+
+    Parameters
+    ----------
+    optimizer
+        An optimizer instance (its parameter groups and options are used: frozen parameters it
+        was not given do not count), or a class or factory called with the trainable parameters
+        of ``model`` (``torch.optim.AdamW``, ``functools.partial(torch.optim.SGD, lr=0.1,
+        momentum=0.9)``).
+    model
+        Needed for a class or factory.
+
+    Examples
+    --------
+    >>> import torch
+    >>> model = torch.nn.Linear(10, 10)  # 110 parameters, 440 bytes
+    >>> optimizer_memory(torch.optim.Adam(model.parameters())).state_bytes  # 2 x 440 + 2 x 4
+    888
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups, make = optimizer.param_groups, type(optimizer)
+    elif callable(optimizer):
+        if model is None:
+            raise TypeError("an optimizer class or factory needs the model to count its state")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        probe = optimizer([torch.empty(0, requires_grad=True)])
+        if not isinstance(probe, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer= must be a torch.optim.Optimizer, its class or a factory of one; "
+                f"{optimizer!r} returned {type(probe).__name__}"
+            )
+        groups, make = [{**probe.param_groups[0], "params": trainable}], type(probe)
+    else:
+        raise TypeError(
+            f"optimizer= must be a torch.optim.Optimizer, its class or a factory of one, got "
+            f"{type(optimizer).__name__}"
+        )
+    on_cuda = any(p.device.type == "cuda" for g in groups for p in g["params"])
+    meta = make(_meta_groups(groups, on_cuda))
+    meta.step()  # the first step creates the state
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                for t in tree_leaves(list(meta.state.values())) if isinstance(t, torch.Tensor)}
+    allocations = _Allocations()
+    with allocations:
+        meta.step()  # a later step: its temporaries on top of the state
+    return OptimizerMemory(state_bytes=sum(storages.values()), step_bytes=allocations.high)

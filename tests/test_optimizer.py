@@ -1,0 +1,132 @@
+"""The optimizer in the plan: ``planner.plan(..., optimizer=...)``.
+
+Its state is live for the whole step from the first step on (Adam and AdamW: two tensors per
+trainable parameter, SGD with momentum: one, without: none), and ``optimizer.step()`` holds
+temporaries on top of parameters, gradients and state, which can make it the step's peak. Each
+test compares with a real step that ends with ``optimizer.step()``, measured by the CPU
+live-storage tracker after a first step has made the state.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import planner
+from planner.measure import peak_memory, training_step
+from planner.optimizer import optimizer_memory
+from planner.pipeline import lowest_peak, prepare
+from planner.simulate import simulate
+
+FLOAT = 4  # bytes per float32 element; each Adam parameter also gets a float32 step counter
+
+OPTIMIZERS = {
+    "sgd": functools.partial(torch.optim.SGD, lr=0.1),
+    "sgd_momentum": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "adamw_foreach": functools.partial(torch.optim.AdamW, foreach=True),
+}
+
+
+def _trainable_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * FLOAT for p in model.parameters() if p.requires_grad)
+
+
+class LoRALinear(nn.Module):
+    """A frozen base layer plus a trainable low-rank adapter, as LoRA fine-tuning trains."""
+
+    def __init__(self, width: int, rank: int = 2):
+        super().__init__()
+        self.base = nn.Linear(width, width).requires_grad_(False)
+        self.down = nn.Linear(width, rank, bias=False)
+        self.up = nn.Linear(rank, width, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+@pytest.mark.parametrize(
+    ("name", "tensors_per_parameter", "counters"),
+    [("sgd", 0, 0), ("sgd_momentum", 1, 0), ("adam", 2, 1), ("adamw", 2, 1)],
+)
+def test_state_is_counted_per_trainable_parameter(name, tensors_per_parameter, counters):
+    model = nn.Sequential(LoRALinear(64), nn.ReLU(), LoRALinear(64))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    expected = tensors_per_parameter * _trainable_bytes(model) + counters * FLOAT * len(trainable)
+    from_class = optimizer_memory(OPTIMIZERS[name], model)  # frozen base layers left out
+    from_instance = optimizer_memory(OPTIMIZERS[name](trainable))
+    assert from_class.state_bytes == from_instance.state_bytes == expected
+
+
+@pytest.mark.parametrize("name", ["sgd", "sgd_momentum", "adam", "adamw", "adamw_foreach"])
+def test_predicted_peak_of_a_step_with_optimizer_step_matches_the_measured_one(name):
+    model, inputs = planner.zoo.gpt(layers=2)
+    optimizer = OPTIMIZERS[name](model.parameters())
+    _, problem = prepare(model, inputs, optimizer=optimizer)
+    budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
+    p = planner.plan(model, inputs, budget_bytes=budget, optimizer=optimizer)
+    training_step(p.module, inputs, optimizer=optimizer)  # the first step makes the state
+    measured = peak_memory(p.module, inputs, optimizer=optimizer).peak_bytes
+    assert measured <= budget
+    assert math.isclose(p.predicted_peak_bytes, measured, rel_tol=0.05)
+
+
+def test_when_optimizer_step_is_the_peak_the_plan_says_so_and_counts_it():
+    """Large weights, few activations: foreach AdamW's whole-model temporaries come last."""
+    model = nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512))
+    inputs = (torch.randn(2, 512),)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+    p = planner.plan(model, inputs, budget_gb=1, optimizer=optimizer)
+    assert simulate(p.problem, p.segments).optimizer_step_bytes == p.predicted_peak_bytes
+    assert "the step's peak" in str(p)
+    training_step(p.module, inputs, optimizer=optimizer)
+    measured = peak_memory(p.module, inputs, optimizer=optimizer).peak_bytes
+    assert math.isclose(p.predicted_peak_bytes, measured, rel_tol=0.05)
+    without = planner.plan(model, inputs, budget_gb=1)
+    assert without.predicted_peak_bytes < 0.8 * measured
+
+
+def test_optimizer_state_bytes_overrides_what_the_optimizer_counts():
+    model, inputs = planner.zoo.mlp_chain(depth=2, width=16)
+    _, problem = prepare(model, inputs, optimizer=torch.optim.Adam, optimizer_state_bytes=1000)
+    assert problem.optimizer_state_bytes == 1000
+
+
+def test_a_plan_without_optimizer_is_unchanged():
+    model, inputs = planner.zoo.mlp_chain(depth=2, width=16)
+    _, problem = prepare(model, inputs)
+    assert problem.optimizer_state_bytes == problem.optimizer_step_bytes == 0
+
+
+def test_anything_else_than_an_optimizer_is_refused():
+    model, inputs = planner.zoo.mlp_chain(depth=2, width=16)
+    with pytest.raises(TypeError, match="optimizer= must be a torch.optim.Optimizer"):
+        planner.plan(model, inputs, budget_gb=1, optimizer="adam")
+    with pytest.raises(TypeError, match="optimizer= must be a torch.optim.Optimizer"):
+        planner.plan(model, inputs, budget_gb=1, optimizer=lambda params: list(params))
+
+
+def test_counting_touches_neither_the_optimizer_nor_the_parameters():
+    model, _ = planner.zoo.mlp_chain(depth=2, width=16)
+    optimizer = torch.optim.Adam(model.parameters())
+    before = copy.deepcopy(model.state_dict())
+    optimizer_memory(optimizer)
+    assert not optimizer.state
+    assert all(p.grad is None for p in model.parameters())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+
+
+def test_a_saved_plan_keeps_its_optimizer_memory(tmp_path):
+    model = nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512))
+    inputs = (torch.randn(2, 512),)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+    p = planner.plan(model, inputs, budget_gb=1, optimizer=optimizer)
+    loaded = planner.load(p.save(tmp_path / "plan.json", inputs), model)
+    assert loaded.predicted_peak_bytes == p.predicted_peak_bytes
