@@ -1,10 +1,12 @@
 """The alternatives a user would pick instead of planner, applied to the ``planner.zoo`` models.
 
 * :func:`per_block` -- Hugging Face style: every transformer layer / residual block / U-Net level
-  runs under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+  runs under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``; for the Hugging
+  Face models (names ``hf-*``) it is their own ``gradient_checkpointing_enable``.
 * :func:`checkpoint_sequential` -- ``torch.utils.checkpoint.checkpoint_sequential`` with
   ``round(sqrt(n))`` segments over the model's ``n`` blocks (the last segment is not checkpointed,
-  as in torch). Models that are not one ``nn.Sequential`` get an adapter with the same chunking.
+  as in torch). Models that are not one ``nn.Sequential`` get an adapter with the same chunking;
+  the Hugging Face models get none (:func:`has_checkpoint_sequential`).
 * :func:`compiled` -- ``torch.compile(backend="aot_eager")`` under a given
   ``torch._functorch.config.activation_memory_budget``.
 
@@ -121,7 +123,19 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
         setattr(parent, name, new)
 
 
+def _is_hf(name: str) -> bool:
+    return name.startswith("hf-")
+
+
+def has_checkpoint_sequential(name: str) -> bool:
+    """Whether :func:`checkpoint_sequential` has an adapter for the model (not the ``hf-*``
+    ones: their layers take masks and position embeddings computed outside them)."""
+    return not _is_hf(name)
+
+
 def block_count(name: str, model: nn.Module) -> int:
+    if _is_hf(name):
+        return int(model.config.num_hidden_layers)
     if name == "mlp":
         return len(_mlp_blocks(model))
     if name == "unet":
@@ -132,6 +146,9 @@ def block_count(name: str, model: nn.Module) -> int:
 def per_block(name: str, model: nn.Module) -> nn.Module:
     """A copy of ``model`` with every block under ``checkpoint``."""
     model = copy.deepcopy(model)
+    if _is_hf(name):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
     if name == "mlp":
         return nn.Sequential(*[Checkpointed(b) for b in _mlp_blocks(model)]).train(model.training)
     for path in _paths(model, BLOCKS[name]):
