@@ -139,7 +139,7 @@ def build_model(name, config, device):
     return zoo.build(name, **config, device=device)
 
 
-def bench_model(name, config, mode, device, reps, roofline=False):
+def bench_model(name, config, mode, device, reps, roofline=False, solvers=None):
     """Measure every method on one model; return its JSON-ready record."""
     _log(f"== {name} {config}")
     t0 = time.perf_counter()
@@ -181,7 +181,7 @@ def bench_model(name, config, mode, device, reps, roofline=False):
 
     plans = []  # one row per (solver, budget)
     by_segments: dict = {}
-    for solver in ["auto", *BENCHMARKED_SOLVERS]:
+    for solver in solvers or ["auto", *BENCHMARKED_SOLVERS]:
         for label, budget in budgets:
             begin = time.perf_counter()
             ran, segments = choose(problem, budget, solver)
@@ -405,6 +405,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--set", action="append", metavar="MODEL:K=V,...",
                         help="override a model's configuration, e.g. mlp:depth=8,width=32")
     parser.add_argument("--reps", type=int, help="timed repetitions (default: by mode)")
+    parser.add_argument("--solvers", nargs="+", choices=["auto", *BENCHMARKED_SOLVERS],
+                        help="planner solvers to run (default: auto and every registered one)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--device", default=None, help="cpu (default) or cuda")
     parser.add_argument("--roofline", action="store_true",
@@ -434,7 +436,7 @@ def main(argv=None) -> dict:
         reps=reps,
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         machine=machine(),
-        solvers=["auto", *BENCHMARKED_SOLVERS],
+        solvers=opts.solvers or ["auto", *BENCHMARKED_SOLVERS],
         cost_model="roofline" if opts.roofline else "measured",
         compile_budgets=list(MODES[opts.mode]["compile_budgets"]),
         models={},
@@ -442,7 +444,7 @@ def main(argv=None) -> dict:
     for name in opts.models:
         config = {**CONFIGS[name], **overrides.get(name, {})}
         results["models"][name] = bench_model(name, config, opts.mode, opts.device, reps,
-                                              opts.roofline)
+                                              opts.roofline, results["solvers"])
         gc.collect()
     results["targets"] = evaluate_targets(results["models"])
     results["seconds"] = time.perf_counter() - started
