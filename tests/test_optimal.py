@@ -1,4 +1,6 @@
-"""The optimal solver against exhaustive search, with ``planner.simulate`` as the only judge.
+"""The optimal solver against exhaustive search, with ``planner.simulate`` as the only judge:
+segments alone (``keep=False``) against every plan of segments, and the joint choice against
+every (segments, keep set).
 
 Problems are generated directly (no torch): chains, where each node reads the one before, and
 small DAGs whose nodes also read an earlier output, so that cuts are crossed by several tensors.
@@ -16,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.graph import Problem, Storage
-from planner.simulate import simulate
+from planner.simulate import Choice, as_choice, simulate, validate_choice
 from planner.solvers import SOLVERS
 from planner.solvers import optimal  # registers "optimal"
 from problems import all_plans, budgets, problem_of
@@ -28,7 +30,8 @@ settings.register_profile("thorough", max_examples=2000, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def make_problem(sizes, skips, saver_bits, seconds, workspace, blocked, output) -> Problem:
+def make_problem(sizes, skips, saver_bits, seconds, workspace, blocked, output,
+                 random=None) -> Problem:
     """A problem where node i creates storage i, reads storage i-1 and maybe ``skips[i]``.
 
     ``saver_bits[i]`` says whether node i saves its own output (bit 0) and its inputs (bit 1),
@@ -59,6 +62,7 @@ def make_problem(sizes, skips, saver_bits, seconds, workspace, blocked, output) 
         activation_grad_free=grad_free,
         checkpointable=np.ones(n, dtype=bool),
         cut_allowed=np.array([c not in blocked for c in range(n + 1)]),
+        random=np.zeros(n, dtype=bool) if random is None else np.array(random, dtype=bool),
     )
 
 
@@ -77,6 +81,7 @@ def problems(draw, max_nodes=7, dag=True):
         draw(st.lists(st.sampled_from([0, 0, 1, 4]), min_size=n, max_size=n)),
         set(draw(st.lists(st.integers(1, n - 1), max_size=2))),
         draw(st.booleans()),
+        draw(st.lists(st.booleans(), min_size=n, max_size=n)),
     )
 
 
@@ -101,7 +106,7 @@ def test_matches_exhaustive_search_on_dags_with_multi_tensor_cuts(problem):
 
 def check_against_exhaustive(problem: Problem, budget: int) -> None:
     least, lowest = exhaustive(problem, budget)
-    result = simulate(problem, SOLVERS["optimal"](problem, budget))
+    result = simulate(problem, SOLVERS["optimal"](problem, budget, keep=False))
     if least is None:
         assert result.peak_bytes == lowest, "when nothing fits, return the lowest peak"
     else:
@@ -113,7 +118,7 @@ def check_against_exhaustive(problem: Problem, budget: int) -> None:
 def test_cost_never_increases_with_budget(problem, data):
     peaks = budgets(problem)
     low, high = sorted(data.draw(st.lists(st.sampled_from(peaks), min_size=2, max_size=2)))
-    cost = {b: simulate(problem, SOLVERS["optimal"](problem, b)) for b in (low, high)}
+    cost = {b: simulate(problem, SOLVERS["optimal"](problem, b, keep=False)) for b in (low, high)}
     if cost[low].peak_bytes <= low:
         assert cost[high].recompute_seconds <= cost[low].recompute_seconds + 1e-12
 
@@ -221,3 +226,46 @@ def test_a_time_limit_stops_the_search_and_keeps_the_heuristics_plans(gpt_proble
     assert stopped.peak_bytes <= budget and stopped.recompute_seconds == min(fitting)
     searched = simulate(gpt_problem, SOLVERS["optimal"](gpt_problem, budget, time_limit=60))
     assert searched.recompute_seconds < stopped.recompute_seconds
+
+
+# --- Keeping nodes inside segments (selective checkpointing) ---------------------------------
+
+
+def all_choices(problem: Problem):
+    """Every valid (segments, keep set): each plan of segments with each subset of its nodes
+    that ``validate_choice`` accepts (keepable, before the recompute's end, the RNG rule)."""
+    for segments in all_plans(problem):
+        inside = [x for start, stop in segments for x in range(start, stop)]
+        for mask in range(1 << len(inside)):
+            choice = Choice(segments, frozenset(x for i, x in enumerate(inside) if mask >> i & 1))
+            try:
+                yield validate_choice(problem, choice)
+            except ValueError:
+                continue
+
+
+@given(problems(max_nodes=optimal.EXACT_KEEP_NODES))
+def test_joint_choice_matches_exhaustive_search_over_segments_and_keep_sets(problem):
+    results = [simulate(problem, choice) for choice in all_choices(problem)]
+    for budget in budgets(problem):
+        fitting = [r.recompute_seconds for r in results if r.peak_bytes <= budget]
+        result = simulate(problem, SOLVERS["optimal"](problem, budget))
+        if not fitting:
+            assert result.peak_bytes == min(r.peak_bytes for r in results)
+            continue
+        assert result.peak_bytes <= budget
+        assert result.recompute_seconds <= min(fitting) * 1.01 + 1e-12
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_keeps_fit_and_never_cost_more_than_segments_alone(seed):
+    problem = long_problem(300, seed)
+    baseline = simulate(problem, ()).peak_bytes
+    lowest = simulate(problem, SOLVERS["optimal"](problem, 0)).peak_bytes
+    for fraction in (0.1, 0.3, 0.6, 0.9):
+        budget = int(lowest + fraction * (baseline - lowest))
+        choice = as_choice(SOLVERS["optimal"](problem, budget))
+        joint = simulate(problem, validate_choice(problem, choice))
+        alone = simulate(problem, SOLVERS["optimal"](problem, budget, keep=False))
+        assert joint.peak_bytes <= budget
+        assert joint.recompute_seconds <= alone.recompute_seconds * (1 + 1e-9)

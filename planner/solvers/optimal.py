@@ -70,7 +70,7 @@ from functools import cached_property
 import numpy as np
 
 from planner.graph import Problem
-from planner.simulate import Segments, simulate
+from planner.simulate import Choice, Segments, Simulation, last_recomputed, simulate, validate_choice
 from planner.solvers import register
 
 NEVER = np.iinfo(np.int64).max
@@ -79,6 +79,8 @@ CANDIDATE_CUTS = 96  # more allowed cuts than this: search coarse-to-fine
 REFINE = 2  # each refining pass tries cuts this many times closer together, this many each side
 SHORT = 8  # refining passes at this spacing or closer also try short segments near coarse cuts
 BUCKETS = 256  # fronts of large problems keep one entry per 1/BUCKETS of the limit
+EXACT_KEEP_NODES = 6  # up to this many nodes: every (segments, keep set) pair is tried
+GROUPS = (1, 2, 4)  # keeps are tried on segments spanning this many articulation blocks
 
 
 @dataclass(frozen=True)
@@ -552,6 +554,40 @@ def _heuristics(problem: Problem, budget_bytes: int) -> list[Segments]:
     return [greedy(problem, budget_bytes), sqrt_n(problem, budget_bytes)]
 
 
+def _segments_plan(
+    problem: Problem, budget_bytes: int, candidate_cuts: int, deadline: float
+) -> Segments:
+    """Least recompute with segments alone (nothing kept inside them); see ``solve``."""
+    if problem.size == 0 or simulate(problem, ()).peak_bytes <= budget_bytes:
+        return ()
+    t = _tables(problem)
+    exact = problem.size <= EXACT_NODES
+    limit = budget_bytes - problem.fixed_bytes
+    bucket = 1 if exact else max(1, limit // BUCKETS)
+    search = _Search(problem, t, limit, False, exact, bucket, candidate_cuts, deadline)
+    found = _search(search) if limit > 0 else None
+    plans = [found[1]] if found is not None else []
+    results = {plan: simulate(problem, plan) for plan in plans}
+    if not exact or not any(r.peak_bytes <= budget_bytes for r in results.values()):
+        for plan in _heuristics(problem, budget_bytes):
+            results[plan] = simulate(problem, plan)
+    fitting = [
+        (r.recompute_seconds, plan) for plan, r in results.items() if r.peak_bytes <= budget_bytes
+    ]
+    if fitting:
+        return min(fitting)[1]
+    known = min(results.values(), key=lambda r: r.peak_bytes).peak_bytes
+    lowest = known - problem.fixed_bytes
+    peak_bucket = 1 if exact else max(1, lowest // BUCKETS)
+    found = _search(
+        _Search(problem, t, lowest, True, exact, peak_bucket, candidate_cuts, deadline)
+    )
+    if found is not None:
+        results[found[1]] = simulate(problem, found[1])
+    ranked = {plan: (r.peak_bytes, r.recompute_seconds) for plan, r in results.items()}
+    return min(ranked, key=ranked.get)
+
+
 @register("optimal")
 def solve(
     problem: Problem,
@@ -559,8 +595,9 @@ def solve(
     *,
     candidate_cuts: int = CANDIDATE_CUTS,
     time_limit: float | None = None,
+    keep: bool = True,
     **options,
-) -> Segments:
+) -> Segments | Choice:
     """Least recompute whose simulated peak fits ``budget_bytes``; else the lowest peak found.
 
     Parameters
@@ -584,32 +621,140 @@ def solve(
         Checkpointed segments; every plan returned was replayed by ``simulate``, and one that
         fits the budget is returned whenever the search or a heuristic found one.
     """
-    if problem.size == 0 or simulate(problem, ()).peak_bytes <= budget_bytes:
-        return ()
-    t = _tables(problem)
-    exact = problem.size <= EXACT_NODES
-    limit = budget_bytes - problem.fixed_bytes
-    bucket = 1 if exact else max(1, limit // BUCKETS)
     deadline = math.inf if time_limit is None else time.perf_counter() + time_limit
-    search = _Search(problem, t, limit, False, exact, bucket, candidate_cuts, deadline)
-    found = _search(search) if limit > 0 else None
-    plans = [found[1]] if found is not None else []
-    results = {plan: simulate(problem, plan) for plan in plans}
-    if not exact or not any(r.peak_bytes <= budget_bytes for r in results.values()):
-        for plan in _heuristics(problem, budget_bytes):
-            results[plan] = simulate(problem, plan)
-    fitting = [
-        (r.recompute_seconds, plan) for plan, r in results.items() if r.peak_bytes <= budget_bytes
+    segments = _segments_plan(problem, budget_bytes, candidate_cuts, deadline)
+    if not keep or not _keep_value(problem).any():
+        return segments
+    return _with_keeps(problem, budget_bytes, segments, deadline)
+
+
+# --------------------------------------------------------------------------------------------
+# Keeping nodes inside segments (selective checkpointing)
+
+
+def _keep_value(problem: Problem) -> np.ndarray:
+    """Recompute seconds a kept node saves per byte it holds; 0 where keeping is never tried.
+
+    Random nodes (dropout) are left to the recompute: they are cheap, and keeping one is only
+    valid after every random node the recompute runs (``validate_choice``).
+    """
+    worth = problem.keepable & ~problem.random & (problem.seconds > 0)
+    return np.where(worth, problem.seconds / np.maximum(problem.kept_bytes, 1), 0.0)
+
+
+def _eligible(problem: Problem, segments: Segments, value: np.ndarray) -> np.ndarray:
+    """Positions that may be kept under ``segments``, most valuable first: inside a segment,
+    before the last node its recompute runs, and worth keeping (``_keep_value``)."""
+    positions = [
+        x for start, stop in segments
+        for x in range(start, last_recomputed(problem, start, stop)) if value[x] > 0
     ]
-    if fitting:
-        return min(fitting)[1]
-    known = min(results.values(), key=lambda r: r.peak_bytes).peak_bytes
-    lowest = known - problem.fixed_bytes
-    peak_bucket = 1 if exact else max(1, lowest // BUCKETS)
-    found = _search(
-        _Search(problem, t, lowest, True, exact, peak_bucket, candidate_cuts, deadline)
-    )
-    if found is not None:
-        results[found[1]] = simulate(problem, found[1])
-    ranked = {plan: (r.peak_bytes, r.recompute_seconds) for plan, r in results.items()}
-    return min(ranked, key=ranked.get)
+    positions = np.array(positions, dtype=np.int64)
+    return positions[np.argsort(-value[positions], kind="stable")]
+
+
+def _best_prefix(problem: Problem, budget: int, segments: Segments, value: np.ndarray):
+    """(simulation, choice) keeping the most valuable eligible nodes of ``segments`` that fit:
+    a binary search over how many, in ``_keep_value`` order; None when ``segments`` alone does
+    not fit.
+
+    More kept nodes hold more memory and cost less to recompute, so the search looks for the
+    longest prefix that fits. Peaks are not strictly monotone in it, so the answer is a prefix
+    that fits (every candidate is simulated), not always the longest.
+    """
+    order = _eligible(problem, segments, value)
+
+    def run(count: int):
+        choice = Choice(segments, frozenset(order[:count].tolist()))
+        return simulate(problem, choice), choice
+
+    best = run(0)
+    if best[0].peak_bytes > budget:
+        return None
+    low, high = 0, order.size  # prefix `low` fits; look for a longer one
+    while low < high:
+        middle = (low + high + 1) // 2
+        result = run(middle)
+        if result[0].peak_bytes <= budget:
+            low, best = middle, result
+        else:
+            high = middle - 1
+    return best
+
+
+def _block_groups(problem: Problem) -> list[Segments]:
+    """Segments between articulation cuts (one per residual block on residual networks), and
+    between every second and every fourth of them: the coverings keeps are tried on."""
+    from planner.solvers.sqrt_n import segments_between
+
+    cuts = [c for c in problem.articulation_cuts if problem.cut_allowed[c]]
+    return [segments_between(problem, cuts[k - 1 :: k]) for k in GROUPS if k <= max(len(cuts), 1)]
+
+
+def _with_keeps(
+    problem: Problem, budget: int, segments: Segments, deadline: float
+) -> Segments | Choice:
+    """The cheapest plan of segments and kept nodes found, at least as cheap as ``segments``.
+
+    Tiny problems are searched exhaustively. Otherwise each of a few segmentations (the
+    segments-only answer, and ``_block_groups``) gets the longest fitting prefix of its
+    eligible nodes by ``_keep_value``, and the cheapest fitting plan wins. Keeping never lowers
+    a peak (a kept node's memory is held from its forward to the recompute that would
+    re-create it), so when ``segments`` does not fit nothing kept can help and ``segments`` is
+    returned. Past ``deadline`` no further segmentation is tried.
+    """
+    base = simulate(problem, segments)
+    if base.peak_bytes > budget or time.perf_counter() > deadline:
+        return segments
+    if problem.size <= EXACT_KEEP_NODES:
+        return _exhaustive(problem, budget) or segments
+    value = _keep_value(problem)
+    best = (base.recompute_seconds, base.peak_bytes, 0), Choice(segments)
+    for candidate in dict.fromkeys([segments, *_block_groups(problem)]):
+        if time.perf_counter() > deadline:
+            break
+        found = _best_prefix(problem, budget, candidate, value)
+        if found is not None:
+            result, choice = found
+            key = (result.recompute_seconds, result.peak_bytes, len(choice.keep))
+            if key < best[0]:
+                best = key, choice
+    choice = best[1]
+    return choice if choice.keep else choice.segments
+
+
+def _all_segments(problem: Problem):
+    """Every set of disjoint valid segments."""
+    n = problem.size
+
+    def from_position(start):
+        yield ()
+        for a in range(start, n):
+            for b in range(a + 1, n + 1):
+                if problem.is_valid_segment(a, b):
+                    for rest in from_position(b):
+                        yield ((a, b), *rest)
+
+    return dict.fromkeys(from_position(0))
+
+
+def _exhaustive(problem: Problem, budget: int) -> Segments | Choice | None:
+    """The least recompute over every valid (segments, keep set) that fits, or None."""
+    best = None
+    for segments in _all_segments(problem):
+        nodes = [x for start, stop in segments
+                 for x in range(start, last_recomputed(problem, start, stop))
+                 if problem.keepable[x]]
+        for mask in range(1 << len(nodes)):
+            keep = frozenset(x for i, x in enumerate(nodes) if mask >> i & 1)
+            try:
+                choice = validate_choice(problem, Choice(segments, keep))
+            except ValueError:
+                continue
+            result = simulate(problem, choice)
+            key = (result.recompute_seconds, result.peak_bytes, len(keep), len(segments))
+            if result.peak_bytes <= budget and (best is None or key < best[0]):
+                best = key, choice
+    if best is None:
+        return None
+    return best[1] if best[1].keep else best[1].segments
