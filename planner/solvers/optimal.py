@@ -56,6 +56,9 @@ Exactness and approximations
   also replays the ``greedy`` and ``sqrt_n`` plans, returning the cheapest that fits. So on
   large problems the result always fits when any of them fits, and never costs more than
   ``greedy`` or ``sqrt_n`` when they fit.
+* Nodes kept inside segments (``Choice.keep``) are chosen after the segments: exhaustively on
+  tiny graphs, else by the longest fitting prefix of nodes ordered by recompute seconds per
+  kept byte, on a few segmentations (``_with_keeps``; docs/solvers.md).
 * Segments stop growing from a cut as soon as their forward and backward peaks (which only
   grow with the segment) overflow the budget: no longer segment from there can fit.
 """
@@ -614,12 +617,16 @@ def solve(
     time_limit
         Seconds after which the search stops and keeps the best plan of the passes that
         finished (the ``greedy`` and ``sqrt_n`` plans are always among the candidates).
+    keep
+        Also choose nodes to keep inside the segments (selective checkpointing; see
+        ``_with_keeps``). ``False``: segments alone.
 
     Returns
     -------
-    Segments
-        Checkpointed segments; every plan returned was replayed by ``simulate``, and one that
-        fits the budget is returned whenever the search or a heuristic found one.
+    Segments or Choice
+        Checkpointed segments, or a ``Choice`` when nodes inside them are kept; every plan
+        returned was replayed by ``simulate``, and one that fits the budget is returned
+        whenever the search or a heuristic found one.
     """
     deadline = math.inf if time_limit is None else time.perf_counter() + time_limit
     segments = _segments_plan(problem, budget_bytes, candidate_cuts, deadline)
