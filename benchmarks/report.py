@@ -69,11 +69,18 @@ def _dominated_text(d, auto) -> str:
 
 
 def _cost_model_line(results) -> str:
-    if results.get("cost_model", "roofline") == "measured":
+    model = results.get("cost_model", "roofline")
+    if model.startswith("measured"):
+        pooled = (" Each time is then replaced by the median over the nodes doing the same "
+                  "work (same module class or op, FLOPs, bytes moved and created: "
+                  "`benchmarks/compare.py` `pooled_seconds`), since single timings on this "
+                  "shared machine spread up to 10x between identical layers; `--unpooled` "
+                  "plans with the raw times." if "pooled" in model else "")
         return ("- **Planner's cost model**: each node's time measured on the benchmark's device "
                 "(`CostModel(measured_seconds=planner.measure.node_seconds(model, inputs))`, "
                 "counted in the planning times), so plans weigh recompute as this machine runs "
-                "it; `--roofline` plans with the default roofline, whose figures describe a GPU.")
+                "it; `--roofline` plans with the default roofline, whose figures describe a GPU."
+                + pooled)
     return ("- **Planner's cost model**: the default roofline (GPU figures); the step times are "
             "measured on this machine, so the planner's idea of what is cheap to recompute may "
             "differ from what is.")
@@ -203,6 +210,38 @@ def _target_tables(results) -> list[str]:
     return out
 
 
+COST_MODEL_RESULTS = Path(__file__).resolve().parent / "results" / "cost_model.json"
+
+
+def _cost_model_section() -> list[str]:
+    """Predicted against measured step-time overhead per cost model (benchmarks/cost_model.py)."""
+    import json
+
+    if not COST_MODEL_RESULTS.exists():
+        return []
+    r = json.loads(COST_MODEL_RESULTS.read_text())
+    spread = r["linear_seconds"]
+    out = [
+        "## Does the cost model rank plans as step time does?",
+        "",
+        f"`{r['command']}`: a residual MLP of {r['blocks']} blocks (`x + Linear(relu(Linear(x)))`, "
+        f"d {r['width']}, batch {r['batch']}) planned by `optimal` at half its activation memory "
+        f"with each cost model; {r['reps']} interleaved timed steps. The raw measured times of "
+        f"the {r['blocks']} identical first Linear layers spread from "
+        f"{spread['min'] * 1e3:.2f} to {spread['max'] * 1e3:.2f} ms (median "
+        f"{spread['median'] * 1e3:.2f} ms): noise the solver exploits, recomputing the layers "
+        "that happened to be timed fast. Pooling (the median over nodes doing the same work) "
+        "removes it.",
+        "",
+        "| cost model | segments | predicted time / none | measured time / none |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, p in r["plans"].items():
+        out.append(f"| {name} | {p['segments']} | {1 + p['predicted_overhead']:.3f} | "
+                   f"{p['measured_time_ratio']:.3f} |")
+    return out + [""]
+
+
 def _model_call(name: str, config: dict) -> str:
     arguments = ", ".join(f"{k}={x}" for k, x in config.items())
     if name.startswith("hf-"):
@@ -240,6 +279,7 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
         "",
         *_target_lines(results),
         "",
+        *_cost_model_section(),
         "## How it is measured",
         "",
         "- **One training step** = forward, `planner.measure.training_loss`, backward "
