@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/compare.py: the short mode on one tiny model, through its entry point.
+"""Smoke test of benchmarks/compare.py: the short mode on a tiny zoo MLP and a tiny Hugging Face
+GPT-2, through its entry point.
 
 Checks the structure and internal consistency of the results and that the page and plot are
 written; never timings (the machine is shared and noisy).
@@ -23,26 +24,45 @@ def _load_compare():
 
 
 @pytest.mark.slow
-def test_short_mode_on_a_tiny_mlp_writes_consistent_results_and_page(tmp_path):
+def test_short_mode_on_tiny_models_writes_consistent_results_and_page(tmp_path):
+    pytest.importorskip("transformers")
     compare = _load_compare()
     out = tmp_path / "results.json"
     page = tmp_path / "docs" / "benchmarks.md"
     img = tmp_path / "docs" / "img"
     returned = compare.main([
-        "--mode", "short", "--models", "mlp", "--set", "mlp:depth=6,width=16,batch=32",
+        "--mode", "short", "--models", "mlp", "hf-gpt2", "--set", "mlp:depth=6,width=16,batch=32",
+        "--set", "hf-gpt2:layers=1,d_model=32,heads=2,seq=16,batch=2",
         "--reps", "2", "--out", str(out), "--page", str(page), "--img-dir", str(img),
     ])
 
     results = json.loads(out.read_text())
-    assert results["models"].keys() == {"mlp"} == returned["models"].keys()
+    assert results["models"].keys() == {"mlp", "hf-gpt2"} == returned["models"].keys()
     assert results["mode"] == "short" and results["reps"] == 2
     assert results["machine"]["torch"] and results["command"].startswith("python benchmarks/compare.py")
     assert results["solvers"][0] == "auto" and {"greedy", "sqrt_n"} <= set(results["solvers"])
 
-    m = results["models"]["mlp"]
+    for name, m in results["models"].items():
+        check_model(results, name, m)
+
+    text = page.read_text()
+    assert "## mlp" in text and "## hf-gpt2" in text and "torch" in text and results["command"] in text
+    assert (img / "benchmarks_mlp.png").stat().st_size > 0
+    assert "img/benchmarks_mlp.png" in text
+
+    # the page re-renders from the JSON alone
+    page2 = page.parent / "again.md"
+    compare.main(["--page-only", str(out), "--page", str(page2), "--img-dir", str(img)])
+    assert page2.read_text() == text
+
+
+def check_model(results: dict, name: str, m: dict) -> None:
+    """One model's record: methods, ratios, plans and targets agree with each other."""
     v = m["variants"]
     methods = {r["method"] for r in v.values()}
-    assert {"none", "per-block", "ckpt-seq", "compile", "planner"} <= methods
+    assert {"none", "per-block", "compile", "planner"} <= methods
+    # checkpoint_sequential has adapters for the zoo models only
+    assert ("ckpt-seq" in methods) == (not name.startswith("hf-"))
     compile_budgets = sorted(r["activation_memory_budget"] for r in v.values() if r["method"] == "compile")
     assert compile_budgets == sorted(results["compile_budgets"])
 
@@ -73,15 +93,10 @@ def test_short_mode_on_a_tiny_mlp_writes_consistent_results_and_page(tmp_path):
             assert p["status"] == "infeasible" and p["predicted_peak_bytes"] > p["budget_bytes"]
     assert any(p["status"] == "ok" for p in m["plans"])
 
-    t = results["targets"]["mlp"]
-    assert {"dominated", "prediction"} <= t.keys()
+    t = results["targets"][name]
+    assert {"dominated", "prediction", "at_compile_peaks"} <= t.keys()
+    rows = t["at_compile_peaks"]["rows"]
+    assert sorted(v[r["compile"]]["activation_memory_budget"] for r in rows) == compile_budgets
+    for r in rows:  # each compile peak was given to planner auto as its budget
+        assert r["planner"] is None or v[r["planner"]]["method"] == "planner"
 
-    text = page.read_text()
-    assert "## mlp" in text and "torch" in text and results["command"] in text
-    assert (img / "benchmarks_mlp.png").stat().st_size > 0
-    assert "img/benchmarks_mlp.png" in text
-
-    # the page re-renders from the JSON alone
-    page2 = page.parent / "again.md"
-    compare.main(["--page-only", str(out), "--page", str(page2), "--img-dir", str(img)])
-    assert page2.read_text() == text
