@@ -3,7 +3,8 @@
 ``planner.simulate`` is the judge. Three independent checks, each on small generated problems:
 the program's peak for a *fixed* plan equals the simulated peak (the formulation is exact, not
 a relaxation); its optimum equals exhaustive search; and the DP's recompute is never below the
-MILP's lower bound and agrees with its optimum. Then the same on small zoo models, and the
+MILP's lower bound and agrees with its optimum (both over segments alone: the DP with
+``keep=False``; the program has no kept nodes). Then the same on small zoo models, and the
 failure paths (no scipy, no plan found in time).
 """
 
@@ -85,7 +86,7 @@ def test_dynamic_program_is_never_below_the_bound_and_agrees(seed):
     problem = random_problem(seed)
     for budget in budgets(problem, all_plans(problem)):
         found = milp_plan(problem, budget)
-        dp = simulate(problem, SOLVERS["optimal"](problem, budget))
+        dp = simulate(problem, SOLVERS["optimal"](problem, budget, keep=False))
         if not found.fits:
             assert dp.peak_bytes > budget
             continue
@@ -118,7 +119,7 @@ def test_zoo_models_agree_with_the_dynamic_program(zoo_problem, fraction):
     budget = int(lowest + fraction * (baseline - lowest))
     found = milp_plan(problem, budget, time_limit=20)
     assert found.fits and simulate(problem, found.segments).peak_bytes <= budget
-    dp = simulate(problem, SOLVERS["optimal"](problem, budget))
+    dp = simulate(problem, SOLVERS["optimal"](problem, budget, keep=False))
     assert dp.peak_bytes <= budget
     assert dp.recompute_seconds >= found.bound_seconds * (1 - 1e-9)
     if found.status == "optimal":
@@ -137,7 +138,7 @@ def test_bert_layer_beyond_the_exact_size_of_the_dynamic_program():
     assert problem.size > optimal.EXACT_NODES
     budget = 4314624  # the lowest peak of this graph (both solvers reach it)
     found = milp_plan(problem, budget, time_limit=20)
-    dp = simulate(problem, SOLVERS["optimal"](problem, budget))
+    dp = simulate(problem, SOLVERS["optimal"](problem, budget, keep=False))
     assert found.fits and dp.peak_bytes <= budget
     assert dp.recompute_seconds >= found.bound_seconds * (1 - 1e-9)
     if found.status == "optimal":
