@@ -52,7 +52,7 @@ from planner import measure, zoo  # noqa: E402
 from planner.graph import CostModel  # noqa: E402
 from planner.pipeline import choose, lowest_peak, plan, prepare  # noqa: E402
 from planner.rewrite import rewrite  # noqa: E402
-from planner.simulate import simulate  # noqa: E402
+from planner.simulate import as_choice, simulate  # noqa: E402
 
 from planner.solvers import SOLVERS  # noqa: E402
 
@@ -220,11 +220,13 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
     for solver in solvers or ["auto", *BENCHMARKED_SOLVERS]:
         for label, budget in budgets:
             begin = time.perf_counter()
-            ran, segments = choose(problem, budget, solver)
+            ran, chosen = choose(problem, budget, solver)
             solve_seconds = time.perf_counter() - begin
-            sim = simulate(problem, segments)
+            choice = as_choice(chosen)
+            sim = simulate(problem, choice)
             row = dict(solver=solver, ran=ran, budget=label, budget_bytes=int(budget),
-                       solve_seconds=solve_seconds, segments=len(segments),
+                       solve_seconds=solve_seconds, segments=len(choice.segments),
+                       kept=len(choice.keep),
                        predicted_peak_bytes=int(sim.peak_bytes),
                        predicted_overhead=sim.recompute_seconds / (3 * float(problem.seconds.sum())))
             if sim.peak_bytes > budget:
@@ -232,13 +234,14 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
                 plans.append(row)
                 continue
             row["status"] = "ok"
-            key = tuple(segments)
+            key = (choice.segments, choice.keep)
             if key not in by_segments:
                 begin = time.perf_counter()
-                module = rewrite(captured.graph_module, model, segments)
+                module = rewrite(captured.graph_module, model, choice)
                 rewrite_seconds = time.perf_counter() - begin
                 v = Variant(f"planner#{len(by_segments)}", "planner", module,
-                            segments=[list(s) for s in segments],
+                            segments=[list(s) for s in choice.segments],
+                            kept=sorted(choice.keep),
                             predicted_peak_bytes=int(sim.peak_bytes),
                             predicted_overhead=row["predicted_overhead"],
                             rewrite_seconds=rewrite_seconds)

@@ -354,7 +354,8 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
             if r["method"] == "planner":
                 budgets = sorted({f"{p['solver']}@{p['budget']}" for p in m["plans"]
                                   if p.get("variant") == key})
-                label = f"{key} ({len(r['segments'])} seg; " + ", ".join(budgets) + ")"
+                kept = f", {len(r['kept'])} kept" if r.get("kept") else ""
+                label = f"{key} ({len(r['segments'])} seg{kept}; " + ", ".join(budgets) + ")"
                 pred = (f"{_mib(r['predicted_peak_bytes'])} ({r['prediction_error']:+.1%})")
                 secs = min(p["solve_seconds"] for p in m["plans"] if p.get("variant") == key)
                 secs_text = f"{secs + r['rewrite_seconds']:.3f}"
