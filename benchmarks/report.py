@@ -211,6 +211,45 @@ def _target_tables(results) -> list[str]:
 
 
 COST_MODEL_RESULTS = Path(__file__).resolve().parent / "results" / "cost_model.json"
+SEGMENTS_ONLY_RESULTS = Path(__file__).resolve().parent / "results" / "segments-only.json"
+
+
+def _before_section(results) -> list[str]:
+    """Planner (auto) at compile's peaks before kept nodes (segments only) and now."""
+    import json
+
+    if not SEGMENTS_ONLY_RESULTS.exists():
+        return []
+    before = json.loads(SEGMENTS_ONLY_RESULTS.read_text())
+    out = [
+        "### Segments only (before kept nodes) and now",
+        "",
+        f"Before: `{before['command']}` ({before['date'][:10]}, segments only, raw measured "
+        "node times); now: this page's run. Extra FLOPs and median step time / none of "
+        "planner (`auto`) at each peak torch.compile reached (both runs measured their own "
+        "compile peaks: the budgets differ slightly).",
+        "",
+        "| model | compile budget | before: extra FLOPs | now: extra FLOPs | before: time | "
+        "now: time | now: kept nodes |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows = 0
+    for name, t in results["targets"].items():
+        old = before.get("targets", {}).get(name)
+        if not old:
+            continue
+        old_rows = {r["compile"]: r for r in old["at_compile_peaks"]["rows"]}
+        v = results["models"][name]["variants"]
+        for r in t["at_compile_peaks"]["rows"]:
+            o = old_rows.get(r["compile"])
+            if not o or o["planner"] is None or r["planner"] is None:
+                continue
+            rows += 1
+            out.append(
+                f"| {name} | {r['compile'].split()[-1]} | {o['planner_extra_flops']:+.1%} | "
+                f"{r['planner_extra_flops']:+.1%} | {o['planner_time_ratio']:.2f} | "
+                f"{r['planner_time_ratio']:.2f} | {len(v[r['planner']].get('kept') or ())} |")
+    return out + [""] if rows else []
 
 
 def _cost_model_section() -> list[str]:
@@ -279,6 +318,7 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
         "",
         *_target_lines(results),
         "",
+        *_before_section(results),
         *_cost_model_section(),
         "## How it is measured",
         "",
