@@ -483,17 +483,18 @@ def main(argv=None) -> dict:
         compile_budgets=list(MODES[opts.mode]["compile_budgets"]),
         models={},
     )
+    out = opts.out or ROOT / "benchmarks" / "results" / f"{opts.mode}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name in opts.models:
         config = {**CONFIGS[name], **overrides.get(name, {})}
         results["models"][name] = bench_model(name, config, opts.mode, opts.device, reps,
                                               opts.roofline, results["solvers"],
                                               not opts.unpooled)
         gc.collect()
-    results["targets"] = evaluate_targets(results["models"])
-    results["seconds"] = time.perf_counter() - started
-    out = opts.out or ROOT / "benchmarks" / "results" / f"{opts.mode}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
+        # written after every model, so that an interrupted run keeps what it measured
+        results["targets"] = evaluate_targets(results["models"])
+        results["seconds"] = time.perf_counter() - started
+        out.write_text(json.dumps(results, indent=1))
     _log(f"wrote {out} ({results['seconds']:.0f} s)")
     if not opts.no_page:
         render_page(results, opts.page, opts.img_dir)
