@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:  # runnable as a script from a fresh clone, withou
 import planner  # noqa: E402
 from planner import zoo  # noqa: E402
 from planner.pipeline import prepare  # noqa: E402
-from planner.simulate import simulate  # noqa: E402
+from planner.simulate import as_choice, simulate  # noqa: E402
 from planner.solvers import SOLVERS  # noqa: E402
 
 try:
@@ -111,7 +111,8 @@ def run_family(family: str, sizes: list[int], fraction: float, cap: float) -> li
             last[name] = (problem.size, seconds)
             result = simulate(problem, segments)
             step = 3 * float(problem.seconds.sum())
-            rows.append({**row, "solve": seconds, "segments": len(segments),
+            rows.append({**row, "solve": seconds, "segments": len(as_choice(segments).segments),
+                         "kept": len(as_choice(segments).keep),
                          "peak": result.peak_bytes, "fits": result.peak_bytes <= budget,
                          "overhead": result.recompute_seconds / step if step else 0.0})
         print(f"  {family}: {problem.size} nodes done", file=sys.stderr)
@@ -130,7 +131,8 @@ def table(rows: list[dict]) -> str:
                   else "– | –")
         if "peak" in r:
             fits = "" if r["fits"] else " (does not fit)"
-            result = (f"{r['segments']} | {r['peak'] / MIB:,.1f} / {r['budget'] / MIB:,.1f}{fits} "
+            kept = f" ({r['kept']} kept)" if r.get("kept") else ""
+            result = (f"{r['segments']}{kept} | {r['peak'] / MIB:,.1f} / {r['budget'] / MIB:,.1f}{fits} "
                       f"| {r['overhead']:.1%}")
         else:
             result = f"– | – / {r['budget'] / MIB:,.1f} | –"

@@ -84,6 +84,10 @@ SHORT = 8  # refining passes at this spacing or closer also try short segments n
 BUCKETS = 256  # fronts of large problems keep one entry per 1/BUCKETS of the limit
 EXACT_KEEP_NODES = 6  # up to this many nodes: every (segments, keep set) pair is tried
 GROUPS = (1, 2, 4)  # keeps are tried on segments spanning this many articulation blocks
+PREFIXES = 64  # keep-set sizes tried per segmentation: evenly spaced prefixes (_best_prefix)
+# The keep search starts no new segmentation once it has taken this share of the segment
+# search's time (or KEEP_MIN_SECONDS): planning time grows by about half at most.
+KEEP_TIME_SHARE, KEEP_MIN_SECONDS = 0.5, 0.05
 
 
 @dataclass(frozen=True)
@@ -619,7 +623,8 @@ def solve(
         finished (the ``greedy`` and ``sqrt_n`` plans are always among the candidates).
     keep
         Also choose nodes to keep inside the segments (selective checkpointing; see
-        ``_with_keeps``). ``False``: segments alone.
+        ``_with_keeps``), spending at most about ``KEEP_TIME_SHARE`` of the segment search's
+        time on it. ``False``: segments alone.
 
     Returns
     -------
@@ -628,11 +633,14 @@ def solve(
         returned was replayed by ``simulate``, and one that fits the budget is returned
         whenever the search or a heuristic found one.
     """
-    deadline = math.inf if time_limit is None else time.perf_counter() + time_limit
+    began = time.perf_counter()
+    deadline = math.inf if time_limit is None else began + time_limit
     segments = _segments_plan(problem, budget_bytes, candidate_cuts, deadline)
     if not keep or not _keep_value(problem).any():
         return segments
-    return _with_keeps(problem, budget_bytes, segments, deadline)
+    now = time.perf_counter()
+    share = now + max(KEEP_TIME_SHARE * (now - began), KEEP_MIN_SECONDS)
+    return _with_keeps(problem, budget_bytes, segments, min(deadline, share))
 
 
 # --------------------------------------------------------------------------------------------
@@ -666,10 +674,14 @@ def _best_prefix(problem: Problem, budget: int, segments: Segments, value: np.nd
     not fit.
 
     More kept nodes hold more memory and cost less to recompute, so the search looks for the
-    longest prefix that fits. Peaks are not strictly monotone in it, so the answer is a prefix
+    longest prefix that fits, among ``PREFIXES + 1`` evenly spaced lengths (every length when
+    there are fewer eligible nodes): about log2(PREFIXES) replays per segmentation, whatever
+    the graph's size. Peaks are not strictly monotone in the length, so the answer is a prefix
     that fits (every candidate is simulated), not always the longest.
     """
     order = _eligible(problem, segments, value)
+    lengths = np.unique(np.linspace(0, order.size, min(order.size, PREFIXES) + 1).round()
+                        ).astype(int)
 
     def run(count: int):
         choice = Choice(segments, frozenset(order[:count].tolist()))
@@ -678,10 +690,10 @@ def _best_prefix(problem: Problem, budget: int, segments: Segments, value: np.nd
     best = run(0)
     if best[0].peak_bytes > budget:
         return None
-    low, high = 0, order.size  # prefix `low` fits; look for a longer one
+    low, high = 0, lengths.size - 1  # lengths[low] fits; look for a longer one
     while low < high:
         middle = (low + high + 1) // 2
-        result = run(middle)
+        result = run(int(lengths[middle]))
         if result[0].peak_bytes <= budget:
             low, best = middle, result
         else:
