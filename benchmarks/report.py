@@ -305,6 +305,7 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
         f"torch threads {mach['threads']}; {mach['platform']}"
         + (f"; GPU {mach['cuda']}" if mach.get("cuda") else ""),
         f"- **torch** {mach['torch']}, Python {mach['python']}; **date** {results['date']}",
+        *([f"- **Note:** {results['note']}"] if results.get("note") else []),
         f"- **Solvers:** {', '.join(results['solvers'])}; torch.compile budgets "
         f"{', '.join(f'{b:g}' for b in results['compile_budgets'])}",
         "",
