@@ -293,7 +293,7 @@ class _Snapshot:
     def __init__(self, model: nn.Module, called: set[str], tensor_arguments):
         self.model = model
         self.module_dicts = [m.__dict__ for m in model.modules()]
-        self.flags = list(map(_TRAINING, self.module_dicts))
+        self.flags = self.training_flags()
         inside_called = {
             id(sub)
             for name, module in model.named_modules()
@@ -322,8 +322,12 @@ class _Snapshot:
         self.tensor_arguments = tensor_arguments
         self.warned = False
 
+    def training_flags(self) -> list[bool]:
+        # A plain loop, not map(itemgetter): torch.compile traces this on every call.
+        return [d["training"] for d in self.module_dicts]
+
     def mode_changed(self) -> bool:
-        return list(map(_TRAINING, self.module_dicts)) != self.flags
+        return self.training_flags() != self.flags
 
     def check_unchanged(self, planned_name: str) -> None:
         """Raise a PlanningError when a module or attribute the graph was traced from changed."""
@@ -379,9 +383,6 @@ class _Snapshot:
         return self.model(*args, **kwargs)
 
 
-_TRAINING = operator.itemgetter("training")
-
-
 def _module_change(name: str, before: dict, now: dict) -> str:
     """Which children of the module ``name`` were replaced, added or removed."""
     where = f"{name}." if name else ""
@@ -425,10 +426,36 @@ class PlannedModule(fx.GraphModule):
         name = type(self).__name__
         snapshot.check_unchanged(name)
         snapshot.check_tensor_arguments(name, args, kwargs)
-        # Root buffers are entries of both modules' own dicts: model.double() replaces the
-        # model's; the graph reads the planned module's.
+        # Root parameters and buffers are entries of both modules' own dicts, and the graph
+        # reads the planned module's. The model's are the reference: what replaces them
+        # (model.double(), model.load_state_dict(..., assign=True), model.to_empty()) is read
+        # here; what replaces the planned module's is written to the model (__setattr__).
+        self._parameters.update(snapshot.model._parameters)
         self._buffers.update(snapshot.model._buffers)
         return graph_forward(self, *args, **kwargs)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        self._write_to_model(name)
+
+    def register_buffer(self, name, tensor, persistent=True):
+        super().register_buffer(name, tensor, persistent)
+        self._write_to_model(name)
+
+    def register_parameter(self, name, param):
+        super().register_parameter(name, param)
+        self._write_to_model(name)
+
+    def _write_to_model(self, name: str) -> None:
+        """Give the model the root parameter or buffer ``name`` just set on the planned module
+        (``planned.shift = t``, ``planned.load_state_dict(sd, assign=True)``), if it has one."""
+        snapshot = self.__dict__.get("_planner")  # None while the module is being built
+        if snapshot is None:
+            return
+        for table in ("_parameters", "_buffers"):
+            own, users = getattr(self, table), getattr(snapshot.model, table)
+            if name in users and name in own:
+                users[name] = own[name]
 
     def train(self, mode: bool = True):
         model = self._planner.model

@@ -152,6 +152,66 @@ def test_buffers_registered_on_the_model_itself_follow_a_move_of_either():
         assert p.module.shift is model.shift
 
 
+class RootState(nn.Module):
+    """A parameter and a buffer on the model itself, read by the traced forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(16))
+        self.register_buffer("shift", torch.zeros(16))
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)])
+
+    def forward(self, x):
+        return self.layers(x + self.pos + self.shift)
+
+
+def sqrt_n_plan(model, args):
+    p = planner.plan(model, args, budget_bytes=10**9, solver="sqrt_n")
+    assert p.segments, "the test needs checkpointed segments"
+    return p
+
+
+def new_state(module):
+    return {k: torch.randn_like(v) for k, v in module.state_dict().items()}
+
+
+REPLACEMENTS = {
+    "model.load_state_dict(assign=True)": lambda p, m: m.load_state_dict(new_state(m), assign=True),
+    "planned.load_state_dict(assign=True)": lambda p, m: p.module.load_state_dict(
+        new_state(m), assign=True
+    ),
+    "model.pos = Parameter": lambda p, m: setattr(m, "pos", nn.Parameter(torch.randn(16))),
+    "planned.pos = Parameter": lambda p, m: setattr(p.module, "pos", nn.Parameter(torch.randn(16))),
+    "planned.shift = tensor": lambda p, m: setattr(p.module, "shift", torch.ones(16)),
+    "planned.register_buffer": lambda p, m: p.module.register_buffer("shift", torch.ones(16)),
+}
+
+
+@pytest.mark.parametrize("replace", REPLACEMENTS)
+def test_root_tensors_replaced_on_either_module_are_the_ones_both_compute_with(replace):
+    """The model and the planned module hold the same root parameters and buffers, whichever
+    of the two gets new ones after planning."""
+    torch.manual_seed(0)
+    model, x = RootState(), torch.randn(8, 16)
+    p = sqrt_n_plan(model, (x,))
+    REPLACEMENTS[replace](p, model)
+    assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
+    assert p.module.pos is model.pos and p.module.shift is model.shift
+
+
+def test_a_model_planned_on_meta_then_materialised_trains_its_materialised_parameters():
+    """Planning on the meta device, then ``model.to_empty()`` and initialisation."""
+    with torch.device("meta"):
+        model = RootState()
+    x = torch.randn(8, 16)
+    p = sqrt_n_plan(model, (x.to("meta"),))
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for tensor in model.state_dict().values():
+        nn.init.normal_(tensor)
+    assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
+
+
 # --------------------------------------------------------------------------------------------
 # train and eval modes: another mode than the planning one runs the model itself
 
