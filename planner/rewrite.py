@@ -27,6 +27,7 @@ import functools
 import inspect
 import operator
 import threading
+import types
 import warnings
 
 import torch
@@ -280,6 +281,26 @@ def _is_scalar(value) -> bool:
     )
 
 
+@functools.cache
+def _names_read(cls: type) -> frozenset[str]:
+    """Every name the methods of ``cls`` (those not nn.Module's own) mention: the attributes
+    its traced forward could have read. Others (``model.global_step``) may change freely."""
+    names = set()
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            continue
+        for value in vars(klass).values():
+            value = value.fget if isinstance(value, property) else value
+            code = getattr(getattr(value, "__func__", value), "__code__", None)
+            stack = [code] if code is not None else []
+            while stack:
+                code = stack.pop()
+                names.update(code.co_names)
+                names.update(c for c in code.co_consts if isinstance(c, str))  # getattr(self, "x")
+                stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return frozenset(names)
+
+
 class _Snapshot:
     """What the planned graph was traced from, compared with the model on every call.
 
@@ -314,7 +335,10 @@ class _Snapshot:
             (f"{name}.{key}".lstrip("."), m.__dict__, key, value)
             for name, m in traced
             for key, value in vars(m).items()
-            if not key.startswith("_") and key != "training" and _is_scalar(value)
+            if not key.startswith("_")
+            and key != "training"
+            and _is_scalar(value)
+            and key in _names_read(type(m))
         ]
         self.attribute_dicts = [a[1] for a in self.attributes]
         self.attribute_keys = [a[2] for a in self.attributes]
@@ -400,8 +424,8 @@ class PlannedModule(fx.GraphModule):
     In another mode (``model.eval()``, ``planned.eval()``) the traced graph would still behave as
     in the planning mode (dropout, ``if self.training:``), so the model itself runs instead,
     exactly, with a warning (once) when gradients are enabled. Otherwise a module replaced,
-    added or removed, or a plain attribute (``self.scale = ...``) changed in a part of the model
-    the graph traced through raises a ``PlanningError``, as does a tensor argument of the
+    added or removed, or a plain attribute its code reads (``self.scale = ...``) changed in a part
+    of the model the graph traced through raises a ``PlanningError``, as does a tensor argument of the
     planning call left out. ``train()`` sets the model's mode (through the model's own
     ``train``); ``.to()``, ``.double()``... convert the model's tensors, root ones included.
     Pickling refuses: the module is tied to the model object it was planned from.

@@ -469,6 +469,15 @@ def test_a_change_to_the_model_after_planning_refuses_and_says_re_plan(change, t
         assert_equivalent(reference, model, loaded.module, (x,), {})
 
 
+def test_an_attribute_the_forward_never_reads_may_change():
+    """Bookkeeping on the model (a step counter) is not part of what the graph computes."""
+    model, x = Blocks(), torch.randn(4, 8)
+    model.global_step = 0
+    p = tight_plan(model, (x,))
+    model.global_step += 1
+    assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
+
+
 FOLLOWED = {
     "a leaf's parameter replaced": lambda m: setattr(
         m.blocks[0][0], "weight", nn.Parameter(torch.randn(8, 8))
