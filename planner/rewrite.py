@@ -26,6 +26,8 @@ import copy
 import functools
 import inspect
 import operator
+import os
+import sys
 import threading
 import types
 import warnings
@@ -313,7 +315,8 @@ class _Snapshot:
 
     def __init__(self, model: nn.Module, called: set[str], tensor_arguments):
         self.model = model
-        self.module_dicts = [m.__dict__ for m in model.modules()]
+        self.module_names = [name for name, _ in model.named_modules()]
+        self.module_dicts = [m.__dict__ for _, m in model.named_modules()]
         self.flags = self.training_flags()
         inside_called = {
             id(sub)
@@ -395,16 +398,34 @@ class _Snapshot:
         """The model itself, for a mode the plan was not made in."""
         if torch.is_grad_enabled() and not self.warned:
             self.warned = True
-            before, now = self.flags[0], self.model.training
+            differing = [
+                f"{name or 'the model'} {'train' if before else 'eval'} then, "
+                f"{'train' if d['training'] else 'eval'} now"
+                for name, d, before in zip(self.module_names, self.module_dicts, self.flags)
+                if d["training"] != before
+            ]
             warnings.warn(
                 f"the planned {type(self.model).__name__} runs with other training flags than "
-                f"it was planned with (model.training {before} then, {now} now): it calls the "
+                f"it was planned with ({'; '.join(differing[:4])}"
+                f"{'; ...' if len(differing) > 4 else ''}): it calls the "
                 "model directly, so the plan's checkpointing is not applied (results are "
                 "exact, memory is not reduced). Plan in this mode to checkpoint in it, or call "
                 "it under torch.no_grad().",
-                stacklevel=4,
+                stacklevel=_callers_stacklevel(),
             )
         return self.model(*args, **kwargs)
+
+
+_INTERNAL = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+
+
+def _callers_stacklevel() -> int:
+    """``stacklevel`` for a warning raised from the caller of this function: the first frame
+    outside planner and torch, the user's line that called the planned module."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _module_change(name: str, before: dict, now: dict) -> str:

@@ -284,6 +284,15 @@ def test_the_eval_warning_comes_once_and_never_under_no_grad():
         p.module(x)
 
 
+def test_the_eval_warning_names_the_switched_modules_and_points_at_the_call():
+    model, x = Blocks(), torch.randn(4, 8)
+    p = tight_plan(model, (x,))
+    model.blocks[1].eval()
+    with pytest.warns(UserWarning, match=r"blocks\.1 train then, eval now") as caught:
+        p.module(x)
+    assert caught[0].filename == __file__
+
+
 def test_planned_train_uses_the_models_own_train():
     """A model whose ``train()`` keeps a frozen BatchNorm in eval mode stays planned in train."""
 
