@@ -449,7 +449,8 @@ class PlannedModule(fx.GraphModule):
     of the model the graph traced through raises a ``PlanningError``, as does a tensor argument of the
     planning call left out. ``train()`` sets the model's mode (through the model's own
     ``train``); ``.to()``, ``.double()``... convert the model's tensors, root ones included.
-    Pickling refuses: the module is tied to the model object it was planned from.
+    Pickling and ``copy.copy`` refuse: the module is tied to the model object it was planned
+    from.
     """
 
     def recompile(self):
@@ -525,6 +526,13 @@ class PlannedModule(fx.GraphModule):
         copied._planner = copy.deepcopy(self._planner, memo)
         _share_user_state(copied, copied._planner.model)
         return copied
+
+    def __copy__(self):
+        raise TypeError(
+            f"copy.copy of a {type(self).__name__} is not supported: a shallow copy would share "
+            "the model yet escape the planned module's checks. Use copy.deepcopy(planned) (it "
+            "copies the model too), or plan the model again."
+        )
 
     def __reduce__(self):
         raise PlanningError(

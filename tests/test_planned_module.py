@@ -396,6 +396,13 @@ def test_a_deep_copy_of_the_planned_module_trains_like_a_deep_copy_of_the_model(
 # calls without a tensor argument given at planning
 
 
+def test_a_shallow_copy_of_the_planned_module_refuses_and_says_what_to_do():
+    model, x = Blocks(), torch.randn(4, 8)
+    p = tight_plan(model, (x,))
+    with pytest.raises(TypeError, match=r"copy\.deepcopy"):
+        copy.copy(p.module)
+
+
 class Masked(nn.Module):
     def __init__(self):
         super().__init__()
