@@ -445,6 +445,17 @@ def _unrecorded_options_hint(model, recorded: dict) -> str:
     return hint + " if it was made with leaf_modules=..., pass the same to planner.load."
 
 
+def _unmatched_leaf_hint(unmatched) -> str:
+    """For recorded ``leaf_modules`` names that no class of the model has (renamed, moved)."""
+    if not unmatched:
+        return ""
+    return (
+        f" The plan was made with leaf_modules {', '.join(unmatched)}, which no module of this "
+        "model is an instance of (a class renamed or moved?): pass leaf_modules=... to "
+        "planner.load."
+    )
+
+
 def _leaf_classes(model: nn.Module, names) -> tuple[type, ...]:
     """The classes among ``model``'s modules (and their bases) with these qualified names.
 
@@ -515,8 +526,11 @@ def load(
     start_time = time.perf_counter()
     recorded = data.get("capture") or {}
     _check_mode(path, data, model, recorded.get("training"))
+    unmatched = ()
     if leaf_modules is None:
         leaf_modules = _leaf_classes(model, recorded.get("leaf_modules", ()))
+        found = {_qualified_name(cls) for cls in leaf_modules}
+        unmatched = [name for name in recorded.get("leaf_modules", ()) if name not in found]
     if example_inputs is None:
         spec = data.get("inputs")
         if spec is None:
@@ -555,6 +569,7 @@ def load(
             + ". A plan applies only to the model and input shapes it was made for; "
             "make a new one with planner.plan(model, example_inputs, budget_gb=...)."
             + _unrecorded_options_hint(model, recorded)
+            + _unmatched_leaf_hint(unmatched)
         )
 
     segments = []

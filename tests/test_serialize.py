@@ -296,6 +296,21 @@ def test_a_plan_made_with_leaf_modules_loads(tmp_path):
     assert serialize.load(old, model, leaf_modules=(block,)).segments == plan.segments
 
 
+def test_a_recorded_leaf_class_the_model_lacks_is_named_when_the_graph_differs(tmp_path):
+    """A class renamed or moved since saving: its blocks are traced through, so the graph
+    differs, and the message says which recorded name matched nothing."""
+    model, inputs = small_gpt()
+    block = type(model.blocks[0])
+    path = planner.plan(
+        model, inputs, budget_gb=1, solver="sqrt_n", leaf_modules=(block,)
+    ).save(tmp_path / "plan.json")
+    data = json.loads(path.read_text())
+    data["capture"]["leaf_modules"] = ["somewhere.else.RenamedBlock"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanningError, match=r"leaf_modules somewhere\.else\.RenamedBlock, which no"):
+        serialize.load(path, model)
+
+
 def test_frontier_takes_leaf_modules():
     model, inputs = small_gpt()
     block = type(model.blocks[0])
