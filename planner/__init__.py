@@ -17,6 +17,8 @@ from planner.sweep import Frontier, frontier, frontier_of
 from planner.simulate import Simulation
 from planner.solvers import SOLVERS, register
 
+__version__ = "0.1.0"  # the one source of the version: pyproject.toml reads it
+
 __all__ = [
     "accumulation_windows",
     "BatchOption",

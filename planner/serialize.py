@@ -342,12 +342,11 @@ def _qualified_name(cls: type) -> str:
 
 
 def _planner_version() -> str:
-    try:
-        from importlib.metadata import version
+    # Imported here: planner/__init__.py imports this module. Not the installed metadata: a
+    # source checkout has none, and the index's unrelated "planner" distribution may be there.
+    from planner import __version__
 
-        return version("planner")
-    except Exception:  # noqa: BLE001 - not installed (a source checkout)
-        return "unknown"
+    return __version__
 
 
 def save(plan, path, example_inputs=None, example_kwargs=None) -> Path:

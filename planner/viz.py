@@ -17,10 +17,11 @@ Three views of a :class:`planner.Plan`, each a plain function (``Plan._repr_html
     for the model without checkpointing and with the plan, on one axis, with the budget as a
     line; optionally a measured trace (``planner.measure.peak_memory(..., record_timeline=True)``).
 
-matplotlib is optional: ``pip install matplotlib`` (or ``pip install planner[viz]``). Figures are
-closed in ``pyplot`` as soon as they are made (nothing accumulates, nothing is shown twice): the
-functions return the ``matplotlib.figure.Figure``, which Jupyter displays as the cell's value,
-and write it to ``path`` when one is given.
+matplotlib is optional: ``pip install matplotlib`` (or
+``pip install 'torch-activation-planner[viz]'``). Figures are closed in ``pyplot`` as soon as
+they are made (nothing accumulates, nothing is shown twice): the functions return the
+``matplotlib.figure.Figure``, which Jupyter displays as the cell's value, and write it to
+``path`` when one is given.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def _matplotlib():
         import matplotlib.pyplot as plt
     except ImportError as error:
         raise ImportError(
-            "drawing plans needs matplotlib: pip install matplotlib (or pip install 'planner[viz]')"
+            "drawing plans needs matplotlib: pip install matplotlib "
+            "(or pip install 'torch-activation-planner[viz]')"
         ) from error
 
     def new_figure(figsize):

@@ -51,6 +51,11 @@ def test_file_is_plain_json_with_what_it_promises(saved):
     }  # fmt: skip
 
 
+def test_file_names_the_planner_version_that_wrote_it(saved):
+    _, path, _ = saved
+    assert json.loads(path.read_text())["planner_version"] == planner.__version__
+
+
 def test_round_trip_gives_the_same_plan_without_solving(saved, monkeypatch):
     plan, path, inputs = saved
     model, _ = small_gpt(seed=3)  # same architecture, other weights

@@ -22,8 +22,9 @@ The formulation reproduces ``planner.simulate`` exactly; docs/solvers.md derives
 The objective is the recompute time of the chosen segments (each a constant of its segment).
 With ``budget_bytes=None`` the program minimises the peak instead.
 
-scipy is optional: ``pip install scipy`` (or ``pip install 'planner[milp]'``). The model has
-about n**2 / 2 binaries for ``n`` nodes: use it on graphs of up to a few hundred nodes.
+scipy is optional: ``pip install scipy`` (or ``pip install 'torch-activation-planner[milp]'``).
+The model has about n**2 / 2 binaries for ``n`` nodes: use it on graphs of up to a few hundred
+nodes.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _scipy_milp():
     except ImportError as error:
         raise ImportError(
             "the 'milp' solver needs scipy (HiGHS): pip install scipy "
-            "(or pip install 'planner[milp]')"
+            "(or pip install 'torch-activation-planner[milp]')"
         ) from error
     return milp, Bounds, LinearConstraint, csr_array
 
