@@ -1,6 +1,5 @@
 """The documentation stays true to the code."""
 
-import importlib.util
 from pathlib import Path
 
 import planner
@@ -8,13 +7,12 @@ import planner
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_api_reference_is_generated_from_the_current_docstrings():
-    spec = importlib.util.spec_from_file_location("make_api_docs", ROOT / "tools/make_api_docs.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    assert (ROOT / "docs/api.md").read_text() == tool.render(), (
-        "docs/api.md is stale: run python tools/make_api_docs.py"
-    )
+def test_api_reference_names_every_public_name():
+    # mkdocstrings renders docs/api.md from the docstrings when the site is built (make docs);
+    # the page itself only says which objects to render.
+    page = (ROOT / "docs/api.md").read_text()
+    missing = [name for name in planner.__all__ if f"planner.{name}" not in page]
+    assert not missing, f"add ::: planner.NAME to docs/api.md for {missing}"
 
 
 def test_every_public_name_has_a_docstring():
