@@ -1,17 +1,26 @@
 # Two commands set up a fresh machine by themselves: `make demo` and `make test`.
+# `make check` runs the other checks CI runs: lint, types, the docs site, the built wheel.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
+TORCH := torch==2.13.0
+SMOKE_VENV := build/smoke-venv
 
-.PHONY: demo test test-gpu setup clean
+.PHONY: demo test test-gpu setup check lint format typecheck docs docs-serve wheel wheel-smoke clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# The pinned CPU torch first: an unpinned one would pull a multi-GB CUDA build.
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
+
+# The pinned tools of the `dev` and `docs` extras (ruff, mypy, build, pre-commit, mkdocs).
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[test,dev,docs]'
+	touch $(DEV_STAMP)
 
 setup: $(STAMP)
 
@@ -24,5 +33,37 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m cuda
 
+check: lint typecheck docs wheel-smoke
+
+lint: $(DEV_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(DEV_STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+typecheck: $(DEV_STAMP)
+	$(BIN)/mypy
+
+# The site goes to build/site; --strict turns broken links and unresolved references into errors.
+docs: $(DEV_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
+
+docs-serve: $(DEV_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
+wheel: $(DEV_STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+
+# The wheel in a fresh virtualenv with the pinned CPU torch, used from outside the source tree.
+wheel-smoke: wheel
+	rm -rf $(SMOKE_VENV)
+	$(PYTHON) -m venv $(SMOKE_VENV)
+	$(SMOKE_VENV)/bin/pip install --quiet $(TORCH)
+	$(SMOKE_VENV)/bin/pip install --quiet dist/*.whl
+	cd $(SMOKE_VENV) && bin/python $(CURDIR)/tools/smoke_wheel.py
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache build dist
