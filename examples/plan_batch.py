@@ -24,7 +24,7 @@ def make_inputs(batch_size):
 
 def main():
     model, _ = planner.zoo.gpt(**CONFIG, batch=1)
-    budget_bytes = int(9 * 2**20)
+    budget_bytes = 9 * 2**20
     choice = plan_batch(model, make_inputs, budget_bytes=budget_bytes, global_batch=GLOBAL_BATCH)
     print(choice)
 

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("planner: interrupted", file=sys.stderr)
         return 130
-    except Exception as error:  # noqa: BLE001 - a user's factory or model failed: one line
+    except Exception as error:  # a user's factory or model failed: one line
         if args.traceback:
             raise
         print(

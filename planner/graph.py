@@ -76,7 +76,7 @@ class StorageArrays:
     save_node: np.ndarray
 
     @classmethod
-    def of(cls, storages: tuple[Storage, ...], n: int) -> "StorageArrays":
+    def of(cls, storages: tuple[Storage, ...], n: int) -> StorageArrays:
         def pairs(attribute: str) -> tuple[np.ndarray, np.ndarray]:
             lists = [getattr(s, attribute) for s in storages]
             owners = np.repeat(np.arange(len(storages)), [len(nodes) for nodes in lists])
@@ -150,7 +150,7 @@ class Problem:
         return len(self.names)
 
     @cached_property
-    def storage_arrays(self) -> "StorageArrays":
+    def storage_arrays(self) -> StorageArrays:
         """The storages as flat arrays, for vectorised passes (``simulate``)."""
         return StorageArrays.of(self.storages, self.size)
 

@@ -319,7 +319,7 @@ def _state_tensors(module, args, kwargs) -> list[torch.Tensor]:
     return tensors
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _storage_finalizers_track_storage_lifetime() -> bool:
     """Whether a finalizer on a storage's Python object fires when the storage dies.
 

@@ -153,7 +153,7 @@ def _budgets(lowest: int, baseline: int, points: int) -> list[int]:
         raise ValueError(f"points must be at least 1, got {points}")
     if points == 1 or baseline <= lowest:
         return [baseline]
-    return sorted({int(round(b)) for b in np.linspace(lowest, baseline, points)})
+    return sorted({round(b) for b in np.linspace(lowest, baseline, points)})
 
 
 def frontier_of(problem: Problem, *, budgets=None, points: int = 12, solver="auto",

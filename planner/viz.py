@@ -565,7 +565,7 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
     for k in range(shown):
         handles.append(
             Patch(facecolor=_SEGMENT_COLOURS[k % len(_SEGMENT_COLOURS)], edgecolor="#555555",
-                  label=f"checkpointed segment {k}")  # fmt: skip
+                  label=f"checkpointed segment {k}")
         )
     if len(plan.segments) > shown:
         handles.append(Patch(facecolor="white", edgecolor="white",

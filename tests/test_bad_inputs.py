@@ -153,7 +153,7 @@ def test_manual_checkpoint_is_detected_not_dropped(how):
     model = ManualCheckpoint(how)
     x = torch.randn(3, 4, requires_grad=True)
     before = model_state(model)
-    with pytest.raises(PlanningError, match="already calls torch.utils.checkpoint"):
+    with pytest.raises(PlanningError, match=r"already calls torch\.utils\.checkpoint"):
         plan_of(model, (x,), {}, budget_gb=1)
     assert_same_state(before, model_state(model))
     model(x).sum().backward()  # torch.utils.checkpoint is intact after the refusal
@@ -165,7 +165,7 @@ def test_a_planned_module_cannot_be_planned_again():
     model, args, kwargs = small()
     p = plan_of(model, args, kwargs, budget_gb=1, solver="sqrt_n")
     assert p.segments
-    with pytest.raises(PlanningError, match="already calls torch.utils.checkpoint"):
+    with pytest.raises(PlanningError, match=r"already calls torch\.utils\.checkpoint"):
         plan_of(p.module, args, kwargs, budget_gb=1)
 
 

@@ -114,7 +114,7 @@ def test_main_usage_errors_exit_2(capsys):
 
 
 def test_traceback_flag_reraises():
-    with pytest.raises(Exception):
+    with pytest.raises(cli.UsageError):
         cli.main(["plan", "planner.zoo:nothing", "--budget-gb", "1", "--traceback"])
 
 

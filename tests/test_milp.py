@@ -18,16 +18,18 @@ import pytest
 
 from planner.graph import Problem
 from planner.simulate import simulate
-from planner.solvers import SOLVERS
-from planner.solvers import greedy
-from planner.solvers import optimal  # registers "optimal"
+from planner.solvers import (
+    SOLVERS,
+    greedy,
+    optimal,  # registers "optimal"
+)
 
 pytest.importorskip("scipy")
-from scipy.optimize import Bounds, LinearConstraint, milp  # noqa: E402
+from scipy.optimize import Bounds, LinearConstraint, milp
 
-from planner.solvers import milp as milp_solver  # noqa: E402
-from planner.solvers.milp import milp_plan  # noqa: E402
-from problems import all_plans, budgets, random_problem  # noqa: E402
+from planner.solvers import milp as milp_solver
+from planner.solvers.milp import milp_plan
+from problems import all_plans, budgets, random_problem
 
 SEEDS = range(16)
 

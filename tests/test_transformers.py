@@ -101,6 +101,6 @@ def test_gradient_checkpointing_enabled_in_transformers_is_refused():
     before = model_state(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(PlanningError, match="already calls torch.utils.checkpoint"):
+        with pytest.raises(PlanningError, match=r"already calls torch\.utils\.checkpoint"):
             prepare(model, args, kwargs)
     assert_same_state(before, model_state(model))

@@ -28,7 +28,7 @@ def test_html_lists_summary_and_every_segment(gpt_plan):
     for needle in ("Predicted peak", "Recompute", "budget", "baseline", plan.solver):
         assert needle in text
     assert text.count("<tr>") >= len(plan.segments) + 1
-    for start, stop in plan.segments:
+    for start, _ in plan.segments:
         assert plan.problem.names[start] in text
     assert "<script" not in text
 

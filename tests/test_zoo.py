@@ -94,7 +94,7 @@ def test_gpt_with_loss_returns_a_scalar_near_log_vocab_at_init():
 
 
 def test_gpt_attention_is_explicit_and_the_lm_head_is_tied():
-    model, inputs = zoo.gpt(layers=2)
+    model, _ = zoo.gpt(layers=2)
     targets = [n.target for n in torch.fx.symbolic_trace(model).graph.nodes]
     assert targets.count(torch.nn.functional.softmax) == 2  # attention matrices are visible nodes
     assert torch.nn.functional.scaled_dot_product_attention not in targets
@@ -184,8 +184,8 @@ def test_device_argument_moves_model_and_inputs_keeping_values():
 
 
 def test_build_passes_overrides_and_rejects_unknown_names():
-    model, (x,) = zoo.build("mlp", depth=3, width=8, batch=2)
+    _, (x,) = zoo.build("mlp", depth=3, width=8, batch=2)
     assert x.shape == (2, 8)
     assert set(zoo.MODELS) == set(ALL)
-    with pytest.raises(ValueError, match="known models: .*gpt"):
+    with pytest.raises(ValueError, match=r"known models: .*gpt"):
         zoo.build("no-such-model")

@@ -9,7 +9,8 @@ Any callable with this signature can be passed wherever a solver name is accepte
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from planner.graph import Problem
 from planner.simulate import Segments
