@@ -82,7 +82,8 @@ class MicroBatch:
 
     def __exit__(self, *exc) -> None:
         context, self._context = self._context, None
-        context.__exit__(*exc)
+        if context is not None:  # None only for an __exit__ without __enter__
+            context.__exit__(*exc)
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``(loss * loss_scale).backward(**kwargs)``.

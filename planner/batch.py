@@ -23,10 +23,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from planner.capture import Captured
 from planner.errors import PlanningError
 from planner.graph import CostModel, Problem
 from planner.pipeline import Plan, assemble, budget_in_bytes, choose, lowest_peak, prepare
-from planner.simulate import as_choice, simulate
+from planner.simulate import Segments, Simulation, as_choice, simulate
 
 __all__ = ["BatchOption", "BatchPlan", "accumulation_problem", "plan_batch"]
 
@@ -100,8 +101,8 @@ class BatchPlan:
         ]
         for o in self.alternatives:
             evaluated = o.predicted_peak_bytes is not None
-            peak = _mib(o.predicted_peak_bytes) if evaluated else "-"
-            seconds = _seconds(o.predicted_seconds) if evaluated else "-"
+            peak = _mib(o.predicted_peak_bytes) if o.predicted_peak_bytes is not None else "-"
+            seconds = _seconds(o.predicted_seconds) if o.predicted_seconds is not None else "-"
             recompute = f"{o.recompute_fraction:.1%}" if evaluated else "-"
             lines.append(
                 f"{'>' if o.micro_batch == self.micro_batch else ' '} {o.micro_batch:>6} "
@@ -295,8 +296,12 @@ def plan_batch(
     sizes = _candidates(per_rank, micro_batches)
 
     options: list[BatchOption] = []
-    best = None  # (key, option, captured, problem, segments, simulation, solve s)
-    smallest_minimum = None  # (micro-batch, steps, lowest peak) of the smallest candidate
+    # (key, option, captured, problem, segments, simulation, solve seconds, solver name)
+    best: (
+        tuple[tuple[float, int], BatchOption, Captured, Problem, Segments, Simulation, float, str]
+        | None
+    ) = None
+    smallest_minimum: tuple[int, int, int] | None = None  # (micro-batch, steps, lowest peak)
     too_big = None  # the smallest accumulating size that cannot fit at all
     first = None  # the first size's inputs: where they hold the batch (see _check_batch)
     for m in sizes:
@@ -337,11 +342,12 @@ def plan_batch(
                     too_big = m
             else:
                 note = f"solver {name} found no fit (lowest {_mib(minimum.peak_bytes)})"
+        seconds = steps * (step_seconds + result.recompute_seconds)
         option = BatchOption(
             micro_batch=m,
             steps=steps,
             predicted_peak_bytes=result.peak_bytes,
-            predicted_seconds=steps * (step_seconds + result.recompute_seconds),
+            predicted_seconds=seconds,
             recompute_fraction=result.recompute_seconds / step_seconds if step_seconds else 0.0,
             segments=len(as_choice(segments).segments),
             solver=name,
@@ -349,26 +355,28 @@ def plan_batch(
             note=note,
         )
         options.append(option)
-        key = (option.predicted_seconds, -m)
+        key = (seconds, -m)
         if fits and (best is None or key < best[0]):
-            best = (key, option, captured, problem, segments, result, solve_seconds)
+            best = (key, option, captured, problem, segments, result, solve_seconds, name)
 
     if best is None:
-        m, steps, minimum = smallest_minimum
+        # Nothing fits, so the first size, always evaluated, set smallest_minimum.
+        assert smallest_minimum is not None
+        m, steps, needed = smallest_minimum
         raise PlanningError(
             f"no micro-batch size fits a budget of {_mib(budget)} ({budget} bytes): the "
             f"smallest, micro-batch {m} ({steps} accumulation steps), needs at least "
-            f"{_mib(minimum)} ({minimum} bytes) even with maximal recompute. Raise the budget to "
-            f"at least budget_bytes={minimum}"
+            f"{_mib(needed)} ({needed} bytes) even with maximal recompute. Raise the budget to "
+            f"at least budget_bytes={needed}"
             + (", or try smaller micro-batches." if m > 1 else ", or shard the model (FSDP).")
         )
-    _, option, captured, problem, segments, result, solve_seconds = best
+    (predicted_seconds, _), option, captured, problem, segments, result, solve_seconds, name = best
     chosen = assemble(
         model,
         captured,
         problem,
         segments,
-        solver=option.solver,
+        solver=name,
         budget_bytes=budget,
         solve_seconds=solve_seconds,
         started=start,
@@ -387,7 +395,7 @@ def plan_batch(
         world_size=world_size,
         budget_bytes=budget,
         predicted_peak_bytes=result.peak_bytes,
-        predicted_seconds=option.predicted_seconds,
+        predicted_seconds=predicted_seconds,
         alternatives=tuple(options),
         planning_seconds=time.perf_counter() - start,
         plan=chosen,

@@ -347,9 +347,9 @@ def _refusing_manual_checkpoints(model: nn.Module):
     finally:
         module._checkpoint_without_reentrant_generator = generator
         if had_apply:
-            module.CheckpointFunction.apply = original_apply
+            function.apply = original_apply  # type: ignore[method-assign, assignment]
         else:
-            del module.CheckpointFunction.apply
+            del function.apply
 
 
 # Grad-mode and autocast regions. symbolic_trace runs a ``with torch.no_grad():`` (or

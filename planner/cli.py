@@ -129,6 +129,8 @@ def load_factory(spec: str):
         if not file.is_file():
             raise UsageError(f"no file {module_name}")
         module_spec = importlib.util.spec_from_file_location(file.stem, file)
+        if module_spec is None or module_spec.loader is None:
+            raise UsageError(f"cannot import {module_name} as a Python module")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules.setdefault(file.stem, module)
         try:

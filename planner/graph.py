@@ -211,7 +211,9 @@ def articulation_nodes(gm: fx.GraphModule) -> set[fx.Node]:
             # Sizes and other plain values cost no memory: they do not tie the graph together.
             if used.op != "get_attr" and used.meta.get("planner.tensor_output", True):
                 graph.add_edge(used, node)
-    return {n for n in nx.articulation_points(graph) if getattr(n, "op", None) in COMPUTE_OPS}
+    return {
+        n for n in nx.articulation_points(graph) if isinstance(n, fx.Node) and n.op in COMPUTE_OPS
+    }
 
 
 def _keepable(created: list[dict], writes: list[frozenset], kept_bytes: np.ndarray) -> np.ndarray:
@@ -227,7 +229,7 @@ def _keepable(created: list[dict], writes: list[frozenset], kept_bytes: np.ndarr
     return keepable
 
 
-def _mutation_pins(storages: dict, writes: list[frozenset], n: int, fixed: set):
+def _mutation_pins(storages: dict, writes: list[frozenset], n: int, fixed: Mapping[int, str]):
     """Cuts and nodes that in-place writes forbid.
 
     A checkpointed segment must not see an input that was changed after it ran (its recompute

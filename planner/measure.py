@@ -301,7 +301,7 @@ def _state_tensors(module, args, kwargs) -> list[torch.Tensor]:
     Parameters, buffers, plain tensor attributes of submodules (constants that were not
     registered as buffers), input tensors, and the gradients of leaf inputs.
     """
-    tensors = []
+    tensors: list[torch.Tensor] = []
     if isinstance(module, torch.nn.Module):
         tensors += list(module.parameters())
         tensors += list(module.buffers())
@@ -328,7 +328,7 @@ def _storage_finalizers_track_storage_lifetime() -> bool:
     when the last tensor using the storage dies. Without that preservation the finalizer would
     fire as soon as Python dropped its wrapper, and the tracker would undercount.
     """
-    fired = []
+    fired: list[bool] = []
     tensor = torch.empty(8)
     storage = tensor.untyped_storage()
     weakref.finalize(storage, fired.append, True)

@@ -207,7 +207,8 @@ def budget_in_bytes(budget_gb, budget_bytes) -> int:
         raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite positive number, got {value!r}")
-    nbytes = value * GIB if name == "budget_gb" else value
+    number = value if isinstance(value, int) else float(value)
+    nbytes = number * GIB if name == "budget_gb" else number
     if not nbytes < MAX_BUDGET_BYTES:
         raise ValueError(
             f"{name}={value!r} is more bytes than planner counts (below 2**63, "
@@ -362,7 +363,7 @@ def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str
     if solver != "auto":
         name, solve = get_solver(solver)
         return name, _solver_result(name, solve(problem, budget, **options), problem)
-    best = None
+    best: tuple[tuple[bool, float], str, Segments] | None = None
     for name in ("optimal", "greedy", "sqrt_n"):
         if name not in SOLVERS or (name == "optimal" and problem.size > AUTO_OPTIMAL_MAX_NODES):
             continue
@@ -374,6 +375,11 @@ def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str
         key = (not fits, result.recompute_seconds if fits else result.peak_bytes)
         if best is None or key < best[0]:
             best = (key, f"auto:{name}", segments)
+    if best is None:
+        raise PlanningError(
+            "solver='auto' runs optimal, greedy and sqrt_n, and none of them is in "
+            "planner.SOLVERS: name a registered solver with solver="
+        )
     if best[0][0]:  # nothing fits: the plan with the lowest peak may still (the stated minimum)
         segments, result = lowest_peak_plan(problem)
         if result.peak_bytes <= budget:

@@ -51,7 +51,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx, nn
@@ -313,7 +313,7 @@ class _CostMode(TorchDispatchMode):
         self.flops = 0
         self.bytes_moved = 0
         self.new: set[int] = set()
-        self.reads: set[int] = set()
+        self.reads: set[int | None] = set()  # None for tensors without a storage
         self.writes: set[int] = set()
         self.random = False
 
@@ -659,6 +659,7 @@ def profile(
     storages = _Storages()
     fixed_kind: dict[int, str] = {}
     trainable: set[int] = set()
+    call: Callable[[Any, tuple, dict], Any]
     with contextlib.ExitStack() as stack:
         stack.enter_context(_quiet_fake_failures())
         if _all_on_meta(gm, args, kwargs):
@@ -674,14 +675,19 @@ def profile(
             copies(module)
         for p in gm.parameters():
             key = storages.key(copies(p))
+            if key is None:  # not strided (sparse): no storage to count
+                continue
             fixed_kind[key] = "parameter"
             if p.requires_grad:
                 trainable.add(key)
         for b in gm.buffers():
-            fixed_kind.setdefault(storages.key(copies(b)), "buffer")
+            key = storages.key(copies(b))
+            if key is not None:
+                fixed_kind.setdefault(key, "buffer")
         for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor):
-                fixed_kind.setdefault(storages.key(t), "input")
+            key = storages.key(t)  # None for non-tensors
+            if key is not None:
+                fixed_kind.setdefault(key, "input")
         cost = _CostMode(storages, call)
         recorder = _Recorder(gm, storages, cost, copies)
         # closing_regions: a forward that leaves a grad mode set must not leave it set here.

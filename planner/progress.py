@@ -67,8 +67,9 @@ def bar(
     """
     if not enabled():
         return iterable
-    if os.environ.get("PLANNER_PROGRESS", "").strip().lower() in ("1", "true", "yes", "on"):
-        from tqdm.auto import tqdm
-    else:
-        from tqdm import tqdm
-    return tqdm(iterable, total=total, desc=desc, leave=leave, file=sys.stderr, dynamic_ncols=True)
+    import tqdm
+    import tqdm.auto
+
+    forced = os.environ.get("PLANNER_PROGRESS", "").strip().lower() in ("1", "true", "yes", "on")
+    progress_bar: type[tqdm.tqdm] = tqdm.auto.tqdm if forced else tqdm.tqdm
+    return progress_bar(iterable, total=total, desc=desc, leave=leave, file=sys.stderr, dynamic_ncols=True)

@@ -221,10 +221,10 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
     out.append(_bar(plan.predicted_peak_bytes, scale, _PLAN_COLOUR, "planned peak"))
     out.append(_bar(plan.budget_bytes, scale, _BUDGET_COLOUR, "budget"))
     if rows:
-        shown = rows
+        shown: list[_Row | None] = list(rows)  # None: the "..." row
         if len(rows) > max_rows:
             tail = max(3, max_rows // 5)
-            shown = rows[: max_rows - tail] + [None] + rows[-tail:]
+            shown = [*rows[: max_rows - tail], None, *rows[-tail:]]
         open_attr = " open" if len(rows) <= 12 else ""
         selective = bool(getattr(plan, "keep", ()))
         titles = [
@@ -285,7 +285,7 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
 
 def _graph_nodes(module) -> dict:
     """Original graph nodes of a planned module by name, segment bodies included."""
-    found = {}
+    found: dict = {}
     graph = getattr(module, "graph", None)
     if graph is None:
         return found
@@ -449,6 +449,7 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
     import networkx as nx
 
     _matplotlib()  # fail early, before any work, when matplotlib is missing
+    from matplotlib.artist import Artist
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -463,7 +464,7 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
     kept = np.zeros(problem.size, dtype=bool)
     kept[list(keep)] = True
 
-    graph = nx.DiGraph()
+    graph: nx.DiGraph[int] = nx.DiGraph()
     graph.add_nodes_from(range(len(groups)))
     for g in range(len(groups) - 1):
         graph.add_edge(g, g + 1, boundary=False, nbytes=0)
@@ -560,7 +561,9 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
     ax.set_ylim(min(ys) - 0.6, max(ys) + 0.95)
     ax.set_axis_off()
 
-    handles = [Patch(facecolor=_KEPT_COLOUR, edgecolor="#555555", label="kept (not checkpointed)")]
+    handles: list[Artist] = [
+        Patch(facecolor=_KEPT_COLOUR, edgecolor="#555555", label="kept (not checkpointed)")
+    ]
     shown = min(len(plan.segments), 6)
     for k in range(shown):
         handles.append(
@@ -626,6 +629,7 @@ class MemoryCurve:
 def _curve(problem, choice, step_seconds: float) -> MemoryCurve:
     choice = as_choice(choice)
     result = simulate(problem, choice, record=True)
+    assert result.timeline is not None  # record=True keeps it
     seconds = problem.seconds if step_seconds > 0 else np.ones(problem.size)
     kept = np.zeros(problem.size, dtype=bool)
     kept[list(choice.keep)] = True

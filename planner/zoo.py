@@ -183,6 +183,8 @@ def resnet(
 class CausalSelfAttention(nn.Module):
     """Multi-head causal attention written out, so the (T, T) score matrix is a graph node."""
 
+    causal_mask: torch.Tensor  # a buffer
+
     def __init__(self, d_model: int, heads: int, seq: int, dropout: float) -> None:
         super().__init__()
         if d_model % heads:

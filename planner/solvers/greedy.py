@@ -38,7 +38,8 @@ def solve(problem: Problem, budget_bytes: int, *, thresholds: int = 24, **option
         segments_between(problem, greedy_cuts(problem, b))
         for b in np.geomspace(low, total, thresholds)
     ]
-    best, best_key = (), None
+    best: Segments = ()
+    best_key = None
     for segments in dict.fromkeys(candidates):
         result = simulate(problem, segments)
         fits = result.peak_bytes <= budget_bytes

@@ -371,7 +371,8 @@ def _least_recompute(problem: Problem, form: _Formulation, budget_bytes: int, de
     status = _STATUS.get(answer.status, "failed")
     dual = answer.mip_dual_bound if answer.mip_dual_bound is not None else 0.0
     bound = math.inf if status == "infeasible" else form.time_scale * max(0.0, dual)
-    segments, simulated = (), None
+    segments: Segments = ()
+    simulated = None
     for attempt in range(retries + 1):
         if answer.x is None:
             break

@@ -375,7 +375,7 @@ class _Search:
         problem, t, n = self.problem, self.t, self.problem.size
         named = [np.array([0, n]), np.fromiter(corridors, int), *corridors.values()]
         positions = np.unique(np.concatenate(named)).tolist()
-        self.pending = {p: {} for p in positions}
+        self.pending: dict[int, dict[frozenset, list]] = {p: {} for p in positions}
         self.states: list[tuple] = []  # (position, charged, value, parent, index, is_segment)
         self.pending[0][frozenset()] = [(np.zeros(1, np.int64), np.zeros(1), -1, False)]
         for c, following in zip(positions, positions[1:]):
@@ -449,6 +449,7 @@ class _Search:
             charged, local, mask = step
             peak = held + local if peak is None else max(peak, held + local)
             held += charged
+        assert peak is not None, "an empty run"  # callers pass end > c
         return peak, held, mask
 
     def _extend(self, state, ends, masks, local, held, cost, is_segment) -> None:
