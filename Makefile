@@ -60,7 +60,7 @@ wheel: $(DEV_STAMP)
 # The wheel in a fresh virtualenv with the pinned CPU torch, used from outside the source tree.
 wheel-smoke: wheel
 	rm -rf $(SMOKE_VENV)
-	$(PYTHON) -m venv $(SMOKE_VENV)
+	$(BIN)/virtualenv --quiet $(SMOKE_VENV)
 	$(SMOKE_VENV)/bin/pip install --quiet $(TORCH)
 	$(SMOKE_VENV)/bin/pip install --quiet dist/*.whl
 	cd $(SMOKE_VENV) && bin/python $(CURDIR)/tools/smoke_wheel.py
