@@ -94,7 +94,8 @@ def _target_lines(results) -> list[str]:
     if a:
         lines.append(
             f"- **GPT, at per-block's peak** ({a['per_block_peak_ratio']:.2f}x of none): planner "
-            f"(auto) overhead {_pct(a['planner_overhead'])} vs per-block {_pct(a['per_block_overhead'])}"
+            f"(auto) overhead {_pct(a['planner_overhead'])} "
+            f"vs per-block {_pct(a['per_block_overhead'])}"
             f" at {a['planner_peak_ratio']:.2f}x peak; target (at most half, at no higher peak): "
             f"**{'met' if a['met'] else 'missed'}**."
         )
@@ -328,7 +329,8 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
         "- **Peak**: the project's CPU live-storage tracker (`planner.measure.peak_memory`); "
         "CUDA allocator statistics on CUDA. Dynamo runs compiled frames eagerly whenever a "
         "`TorchDispatchMode` is active unless the mode declares `ignore_compile_internals()`; "
-        "the tracker does, so for `torch.compile` it sees the compiled graph's operators (checked against `torch.profiler` memory events: equal to the byte).",
+        "the tracker does, so for `torch.compile` it sees the compiled graph's operators "
+        "(checked against `torch.profiler` memory events: equal to the byte).",
         _cost_model_line(results),
         "- **Activations** = peak minus parameters, buffers, inputs and gradients "
         "(`problem.fixed_bytes + problem.gradient_bytes`). Planner budgets of X % are "

@@ -67,7 +67,8 @@ def main(argv=None) -> int:
     measured_baseline = peak_memory(reference, inputs).peak_bytes
     measured_plan = peak_memory(plan.module, inputs)
     print("\npeak memory of one training step (CPU live-storage tracker):")
-    print(f"  baseline  predicted {_mib(plan.baseline_peak_bytes)}  measured {_mib(measured_baseline)}")
+    print(f"  baseline  predicted {_mib(plan.baseline_peak_bytes)}  "
+          f"measured {_mib(measured_baseline)}")
     print(f"  planned   predicted {_mib(plan.predicted_peak_bytes)}  measured "
           f"{_mib(measured_plan.peak_bytes)}  "
           f"(prediction error {plan.predicted_peak_bytes / measured_plan.peak_bytes - 1:+.1%})")
