@@ -15,6 +15,11 @@ def test_api_reference_names_every_public_name():
     assert not missing, f"add ::: planner.NAME to docs/api.md for {missing}"
 
 
+def test_the_changelog_tells_the_current_version():
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert f"\n## {planner.__version__}\n" in changelog, "add a CHANGELOG.md entry for the version"
+
+
 def test_every_public_name_has_a_docstring():
     for name in planner.__all__:
         obj = getattr(planner, name)
