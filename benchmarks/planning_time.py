@@ -6,15 +6,15 @@
 
 For deep MLPs (``zoo.mlp_chain``: a plain chain, every layer an articulation point) and
 GPT-style stacks (``zoo.gpt``: a pre-LN decoder whose residual stream crosses every cut inside a
-block) built on the meta device (no memory, shapes only) at about 1,000 and 10,000 graph
-nodes, after planning a tiny model once (a fresh process pays about 1 s of one-time imports,
-reported apart), it times ``prepare`` once per graph and then each solver (``sqrt_n``,
-``greedy``, ``optimal``) at one budget that forces checkpointing (greedy's lowest peak plus ``--fraction`` of the way to
-the baseline: every solver can fit it). A solver whose time, extrapolated quadratically from the
-smaller graph of its family, would exceed ``--cap`` seconds is skipped and marked so; one that
-runs past the cap is stopped (``SIGALRM``) and marked so. Then it plans a 7B-parameter-class
-decoder at ``--budget-7b-gib`` and prints the plan. Output: Markdown on stdout, appended to
-``--out`` when given.
+block) built on the meta device (no memory, shapes only) at about 1,000 and 10,000 graph nodes,
+after planning a tiny model once (a fresh process pays about 1 s of one-time imports, reported
+apart), it times ``prepare`` once per graph and then each solver (``sqrt_n``, ``greedy``,
+``optimal``) at one budget that forces checkpointing (greedy's lowest peak plus ``--fraction``
+of the way to the baseline: every solver can fit it). A solver whose time, extrapolated
+quadratically from the smaller graph of its family, would exceed ``--cap`` seconds is skipped
+and marked so; one that runs past the cap is stopped (``SIGALRM``) and marked so. Then it plans
+a 7B-parameter-class decoder at ``--budget-7b-gib`` and prints the plan. Output: Markdown on
+stdout, appended to ``--out`` when given.
 """
 
 from __future__ import annotations
