@@ -31,6 +31,7 @@ import sys
 import threading
 import types
 import warnings
+from typing import cast
 
 import torch
 from torch import fx, nn
@@ -112,12 +113,14 @@ class Segment:
 
     def buffers(self) -> list[torch.Tensor]:
         """The buffers the segment can write, as the planned module holds them now."""
+        root = self.root
+        assert root is not None, "rewrite sets root before the segment can run"
         found = {}
         for target in self.modules:
-            for b in self.root.get_submodule(target).buffers():
+            for b in root.get_submodule(target).buffers():
                 found[id(b)] = b
         for target in self.tensors:
-            b = operator.attrgetter(target)(self.root)
+            b = operator.attrgetter(target)(root)
             found[id(b)] = b
         return list(found.values())
 
@@ -235,7 +238,7 @@ def _segment_buffers(holder: nn.Module, members: list[fx.Node], inputs: list[fx.
         node.target
         for node in members
         if node.op == "call_module"
-        and next(holder.get_submodule(node.target).buffers(), None) is not None
+        and next(holder.get_submodule(str(node.target)).buffers(), None) is not None
     ]
     tensors = [_buffer_read(holder, node) for node in inputs]
     return tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(t for t in tensors if t))
@@ -365,7 +368,7 @@ class _Snapshot:
             == self.attribute_values
         ):
             return
-        before = {}
+        before: dict[int, dict] = {}
         for d, k, v in zip(self.child_dicts, self.child_keys, self.child_values):
             before.setdefault(id(d), {})[k] = v
         changes = [
@@ -453,6 +456,8 @@ class PlannedModule(fx.GraphModule):
     from.
     """
 
+    _planner: _Snapshot  # set by rewrite
+
     def recompile(self):
         code = super().recompile()
         cls = type(self)
@@ -508,7 +513,7 @@ class PlannedModule(fx.GraphModule):
         model.train(mode)  # the model's own train(), which may keep some modules in eval
         self.training = mode
         for name, child in self._modules.items():
-            if name not in model._modules:  # what only the captured graph has
+            if child is not None and name not in model._modules:  # only the captured graph's
                 child.train(mode)
         return self
 
@@ -522,7 +527,7 @@ class PlannedModule(fx.GraphModule):
         return self
 
     def __deepcopy__(self, memo):
-        copied = super().__deepcopy__(memo)
+        copied = cast(PlannedModule, super().__deepcopy__(memo))  # fx copies the class too
         copied._planner = copy.deepcopy(self._planner, memo)
         _share_user_state(copied, copied._planner.model)
         return copied
@@ -560,7 +565,7 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
     graph = fx.Graph()
     graph._codegen = captured.graph._codegen  # keeps torch.export's input/output pytree handling
     env: dict[fx.Node, fx.Node] = {}
-    built = []
+    built: list[Segment] = []
     for node in captured.graph.nodes:
         if node in first:
             k, members = first[node]

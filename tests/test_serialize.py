@@ -296,7 +296,7 @@ def test_a_plan_made_with_leaf_modules_loads(tmp_path):
     assert serialize.fingerprint(loaded) == serialize.fingerprint(plan)
 
     old = _without_capture_record(path)  # a version 1 file: leaf_modules must be given
-    with pytest.raises(PlanningError, match="pass the same to planner.load"):
+    with pytest.raises(PlanningError, match=r"pass the same to planner\.load"):
         serialize.load(old, model)
     assert serialize.load(old, model, leaf_modules=(block,)).segments == plan.segments
 

@@ -49,7 +49,7 @@ def test_print_and_html_show_the_same_segment_rows():
                 if s.producer < start and any(start <= r < stop for r in s.readers)]
         assert (row["input_tensors"], row["input_bytes"]) == (len(kept), sum(s.nbytes for s in kept))
         assert f"{row['input_tensors']} &middot; {viz._mib(row['input_bytes'])}" in page
-        line = next(l for l in text.splitlines() if l.split()[:2] == [str(row["segment"]),
+        line = next(r for r in text.splitlines() if r.split()[:2] == [str(row["segment"]),
                                                                    str(row["nodes"])])
         assert f"{row['input_bytes'] / 2**20:.1f} MiB" in line
     assert any(row["input_bytes"] != problem.cut_bytes[row["start"]] for row in rows)
