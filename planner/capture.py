@@ -87,7 +87,8 @@ class ModelCall:
         self.fixed = dict(fixed or {})
         self.output_types = output
         self.binds = args is not None
-        if self.binds:
+        if args is not None:
+            kwargs = {} if kwargs is None else kwargs
             passed = self._passed(args, kwargs)
             self.positional = tuple(self.signature.parameters)[: len(args)]
             self.keywords = tuple({**kwargs, **self.fixed})
@@ -230,8 +231,8 @@ def _container_types(output):
         keep = type(output) is not dict or any(c is not None for c in children.values())
         return (type(output), children) if keep else None
     if isinstance(output, (list, tuple)):
-        children = [_container_types(value) for value in output]
-        return (type(output), children) if any(c is not None for c in children) else None
+        elements = [_container_types(value) for value in output]
+        return (type(output), elements) if any(c is not None for c in elements) else None
     return None
 
 
@@ -243,11 +244,11 @@ def _retyped(template, value):
         items = {key: _retyped(children.get(key), item) for key, item in value.items()}
         if kind is dict:
             return items
-        if dataclasses.is_dataclass(kind):  # Hugging Face ModelOutput
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):  # Hugging Face ModelOutput
             return kind(**items)
         return kind(items)
-    items = [_retyped(child, item) for child, item in zip(children, value)]
-    return kind(*items) if hasattr(kind, "_fields") else kind(items)
+    values = [_retyped(child, item) for child, item in zip(children, value)]
+    return kind(*values) if hasattr(kind, "_fields") else kind(values)
 
 
 def _non_tensor_arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict:
