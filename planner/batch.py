@@ -27,7 +27,7 @@ from planner.capture import Captured
 from planner.errors import PlanningError
 from planner.graph import CostModel, Problem
 from planner.pipeline import Plan, assemble, budget_in_bytes, choose, lowest_peak, prepare
-from planner.simulate import Segments, Simulation, as_choice, simulate
+from planner.simulate import Choice, Segments, Simulation, as_choice, simulate
 
 __all__ = ["BatchOption", "BatchPlan", "accumulation_problem", "plan_batch"]
 
@@ -298,7 +298,10 @@ def plan_batch(
     options: list[BatchOption] = []
     # (key, option, captured, problem, segments, simulation, solve seconds, solver name)
     best: (
-        tuple[tuple[float, int], BatchOption, Captured, Problem, Segments, Simulation, float, str]
+        tuple[
+            tuple[float, int], BatchOption, Captured, Problem, Segments | Choice, Simulation,
+            float, str,
+        ]
         | None
     ) = None
     smallest_minimum: tuple[int, int, int] | None = None  # (micro-batch, steps, lowest peak)

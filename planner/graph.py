@@ -128,9 +128,10 @@ class Problem:
     # node, whether the node draws random numbers, and whether it may be kept at all. Left out,
     # they read: every storage the node creates (created_bytes + workspace), no randomness, and
     # keepable where the node creates memory.
-    kept_bytes: np.ndarray | None = None
-    random: np.ndarray | None = None
-    keepable: np.ndarray | None = None
+    # None only until __post_init__ fills in the defaults, hence the ignores.
+    kept_bytes: np.ndarray = None  # type: ignore[assignment]
+    random: np.ndarray = None  # type: ignore[assignment]
+    keepable: np.ndarray = None  # type: ignore[assignment]
 
     def __post_init__(self):
         defaults = {

@@ -363,7 +363,7 @@ def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str
     if solver != "auto":
         name, solve = get_solver(solver)
         return name, _solver_result(name, solve(problem, budget, **options), problem)
-    best: tuple[tuple[bool, float], str, Segments] | None = None
+    best: tuple[tuple[bool, float], str, Segments | Choice] | None = None
     for name in ("optimal", "greedy", "sqrt_n"):
         if name not in SOLVERS or (name == "optimal" and problem.size > AUTO_OPTIMAL_MAX_NODES):
             continue

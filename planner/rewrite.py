@@ -617,8 +617,8 @@ def _checkpoint_segment(graph, env, holder, name: str, members: list[fx.Node],
         if m in kept:
             body.call_function(_keep_off)
     body.output(tuple(body_env[m] for m in outputs))
-    segment = Segment(fx.GraphModule(holder, body), *_segment_buffers(holder, members, inputs),
-                      selective)
+    modules, tensors = _segment_buffers(holder, members, inputs)
+    segment = Segment(fx.GraphModule(holder, body), modules, tensors, selective)
     holder.__dict__[name] = segment  # a plain attribute, not a child: state_dict stays the user's
 
     for a in inputs:

@@ -232,7 +232,6 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     positions.append(np.arange(upper - 1, -1, -1))
     phase, position = np.concatenate(phases), np.concatenate(positions)
 
-    backward = phase == 2
     recompute = phase == 1
     alloc = np.select(
         [phase == 0, recompute],

@@ -460,7 +460,7 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
     for g, group in enumerate(groups):
         group_of[group.start : group.stop] = g
     saved = problem.saved_bytes_per_node()
-    keep = getattr(plan, "keep", frozenset())
+    keep: frozenset[int] = getattr(plan, "keep", frozenset())
     kept = np.zeros(problem.size, dtype=bool)
     kept[list(keep)] = True
 

@@ -64,7 +64,7 @@ def test_a_kept_random_node_before_a_recomputed_one_is_refused():
 def test_fact_the_refused_random_keep_would_change_gradients():
     """Why the rule exists: the recompute restores the random state of the segment's start,
     and a kept random node draws nothing there, so the next random node draws other numbers."""
-    model, args, captured, problem, first, second = _random_nodes()
+    model, args, captured, problem, first, _ = _random_nodes()
     reference = copy.deepcopy(model)
     planned = rewrite(captured.graph_module, model, Choice(((0, problem.size),), frozenset({first})))
     with pytest.raises(AssertionError):
@@ -138,7 +138,7 @@ def test_simulated_peak_moves_exactly_as_the_measured_peak_when_nodes_are_kept(e
 
 def test_keeping_costs_memory_and_saves_recompute():
     model, args = _chain()
-    captured, problem = prepare(model, args)
+    _, problem = prepare(model, args)
     segments = ((0, 6), (6, problem.size))
     linears = frozenset(k for k in range(problem.size) if problem.labels[k] in ("0", "3", "6"))
     flat, selective = simulate(problem, segments), simulate(problem, Choice(segments, linears))
@@ -148,7 +148,7 @@ def test_keeping_costs_memory_and_saves_recompute():
 
 def test_a_plan_shows_its_kept_nodes():
     model, args = _chain()
-    captured, problem = prepare(model, args)
+    _, problem = prepare(model, args)
     keep = frozenset({0, 3})
     plan = _plan(model, args, Choice(((0, 6), (6, problem.size)), keep))
     assert plan.keep == keep and plan.choice == Choice(((0, 6), (6, problem.size)), keep)

@@ -434,5 +434,5 @@ def test_a_kept_node_that_does_not_match_the_graph_is_refused(saved, tmp_path):
     data["keep"] = [{"position": start, "name": "not_a_node"}]
     edited = tmp_path / "edited.json"
     edited.write_text(json.dumps(data))
-    with pytest.raises(PlanningError, match="kept node .* does not name the node"):
+    with pytest.raises(PlanningError, match=r"kept node .* does not name the node"):
         serialize.load(edited, small_gpt(seed=3)[0])
