@@ -317,9 +317,10 @@ def _refusing_manual_checkpoints(model: nn.Module):
     from torch.utils import checkpoint as module
 
     generator = module._checkpoint_without_reentrant_generator
-    had_apply = "apply" in module.CheckpointFunction.__dict__
-    original_apply = module.CheckpointFunction.__dict__.get("apply")
-    bound_apply = module.CheckpointFunction.apply
+    function = module.CheckpointFunction
+    had_apply = "apply" in function.__dict__
+    original_apply = function.__dict__.get("apply")
+    bound_apply = function.apply
 
     def refuse():
         raise PlanningError(
@@ -342,7 +343,8 @@ def _refusing_manual_checkpoints(model: nn.Module):
         return bound_apply(*args, **kwargs)
 
     module._checkpoint_without_reentrant_generator = refusing_generator
-    module.CheckpointFunction.apply = classmethod(refusing_apply)
+    # apply is replaced on purpose and restored below; mypy rejects assigning to a method.
+    function.apply = classmethod(refusing_apply)  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
@@ -848,7 +850,7 @@ def _trace_or_export(
         )
     except PlanningError:
         raise
-    except Exception as trace_error:  # noqa: BLE001 - any tracing failure means: try export
+    except Exception as trace_error:  # any tracing failure means: try export
         log.info("symbolic_trace failed (%s); trying torch.export", trace_error)
         try:
             with _keeping_buffers(model), _watching_exported_regions() as regions:
@@ -857,7 +859,7 @@ def _trace_or_export(
                 )
         except PlanningError:
             raise
-        except Exception as export_error:  # noqa: BLE001
+        except Exception as export_error:
             raise PlanningError(
                 f"cannot capture {type(model).__name__} as a graph.\n"
                 f"  torch.fx.symbolic_trace: {type(trace_error).__name__}: {trace_error}\n"

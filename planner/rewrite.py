@@ -219,12 +219,16 @@ def _buffer_read(holder: nn.Module, node: fx.Node) -> str | None:
     """The target of the buffer (a tensor of ``holder`` that is not a parameter) that ``node``
     reads, or returns after in-place ops on it (``buffer.mul_(0.9)``: the buffer itself)."""
     while updates_in_place(node):
-        node = node.args[0]
+        written = node.args[0]
+        if not isinstance(written, fx.Node):
+            return None
+        node = written
     if node.op != "get_attr":
         return None
-    value = operator.attrgetter(node.target)(holder)
+    target = str(node.target)
+    value = operator.attrgetter(target)(holder)
     is_buffer = isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
-    return node.target if is_buffer else None
+    return target if is_buffer else None
 
 
 def _is_buffer(holder: nn.Module, node: fx.Node) -> bool:

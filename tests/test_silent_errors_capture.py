@@ -65,7 +65,7 @@ def _check_random_segments(spec: RegionSpec, data) -> None:
         warnings.simplefilter("ignore", FutureWarning)
         if _exported(spec) and _region_in_autocast(spec.body):
             # torch.export (2.13) drops a no_grad nested in autocast: refused, not planned.
-            with pytest.raises(planner.PlanningError, match="nested inside torch.autocast"):
+            with pytest.raises(planner.PlanningError, match=r"nested inside torch\.autocast"):
                 prepare(model, args, kwargs)
             assert_same_state(before, model_state(model))
             return
@@ -311,7 +311,7 @@ def test_one_leaf_module_class_is_accepted_and_anything_else_refused():
     p = planner.plan(model, (x,), budget_gb=1, leaf_modules=nn.Linear)
     assert p.capture_method == "symbolic_trace"
     for wrong in ("Linear", nn.Linear(8, 8), (nn.Linear, 3)):
-        with pytest.raises(TypeError, match="leaf_modules must be an nn.Module subclass"):
+        with pytest.raises(TypeError, match=r"leaf_modules must be an nn\.Module subclass"):
             planner.plan(model, (x,), budget_gb=1, leaf_modules=wrong)
 
 
