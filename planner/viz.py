@@ -245,7 +245,8 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
         for r in shown:
             if r is None:
                 out.append(
-                    f'<tr><td colspan="{len(titles)}" style="text-align:center;color:#777">&hellip; '
+                    f'<tr><td colspan="{len(titles)}" '
+                    'style="text-align:center;color:#777">&hellip; '
                     f"{len(rows) - len(shown) + 1} more segments &hellip;</td></tr>"
                 )
                 continue
