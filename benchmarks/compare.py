@@ -53,7 +53,6 @@ from planner.graph import CostModel  # noqa: E402
 from planner.pipeline import choose, lowest_peak, plan, prepare  # noqa: E402
 from planner.rewrite import rewrite  # noqa: E402
 from planner.simulate import as_choice, simulate  # noqa: E402
-
 from planner.solvers import SOLVERS  # noqa: E402
 
 # The MILP is a checker for small graphs (minutes per budget beyond ~50 nodes), not a planner.

@@ -120,7 +120,8 @@ def optimizer_memory(optimizer, model: nn.Module | None = None) -> OptimizerMemo
             f"{type(optimizer).__name__}"
         )
     on_cuda = any(p.device.type == "cuda" for g in groups for p in g["params"])
-    meta = make(_meta_groups(groups, on_cuda))
+    # A subclass (or factory) that takes the groups alone; mypy checks the base's __init__.
+    meta = make(_meta_groups(groups, on_cuda))  # type: ignore[call-arg]
     meta.step()  # the first step creates the state
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                 for t in tree_leaves(list(meta.state.values())) if isinstance(t, torch.Tensor)}

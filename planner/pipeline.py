@@ -296,7 +296,7 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
-def lowest_peak_plan(problem: Problem) -> tuple[Segments, Simulation]:
+def lowest_peak_plan(problem: Problem) -> tuple[Segments | Choice, Simulation]:
     """The candidate plan with the lowest simulated peak, among those the strategies consider."""
     candidates = [
         SOLVERS["greedy"](problem, 0),

@@ -694,14 +694,14 @@ def profile(
         with cost, warnings.catch_warnings(), closing_regions(always=True):
             warnings.simplefilter("ignore", FutureWarning)  # pytree specs of exported modules
             output = recorder.run(*placeholder_values(gm, args, kwargs))
-        output_keys = {storages.key(t) for t in tree_leaves(output)} - {None}
+        output_keys = {k for t in tree_leaves(output) if (k := storages.key(t)) is not None}
         loss_at = None if loss_fn is None else loss_node(loss_fn)
-        if loss_at is None:
+        if loss_fn is None or loss_at is None:
             loss = training_loss(output)
         else:
             recorder.backward.nodes.append(loss_at)
             with cost:
-                loss = recorder.record(loss_at, lambda: _run_loss(loss_fn, output, copies))
+                loss = recorder.record(loss_at, functools.partial(_run_loss, loss_fn, output, copies))
         del output
         with recorder.backward, _StandIns(copies):  # the loss's labels, saved for backward
             loss.backward()

@@ -348,7 +348,7 @@ class _Snapshot:
             if not key.startswith("_")
             and key != "training"
             and _is_scalar(value)
-            and key in _names_read(type(m))
+            and key in _names_read(type(m))  # type: ignore[arg-type]  # a class is hashable
         ]
         self.attribute_dicts = [a[1] for a in self.attributes]
         self.attribute_keys = [a[2] for a in self.attributes]

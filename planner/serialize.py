@@ -525,7 +525,7 @@ def load(
     start_time = time.perf_counter()
     recorded = data.get("capture") or {}
     _check_mode(path, data, model, recorded.get("training"))
-    unmatched = ()
+    unmatched: list[str] = []
     if leaf_modules is None:
         leaf_modules = _leaf_classes(model, recorded.get("leaf_modules", ()))
         found = {_qualified_name(cls) for cls in leaf_modules}

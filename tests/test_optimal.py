@@ -19,8 +19,10 @@ from hypothesis import strategies as st
 
 from planner.graph import Problem, Storage
 from planner.simulate import Choice, as_choice, simulate, validate_choice
-from planner.solvers import SOLVERS
-from planner.solvers import optimal  # registers "optimal"
+from planner.solvers import (
+    SOLVERS,
+    optimal,  # registers "optimal"
+)
 from problems import all_plans, budgets, problem_of
 
 settings.register_profile("ci", max_examples=60, deadline=None,

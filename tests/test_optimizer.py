@@ -106,9 +106,9 @@ def test_a_plan_without_optimizer_is_unchanged():
 
 def test_anything_else_than_an_optimizer_is_refused():
     model, inputs = planner.zoo.mlp_chain(depth=2, width=16)
-    with pytest.raises(TypeError, match="optimizer= must be a torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"optimizer= must be a torch\.optim\.Optimizer"):
         planner.plan(model, inputs, budget_gb=1, optimizer="adam")
-    with pytest.raises(TypeError, match="optimizer= must be a torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"optimizer= must be a torch\.optim\.Optimizer"):
         planner.plan(model, inputs, budget_gb=1, optimizer=lambda params: list(params))
 
 

@@ -10,23 +10,26 @@ Any callable with this signature can be passed wherever a solver name is accepte
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from planner.graph import Problem
-from planner.simulate import Segments
+from planner.simulate import Choice, Segments
 
 
 class Solver(Protocol):
-    def __call__(self, problem: Problem, budget_bytes: int, **options) -> Segments: ...
+    def __call__(self, problem: Problem, budget_bytes: int, **options) -> Segments | Choice: ...
 
 
 SOLVERS: dict[str, Solver] = {}
 
 
-def register(name: str) -> Callable[[Solver], Solver]:
+AnySolver = TypeVar("AnySolver", bound=Solver)
+
+
+def register(name: str) -> Callable[[AnySolver], AnySolver]:
     """Decorator that makes a solver available by ``name``."""
 
-    def add(solver: Solver) -> Solver:
+    def add(solver: AnySolver) -> AnySolver:
         SOLVERS[name] = solver
         return solver
 

@@ -73,7 +73,13 @@ from functools import cached_property
 import numpy as np
 
 from planner.graph import Problem
-from planner.simulate import Choice, Segments, Simulation, last_recomputed, simulate, validate_choice
+from planner.simulate import (
+    Choice,
+    Segments,
+    last_recomputed,
+    simulate,
+    validate_choice,
+)
 from planner.solvers import register
 
 NEVER = np.iinfo(np.int64).max
@@ -593,7 +599,7 @@ def _segments_plan(
     if found is not None:
         results[found[1]] = simulate(problem, found[1])
     ranked = {plan: (r.peak_bytes, r.recompute_seconds) for plan, r in results.items()}
-    return min(ranked, key=ranked.get)
+    return min(ranked, key=ranked.__getitem__)
 
 
 @register("optimal")
@@ -665,8 +671,8 @@ def _eligible(problem: Problem, segments: Segments, value: np.ndarray) -> np.nda
         x for start, stop in segments
         for x in range(start, last_recomputed(problem, start, stop)) if value[x] > 0
     ]
-    positions = np.array(positions, dtype=np.int64)
-    return positions[np.argsort(-value[positions], kind="stable")]
+    order = np.array(positions, dtype=np.int64)
+    return order[np.argsort(-value[order], kind="stable")]
 
 
 def _best_prefix(problem: Problem, budget: int, segments: Segments, value: np.ndarray):
