@@ -218,9 +218,7 @@ class _UNetSequential(nn.Module):
         skips: list = []
         for k, piece in enumerate(self.pieces):
             if k < len(self.pieces) - 1:
-                x, *skips = checkpoint(
-                    self._run, piece, x, *skips, use_reentrant=False
-                )
+                x, *skips = checkpoint(self._run, piece, x, *skips, use_reentrant=False)
             else:
                 x, *skips = self._run(piece, x, *skips)
         return self.unet.head(x)

@@ -129,8 +129,9 @@ def _parse_overrides(items):
 def cost_model_for(model, args, roofline: bool) -> CostModel:
     """The planner's cost model: per-node times measured on the benchmark's device (what its
     step times are measured on), or the default roofline, whose figures describe a GPU."""
-    return CostModel() if roofline else CostModel(
-        measured_seconds=measure.node_seconds(model, args))
+    return (
+        CostModel() if roofline else CostModel(measured_seconds=measure.node_seconds(model, args))
+    )
 
 
 def _kind(model, label: str) -> str:
@@ -152,8 +153,12 @@ def pooled_seconds(problem, model) -> dict[str, float]:
     """
     groups: dict[tuple, list[int]] = {}
     for i, label in enumerate(problem.labels):
-        key = (_kind(model, label), float(problem.flops[i]), float(problem.bytes_moved[i]),
-               int(problem.created_bytes[i]))
+        key = (
+            _kind(model, label),
+            float(problem.flops[i]),
+            float(problem.bytes_moved[i]),
+            int(problem.created_bytes[i]),
+        )
         groups.setdefault(key, []).append(i)
     pooled = {}
     for members in groups.values():
@@ -185,26 +190,41 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
     captured, problem = prepare(model, args, cost_model=cost_model)
     if not roofline and pool:
         cost_model = CostModel(measured_seconds=pooled_seconds(problem, model))
-        problem = dataclasses.replace(problem, seconds=cost_model.seconds(
-            problem.flops, problem.bytes_moved, problem.names))
+        problem = dataclasses.replace(
+            problem, seconds=cost_model.seconds(problem.flops, problem.bytes_moved, problem.names)
+        )
     prepare_seconds = time.perf_counter() - start
     fixed = problem.fixed_bytes + problem.gradient_bytes
     baseline_sim = simulate(problem, ())
     lowest = lowest_peak(problem)
 
     n_blocks = baselines.block_count(name, model)
-    variants.append(Variant("per-block", "per-block", baselines.per_block(name, model),
-                            blocks=n_blocks))
+    variants.append(
+        Variant("per-block", "per-block", baselines.per_block(name, model), blocks=n_blocks)
+    )
     if baselines.has_checkpoint_sequential(name):
-        variants.append(Variant("ckpt-seq", "ckpt-seq",
-                                baselines.checkpoint_sequential(name, model), blocks=n_blocks,
-                                segments=baselines.sqrt_segments(n_blocks)))
+        variants.append(
+            Variant(
+                "ckpt-seq",
+                "ckpt-seq",
+                baselines.checkpoint_sequential(name, model),
+                blocks=n_blocks,
+                segments=baselines.sqrt_segments(n_blocks),
+            )
+        )
     for i, b in enumerate(MODES[mode]["compile_budgets"]):
         module = baselines.compiled(model, b, f"{name}_{i}")
         begin = time.perf_counter()
         baselines.compile_now(module, b, lambda m: measure.training_step(m, args))
-        variants.append(Variant(f"compile {b:g}", "compile", module, activation_memory_budget=b,
-                                compile_seconds=time.perf_counter() - begin))
+        variants.append(
+            Variant(
+                f"compile {b:g}",
+                "compile",
+                module,
+                activation_memory_budget=b,
+                compile_seconds=time.perf_counter() - begin,
+            )
+        )
     for v in variants[1:]:
         v.measured["memory"] = measure.peak_memory(v.module, args)
     none_peak = none.measured["memory"].peak_bytes
@@ -223,11 +243,17 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
             solve_seconds = time.perf_counter() - begin
             choice = as_choice(chosen)
             sim = simulate(problem, choice)
-            row = dict(solver=solver, ran=ran, budget=label, budget_bytes=int(budget),
-                       solve_seconds=solve_seconds, segments=len(choice.segments),
-                       kept=len(choice.keep),
-                       predicted_peak_bytes=int(sim.peak_bytes),
-                       predicted_overhead=sim.recompute_seconds / (3 * float(problem.seconds.sum())))
+            row = dict(
+                solver=solver,
+                ran=ran,
+                budget=label,
+                budget_bytes=int(budget),
+                solve_seconds=solve_seconds,
+                segments=len(choice.segments),
+                kept=len(choice.keep),
+                predicted_peak_bytes=int(sim.peak_bytes),
+                predicted_overhead=sim.recompute_seconds / (3 * float(problem.seconds.sum())),
+            )
             if sim.peak_bytes > budget:
                 row["status"] = "infeasible"
                 plans.append(row)
@@ -238,12 +264,16 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
                 begin = time.perf_counter()
                 module = rewrite(captured.graph_module, model, choice)
                 rewrite_seconds = time.perf_counter() - begin
-                v = Variant(f"planner#{len(by_segments)}", "planner", module,
-                            segments=[list(s) for s in choice.segments],
-                            kept=sorted(choice.keep),
-                            predicted_peak_bytes=int(sim.peak_bytes),
-                            predicted_overhead=row["predicted_overhead"],
-                            rewrite_seconds=rewrite_seconds)
+                v = Variant(
+                    f"planner#{len(by_segments)}",
+                    "planner",
+                    module,
+                    segments=[list(s) for s in choice.segments],
+                    kept=sorted(choice.keep),
+                    predicted_peak_bytes=int(sim.peak_bytes),
+                    predicted_overhead=row["predicted_overhead"],
+                    rewrite_seconds=rewrite_seconds,
+                )
                 by_segments[key] = v
                 variants.append(v)
                 v.measured["memory"] = measure.peak_memory(module, args)
@@ -257,8 +287,10 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
     plan(model, args, budget_bytes=plan_budget, cost_model=cost_model)
     plan_seconds = time.perf_counter() - begin
 
-    _log(f"   {len(variants)} variants planned and measured ({time.perf_counter() - t0:.0f} s); "
-         f"FLOPs, saved bytes, timing x{reps}")
+    _log(
+        f"   {len(variants)} variants planned and measured ({time.perf_counter() - t0:.0f} s); "
+        f"FLOPs, saved bytes, timing x{reps}"
+    )
     flops_check = measure.step_flops(model, args)
     exclude = measure._state_tensors(model, args, {})
     for v in variants:
@@ -305,8 +337,9 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
         lowest_predicted_peak_bytes=int(lowest.peak_bytes),
         prepare_seconds=prepare_seconds,
         plan_seconds=plan_seconds,
-        flops_cross_check=dict(planner_measure_step_flops=flops_check,
-                               instruments_step_flops=none.measured["flops"]),
+        flops_cross_check=dict(
+            planner_measure_step_flops=flops_check, instruments_step_flops=none.measured["flops"]
+        ),
         variants=record_variants,
         plans=plans,
     )
@@ -314,8 +347,14 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
 
 def _auto_row(model: dict, budget_label: str):
     """The ``auto`` plan row at one budget label, when it fits; else None."""
-    return next((p for p in model["plans"] if p["solver"] == "auto"
-                 and p["budget"] == budget_label and p["status"] == "ok"), None)
+    return next(
+        (
+            p
+            for p in model["plans"]
+            if p["solver"] == "auto" and p["budget"] == budget_label and p["status"] == "ok"
+        ),
+        None,
+    )
 
 
 def _at_compile_peaks(m: dict) -> dict:
@@ -328,24 +367,44 @@ def _at_compile_peaks(m: dict) -> dict:
             continue
         row = _auto_row(m, f"= {key}")
         if row is None:
-            rows.append(dict(compile=key, planner=None, fits=False, flops_met=False,
-                             time_met=False, met=False))
+            rows.append(
+                dict(
+                    compile=key,
+                    planner=None,
+                    fits=False,
+                    flops_met=False,
+                    time_met=False,
+                    met=False,
+                )
+            )
             continue
         p = v[row["variant"]]
         fits = p["peak_bytes"] <= c["peak_bytes"]
         flops_met = p["flops_ratio"] <= c["flops_ratio"] + 0.01
         time_met = p["time_ratio"] <= c["time_ratio"]
-        rows.append(dict(
-            compile=key, planner=row["variant"], fits=fits,
-            compile_peak_ratio=c["peak_ratio"], planner_peak_ratio=p["peak_ratio"],
-            compile_extra_flops=c["flops_ratio"] - 1, planner_extra_flops=p["flops_ratio"] - 1,
-            compile_time_ratio=c["time_ratio"], planner_time_ratio=p["time_ratio"],
-            # the IQRs overlap: the time comparison is within this machine's noise
-            time_within_noise=p["time_ratio_q1"] <= c["time_ratio_q3"],
-            flops_met=flops_met, time_met=time_met, met=fits and flops_met and time_met,
-        ))
-    return dict(rows=rows, met=all(r["met"] for r in rows),
-                flops_met=all(r["fits"] and r["flops_met"] for r in rows))
+        rows.append(
+            dict(
+                compile=key,
+                planner=row["variant"],
+                fits=fits,
+                compile_peak_ratio=c["peak_ratio"],
+                planner_peak_ratio=p["peak_ratio"],
+                compile_extra_flops=c["flops_ratio"] - 1,
+                planner_extra_flops=p["flops_ratio"] - 1,
+                compile_time_ratio=c["time_ratio"],
+                planner_time_ratio=p["time_ratio"],
+                # the IQRs overlap: the time comparison is within this machine's noise
+                time_within_noise=p["time_ratio_q1"] <= c["time_ratio_q3"],
+                flops_met=flops_met,
+                time_met=time_met,
+                met=fits and flops_met and time_met,
+            )
+        )
+    return dict(
+        rows=rows,
+        met=all(r["met"] for r in rows),
+        flops_met=all(r["fits"] and r["flops_met"] for r in rows),
+    )
 
 
 def evaluate_targets(models: dict) -> dict:
@@ -388,19 +447,28 @@ def evaluate_targets(models: dict) -> dict:
         dominated = []
         for k in planner_keys:
             for b in baseline_keys:
-                if (v[b]["peak_bytes"] < v[k]["peak_bytes"]
-                        and v[b]["time_ratio"] < v[k]["time_ratio"]):
-                    clear = (v[b]["peak_bytes"] < 0.99 * v[k]["peak_bytes"]
-                             and v[b]["time_ratio_q3"] < v[k]["time_ratio_q1"])
+                if (
+                    v[b]["peak_bytes"] < v[k]["peak_bytes"]
+                    and v[b]["time_ratio"] < v[k]["time_ratio"]
+                ):
+                    clear = (
+                        v[b]["peak_bytes"] < 0.99 * v[k]["peak_bytes"]
+                        and v[b]["time_ratio_q3"] < v[k]["time_ratio_q1"]
+                    )
                     dominated.append(dict(planner=k, by=b, beyond_noise=clear))
-        t["dominated"] = dict(points=dominated, met=not dominated,
-                              met_beyond_noise=not any(d["beyond_noise"] for d in dominated))
+        t["dominated"] = dict(
+            points=dominated,
+            met=not dominated,
+            met_beyond_noise=not any(d["beyond_noise"] for d in dominated),
+        )
         # 4. predicted peak within 2 % of measured.
         errors = {k: v[k]["prediction_error"] for k in planner_keys}
         worst = max(errors, key=lambda k: abs(errors[k])) if errors else None
-        t["prediction"] = dict(worst_variant=worst,
-                               worst_error=errors[worst] if worst else None,
-                               met=all(abs(e) <= 0.02 for e in errors.values()))
+        t["prediction"] = dict(
+            worst_variant=worst,
+            worst_error=errors[worst] if worst else None,
+            met=all(abs(e) <= 0.02 for e in errors.values()),
+        )
         # 5. at every peak torch.compile reached: fits, FLOPs <= compile's + 1 %, time <= its.
         t["at_compile_peaks"] = _at_compile_peaks(m)
         # 6. planner's lowest measured peak below every baseline's.
@@ -409,10 +477,13 @@ def evaluate_targets(models: dict) -> dict:
         compiled = [v[b]["peak_bytes"] for b in baseline_keys if v[b]["method"] == "compile"]
         if lowest:
             low = v[lowest["variant"]]
-            t["lowest"] = dict(variant=lowest["variant"], peak_ratio=low["peak_ratio"],
-                               compile_lowest_ratio=min(compiled) / v["none"]["peak_bytes"],
-                               baselines_lowest_ratio=others / v["none"]["peak_bytes"],
-                               met=low["peak_bytes"] <= others)
+            t["lowest"] = dict(
+                variant=lowest["variant"],
+                peak_ratio=low["peak_ratio"],
+                compile_lowest_ratio=min(compiled) / v["none"]["peak_bytes"],
+                baselines_lowest_ratio=others / v["none"]["peak_bytes"],
+                met=low["peak_bytes"] <= others,
+            )
         out[name] = t
     return out
 
@@ -429,34 +500,58 @@ def machine() -> dict:
         cpu = names[0] if names else cpu
     except OSError:
         pass
-    return dict(cpu=cpu, cores=os.cpu_count(), load_average=load, platform=platform.platform(),
-                python=platform.python_version(), torch=torch.__version__,
-                threads=torch.get_num_threads(),
-                cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    return dict(
+        cpu=cpu,
+        cores=os.cpu_count(),
+        load_average=load,
+        platform=platform.platform(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    )
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=sorted(MODES), default="short")
     parser.add_argument("--models", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS))
-    parser.add_argument("--set", action="append", metavar="MODEL:K=V,...",
-                        help="override a model's configuration, e.g. mlp:depth=8,width=32")
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="MODEL:K=V,...",
+        help="override a model's configuration, e.g. mlp:depth=8,width=32",
+    )
     parser.add_argument("--reps", type=int, help="timed repetitions (default: by mode)")
-    parser.add_argument("--solvers", nargs="+", choices=["auto", *BENCHMARKED_SOLVERS],
-                        help="planner solvers to run (default: auto and every registered one)")
+    parser.add_argument(
+        "--solvers",
+        nargs="+",
+        choices=["auto", *BENCHMARKED_SOLVERS],
+        help="planner solvers to run (default: auto and every registered one)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--device", default=None, help="cpu (default) or cuda")
-    parser.add_argument("--roofline", action="store_true",
-                        help="plan with the default roofline cost model, not measured node times")
-    parser.add_argument("--unpooled", action="store_true",
-                        help="plan with each node's own measured time, not the median of the "
-                             "nodes doing the same work (pooled_seconds)")
+    parser.add_argument(
+        "--roofline",
+        action="store_true",
+        help="plan with the default roofline cost model, not measured node times",
+    )
+    parser.add_argument(
+        "--unpooled",
+        action="store_true",
+        help="plan with each node's own measured time, not the median of the "
+        "nodes doing the same work (pooled_seconds)",
+    )
     parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/MODE.json)")
     parser.add_argument("--page", type=Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--img-dir", type=Path, default=ROOT / "docs" / "img")
     parser.add_argument("--no-page", action="store_true", help="write the JSON only")
-    parser.add_argument("--page-only", type=Path, metavar="JSON",
-                        help="re-render the page from a results JSON, measuring nothing")
+    parser.add_argument(
+        "--page-only",
+        type=Path,
+        metavar="JSON",
+        help="re-render the page from a results JSON, measuring nothing",
+    )
     opts = parser.parse_args(argv)
 
     if opts.page_only:
@@ -477,8 +572,9 @@ def main(argv=None) -> dict:
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         machine=machine(),
         solvers=opts.solvers or ["auto", *BENCHMARKED_SOLVERS],
-        cost_model="roofline" if opts.roofline else
-        "measured" + ("" if opts.unpooled else ", pooled"),
+        cost_model="roofline"
+        if opts.roofline
+        else "measured" + ("" if opts.unpooled else ", pooled"),
         compile_budgets=list(MODES[opts.mode]["compile_budgets"]),
         models={},
     )
@@ -486,9 +582,16 @@ def main(argv=None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in opts.models:
         config = {**CONFIGS[name], **overrides.get(name, {})}
-        results["models"][name] = bench_model(name, config, opts.mode, opts.device, reps,
-                                              opts.roofline, results["solvers"],
-                                              not opts.unpooled)
+        results["models"][name] = bench_model(
+            name,
+            config,
+            opts.mode,
+            opts.device,
+            reps,
+            opts.roofline,
+            results["solvers"],
+            not opts.unpooled,
+        )
         gc.collect()
         # written after every model, so that an interrupted run keeps what it measured
         results["targets"] = evaluate_targets(results["models"])

@@ -50,14 +50,17 @@ class Block(nn.Module):
 def residual_mlp(blocks: int = BLOCKS, width: int = WIDTH, batch: int = BATCH):
     torch.manual_seed(0)
     return nn.Sequential(*[Block(width) for _ in range(blocks)]).train(), (
-        torch.randn(batch, width),)
+        torch.randn(batch, width),
+    )
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=BLOCKS)
     parser.add_argument("--reps", type=int, default=11)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cost_model.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "cost_model.json"
+    )
     opts = parser.parse_args(argv)
     torch.set_num_threads(1)
     model, args = residual_mlp(opts.blocks)
@@ -74,8 +77,10 @@ def main(argv=None) -> dict:
     baseline = simulate(problem, ()).peak_bytes
     budget = fixed + (baseline - fixed) // 2
 
-    plans = {name: plan(model, args, budget_bytes=budget, solver="optimal", cost_model=cm)
-             for name, cm in models.items()}
+    plans = {
+        name: plan(model, args, budget_bytes=budget, solver="optimal", cost_model=cm)
+        for name, cm in models.items()
+    }
     modules = {"none": model, **{name: p.module for name, p in plans.items()}}
     times: dict[str, list[float]] = {name: [] for name in modules}
     order = list(modules)
@@ -88,18 +93,25 @@ def main(argv=None) -> dict:
             if r:
                 times[name].append(time.perf_counter() - begin)
     results = dict(
-        command="python benchmarks/cost_model.py " + " ".join(argv if argv is not None
-                                                               else sys.argv[1:]),
-        blocks=opts.blocks, width=WIDTH, batch=BATCH, reps=opts.reps, budget_bytes=budget,
-        linear_seconds=dict(min=float(min(linear)), median=float(statistics.median(linear)),
-                            max=float(max(linear))),
+        command="python benchmarks/cost_model.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        blocks=opts.blocks,
+        width=WIDTH,
+        batch=BATCH,
+        reps=opts.reps,
+        budget_bytes=budget,
+        linear_seconds=dict(
+            min=float(min(linear)), median=float(statistics.median(linear)), max=float(max(linear))
+        ),
         plans={
             name: dict(
-                segments=len(p.segments), kept=len(getattr(p, "keep", ()) or ()),
+                segments=len(p.segments),
+                kept=len(getattr(p, "keep", ()) or ()),
                 predicted_overhead=p.predicted_overhead,
                 predicted_peak_bytes=p.predicted_peak_bytes,
                 measured_time_ratio=statistics.median(
-                    [t / t0 for t, t0 in zip(times[name], times["none"])]),
+                    [t / t0 for t, t0 in zip(times[name], times["none"])]
+                ),
             )
             for name, p in plans.items()
         },

@@ -94,14 +94,25 @@ def run_family(family: str, sizes: list[int], fraction: float, cap: float) -> li
         for name in SOLVER_ORDER:
             if name not in SOLVERS:
                 continue
-            row = dict(family=family, nodes=problem.size, prepare=prepare_seconds, solver=name,
-                       budget=budget, baseline=baseline)
+            row = dict(
+                family=family,
+                nodes=problem.size,
+                prepare=prepare_seconds,
+                solver=name,
+                budget=budget,
+                baseline=baseline,
+            )
             if name in last:  # at least quadratic in the nodes: every solver simulates plans
                 nodes, seconds = last[name]
                 estimate = seconds * (problem.size / nodes) ** 2
                 if estimate > cap:
-                    rows.append({**row, "note": f"skipped: about {estimate:,.0f} s expected "
-                                                "(quadratic extrapolation)"})
+                    rows.append(
+                        {
+                            **row,
+                            "note": f"skipped: about {estimate:,.0f} s expected "
+                            "(quadratic extrapolation)",
+                        }
+                    )
                     continue
             seconds, segments = timed(lambda: SOLVERS[name](problem, budget), cap)
             if segments is None:
@@ -111,10 +122,17 @@ def run_family(family: str, sizes: list[int], fraction: float, cap: float) -> li
             last[name] = (problem.size, seconds)
             result = simulate(problem, segments)
             step = 3 * float(problem.seconds.sum())
-            rows.append({**row, "solve": seconds, "segments": len(as_choice(segments).segments),
-                         "kept": len(as_choice(segments).keep),
-                         "peak": result.peak_bytes, "fits": result.peak_bytes <= budget,
-                         "overhead": result.recompute_seconds / step if step else 0.0})
+            rows.append(
+                {
+                    **row,
+                    "solve": seconds,
+                    "segments": len(as_choice(segments).segments),
+                    "kept": len(as_choice(segments).keep),
+                    "peak": result.peak_bytes,
+                    "fits": result.peak_bytes <= budget,
+                    "overhead": result.recompute_seconds / step if step else 0.0,
+                }
+            )
         print(f"  {family}: {problem.size} nodes done", file=sys.stderr)
     return rows
 
@@ -127,17 +145,20 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         solve = r.get("solve")
-        timing = (f"{solve:.3f} | {r['prepare'] + solve:.2f}" if solve is not None
-                  else "– | –")
+        timing = f"{solve:.3f} | {r['prepare'] + solve:.2f}" if solve is not None else "– | –"
         if "peak" in r:
             fits = "" if r["fits"] else " (does not fit)"
             kept = f" ({r['kept']} kept)" if r.get("kept") else ""
-            result = (f"{r['segments']}{kept} | {r['peak'] / MIB:,.1f} / {r['budget'] / MIB:,.1f}{fits} "
-                      f"| {r['overhead']:.1%}")
+            result = (
+                f"{r['segments']}{kept} | {r['peak'] / MIB:,.1f} / {r['budget'] / MIB:,.1f}{fits} "
+                f"| {r['overhead']:.1%}"
+            )
         else:
             result = f"– | – / {r['budget'] / MIB:,.1f} | –"
-        lines.append(f"| {r['family']} | {r['nodes']:,} | {r['prepare']:.2f} | {r['solver']} | "
-                     f"{timing} | {result} | {r.get('note', '')} |")
+        lines.append(
+            f"| {r['family']} | {r['nodes']:,} | {r['prepare']:.2f} | {r['solver']} | "
+            f"{timing} | {result} | {r.get('note', '')} |"
+        )
     return "\n".join(lines)
 
 
@@ -147,26 +168,43 @@ def plan_7b(budget_gib: float) -> str:
     start = time.perf_counter()
     plan = planner.plan(model, inputs, budget_gb=budget_gib)
     seconds = time.perf_counter() - start
-    return (f"7B-class decoder ({parameters / 1e9:.2f}e9 parameters, float32, no optimizer "
-            f"state), budget {budget_gib:g} GiB: planned in {seconds:.1f} s "
-            f"({plan.problem.size:,} nodes)\n\n```\n{plan}\n```")
+    return (
+        f"7B-class decoder ({parameters / 1e9:.2f}e9 parameters, float32, no optimizer "
+        f"state), budget {budget_gib:g} GiB: planned in {seconds:.1f} s "
+        f"({plan.problem.size:,} nodes)\n\n```\n{plan}\n```"
+    )
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", type=int, nargs="+",
-                        help="approximate graph sizes (nodes) per family (default 1000 10000; "
-                             "200 1000 with --quick)")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        nargs="+",
+        help="approximate graph sizes (nodes) per family (default 1000 10000; "
+        "200 1000 with --quick)",
+    )
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
-    parser.add_argument("--fraction", type=float, default=0.5,
-                        help="budget: greedy's lowest peak + this fraction of the way to the "
-                             "baseline peak (default 0.5)")
-    parser.add_argument("--cap", type=float, default=300.0,
-                        help="seconds a solver may take on one graph before it is stopped")
+    parser.add_argument(
+        "--fraction",
+        type=float,
+        default=0.5,
+        help="budget: greedy's lowest peak + this fraction of the way to the "
+        "baseline peak (default 0.5)",
+    )
+    parser.add_argument(
+        "--cap",
+        type=float,
+        default=300.0,
+        help="seconds a solver may take on one graph before it is stopped",
+    )
     parser.add_argument("--budget-7b-gib", type=float, default=80.0)
     parser.add_argument("--skip-7b", action="store_true")
-    parser.add_argument("--quick", action="store_true",
-                        help="small graphs (200 and 1000 nodes), 60 s cap: about 20 s")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small graphs (200 and 1000 nodes), 60 s cap: about 20 s",
+    )
     parser.add_argument("--out", type=Path, help="append the Markdown report to this file")
     args = parser.parse_args(argv)
     if args.nodes is None:
@@ -178,8 +216,11 @@ def main(argv=None) -> None:
     warm_up = time.perf_counter()
     prepare(*zoo.mlp_chain(depth=2, device="meta"))
     warm_up = time.perf_counter() - warm_up
-    rows = [r for family in args.families
-            for r in run_family(family, args.nodes, args.fraction, args.cap)]
+    rows = [
+        r
+        for family in args.families
+        for r in run_family(family, args.nodes, args.fraction, args.cap)
+    ]
     report = [
         f"## Planning time ({datetime.date.today().isoformat()})",
         "",

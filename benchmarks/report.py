@@ -24,30 +24,57 @@ def plot_model(name: str, model: dict, path: Path) -> None:
 
     v = model["variants"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    styles = {"none": ("k", "o"), "per-block": ("tab:red", "s"), "ckpt-seq": ("tab:orange", "D"),
-              "compile": ("tab:purple", "^")}
+    styles = {
+        "none": ("k", "o"),
+        "per-block": ("tab:red", "s"),
+        "ckpt-seq": ("tab:orange", "D"),
+        "compile": ("tab:purple", "^"),
+    }
     for key, r in v.items():
         if r["method"] in styles:
             color, marker = styles[r["method"]]
-            ax.errorbar(r["peak_ratio"], r["time_ratio"],
-                        yerr=[[r["time_ratio"] - r["time_ratio_q1"]],
-                              [r["time_ratio_q3"] - r["time_ratio"]]],
-                        color=color, marker=marker, ms=7, ls="none", capsize=2)
-            ax.annotate(key, (r["peak_ratio"], r["time_ratio"]), fontsize=7,
-                        xytext=(4, 3), textcoords="offset points", color=color)
+            ax.errorbar(
+                r["peak_ratio"],
+                r["time_ratio"],
+                yerr=[
+                    [r["time_ratio"] - r["time_ratio_q1"]],
+                    [r["time_ratio_q3"] - r["time_ratio"]],
+                ],
+                color=color,
+                marker=marker,
+                ms=7,
+                ls="none",
+                capsize=2,
+            )
+            ax.annotate(
+                key,
+                (r["peak_ratio"], r["time_ratio"]),
+                fontsize=7,
+                xytext=(4, 3),
+                textcoords="offset points",
+                color=color,
+            )
     colors = ["tab:blue", "tab:green", "tab:cyan", "tab:olive", "tab:brown"]
     solvers = sorted({p["solver"] for p in model["plans"]}, key=lambda s: (s != "auto", s))
     for i, solver in enumerate(solvers):
-        keys = sorted({p["variant"] for p in model["plans"]
-                       if p["solver"] == solver and p["status"] == "ok"},
-                      key=lambda k: v[k]["peak_ratio"])
+        keys = sorted(
+            {p["variant"] for p in model["plans"] if p["solver"] == solver and p["status"] == "ok"},
+            key=lambda k: v[k]["peak_ratio"],
+        )
         if not keys:
             continue
         xs = [v[k]["peak_ratio"] for k in keys]
         ys = [v[k]["time_ratio"] for k in keys]
-        ax.plot(xs, ys, marker="o" if solver == "auto" else ".", ls="-" if solver == "auto" else ":",
-                color=colors[i % len(colors)], label=f"planner {solver}",
-                ms=6 if solver == "auto" else 5, zorder=3 if solver == "auto" else 2)
+        ax.plot(
+            xs,
+            ys,
+            marker="o" if solver == "auto" else ".",
+            ls="-" if solver == "auto" else ":",
+            color=colors[i % len(colors)],
+            label=f"planner {solver}",
+            ms=6 if solver == "auto" else 5,
+            zorder=3 if solver == "auto" else 2,
+        )
     for method, (color, marker) in styles.items():
         ax.plot([], [], color=color, marker=marker, ls="none", label=method)
     ax.set_xlabel("peak memory of a training step / no checkpointing")
@@ -62,28 +89,42 @@ def plot_model(name: str, model: dict, path: Path) -> None:
 
 
 def _dominated_text(d, auto) -> str:
-    pairs = ", ".join(sorted({f"{x['planner']}{' (auto)' if x['planner'] in auto else ''} by "
-                              f"{x['by']}" + ("" if x["beyond_noise"] else " (within noise)")
-                              for x in d["points"]}))
+    pairs = ", ".join(
+        sorted(
+            {
+                f"{x['planner']}{' (auto)' if x['planner'] in auto else ''} by "
+                f"{x['by']}" + ("" if x["beyond_noise"] else " (within noise)")
+                for x in d["points"]
+            }
+        )
+    )
     return f"dominated: {pairs}"
 
 
 def _cost_model_line(results) -> str:
     model = results.get("cost_model", "roofline")
     if model.startswith("measured"):
-        pooled = (" Each time is then replaced by the median over the nodes doing the same "
-                  "work (same module class or op, FLOPs, bytes moved and created: "
-                  "`benchmarks/compare.py` `pooled_seconds`), since single timings on this "
-                  "shared machine spread up to 10x between identical layers; `--unpooled` "
-                  "plans with the raw times." if "pooled" in model else "")
-        return ("- **Planner's cost model**: each node's time measured on the benchmark's device "
-                "(`CostModel(measured_seconds=planner.measure.node_seconds(model, inputs))`, "
-                "counted in the planning times), so plans weigh recompute as this machine runs "
-                "it; `--roofline` plans with the default roofline, whose figures describe a GPU."
-                + pooled)
-    return ("- **Planner's cost model**: the default roofline (GPU figures); the step times are "
-            "measured on this machine, so the planner's idea of what is cheap to recompute may "
-            "differ from what is.")
+        pooled = (
+            " Each time is then replaced by the median over the nodes doing the same "
+            "work (same module class or op, FLOPs, bytes moved and created: "
+            "`benchmarks/compare.py` `pooled_seconds`), since single timings on this "
+            "shared machine spread up to 10x between identical layers; `--unpooled` "
+            "plans with the raw times."
+            if "pooled" in model
+            else ""
+        )
+        return (
+            "- **Planner's cost model**: each node's time measured on the benchmark's device "
+            "(`CostModel(measured_seconds=planner.measure.node_seconds(model, inputs))`, "
+            "counted in the planning times), so plans weigh recompute as this machine runs "
+            "it; `--roofline` plans with the default roofline, whose figures describe a GPU."
+            + pooled
+        )
+    return (
+        "- **Planner's cost model**: the default roofline (GPU figures); the step times are "
+        "measured on this machine, so the planner's idea of what is cheap to recompute may "
+        "differ from what is."
+    )
 
 
 def _target_lines(results) -> list[str]:
@@ -108,47 +149,64 @@ def _target_lines(results) -> list[str]:
             f"**{'met' if b['met'] else 'missed'}**."
         )
     elif g:
-        lines.append("- **GPT, at per-block's overhead**: no planner point was as fast as "
-                     "per-block: **missed**.")
+        lines.append(
+            "- **GPT, at per-block's overhead**: no planner point was as fast as "
+            "per-block: **missed**."
+        )
     for name, m in t.items():
         model = results["models"][name]
         v = model["variants"]
-        auto = {p["variant"] for p in model["plans"] if p["solver"] == "auto" and p["status"] == "ok"}
+        auto = {
+            p["variant"] for p in model["plans"] if p["solver"] == "auto" and p["status"] == "ok"
+        }
         d = m["dominated"]
         p = m["prediction"]
         at = m.get("at_per_block_peak")
         parts = []
         if at:
-            row = next(p for p in model["plans"] if p["solver"] == "auto"
-                       and p["budget"] == "= per-block" and p["status"] == "ok")
-            text = (f"at per-block's peak: planner overhead {_pct(at['planner_overhead'])} vs "
-                    f"{_pct(at['per_block_overhead'])} ({'met' if at['met'] else 'missed'}")
+            row = next(
+                p
+                for p in model["plans"]
+                if p["solver"] == "auto" and p["budget"] == "= per-block" and p["status"] == "ok"
+            )
+            text = (
+                f"at per-block's peak: planner overhead {_pct(at['planner_overhead'])} vs "
+                f"{_pct(at['per_block_overhead'])} ({'met' if at['met'] else 'missed'}"
+            )
             if not at["met"]:
-                act = (model["lowest_predicted_peak_bytes"] - model["fixed_bytes"]
-                       - model["gradient_bytes"]) / max(v["none"]["activation_bytes"], 1)
+                act = (
+                    model["lowest_predicted_peak_bytes"]
+                    - model["fixed_bytes"]
+                    - model["gradient_bytes"]
+                ) / max(v["none"]["activation_bytes"], 1)
                 extra_pl = v[row["variant"]]["flops_ratio"] - 1
                 extra_pb = v["per-block"]["flops_ratio"] - 1
                 if extra_pl <= 0.55 * extra_pb:  # at (or within rounding of) half
-                    text += (f": extra FLOPs {extra_pl:+.0%} vs {extra_pb:+.0%} are about half; "
-                             f"the time does not, as recomputed elementwise/norm ops cost more "
-                             f"than their FLOPs, and the IQRs overlap")
+                    text += (
+                        f": extra FLOPs {extra_pl:+.0%} vs {extra_pb:+.0%} are about half; "
+                        f"the time does not, as recomputed elementwise/norm ops cost more "
+                        f"than their FLOPs, and the IQRs overlap"
+                    )
                 else:
-                    text += (f": per-block already keeps only "
-                             f"{v['per-block']['activation_ratio']:.0%} of the activations and "
-                             f"the lowest plan {act:.0%}, so at that memory planner must "
-                             f"recompute almost as much: extra FLOPs {extra_pl:+.0%} vs "
-                             f"{extra_pb:+.0%}")
+                    text += (
+                        f": per-block already keeps only "
+                        f"{v['per-block']['activation_ratio']:.0%} of the activations and "
+                        f"the lowest plan {act:.0%}, so at that memory planner must "
+                        f"recompute almost as much: extra FLOPs {extra_pl:+.0%} vs "
+                        f"{extra_pb:+.0%}"
+                    )
             parts.append(text + ")")
         if d["met"]:
             parts.append("never dominated")
         elif not any(x["planner"] in auto and x["beyond_noise"] for x in d["points"]):
-            parts.append("planner auto never dominated beyond noise; "
-                         + _dominated_text(d, auto))
+            parts.append("planner auto never dominated beyond noise; " + _dominated_text(d, auto))
         else:
             parts.append(_dominated_text(d, auto))
         if p["worst_variant"]:
-            parts.append(f"worst prediction error {p['worst_error']:+.1%} ({p['worst_variant']}; "
-                         f"{'met' if p['met'] else 'missed'})")
+            parts.append(
+                f"worst prediction error {p['worst_error']:+.1%} ({p['worst_variant']}; "
+                f"{'met' if p['met'] else 'missed'})"
+            )
         lines.append(f"- {name}: " + "; ".join(parts) + ".")
     return lines
 
@@ -177,9 +235,11 @@ def _target_tables(results) -> list[str]:
             c = v[r["compile"]]
             budget = f"{c['activation_memory_budget']:g}"
             if r["planner"] is None:
-                out.append(f"| {name} | {budget} | {c['peak_ratio']:.2f} | "
-                           f"{c['flops_ratio'] - 1:+.1%} | {c['time_ratio']:.2f} | no plan fits "
-                           f"| | | **missed** | **missed** |")
+                out.append(
+                    f"| {name} | {budget} | {c['peak_ratio']:.2f} | "
+                    f"{c['flops_ratio'] - 1:+.1%} | {c['time_ratio']:.2f} | no plan fits "
+                    f"| | | **missed** | **missed** |"
+                )
                 continue
             noise = " ~" if r["time_within_noise"] and not r["time_met"] else ""
             out.append(
@@ -187,7 +247,8 @@ def _target_tables(results) -> list[str]:
                 f"{r['compile_extra_flops']:+.1%} | {r['compile_time_ratio']:.2f} | "
                 f"{r['planner_peak_ratio']:.2f}{'' if r['fits'] else ' (over)'} | "
                 f"{r['planner_extra_flops']:+.1%} | {r['planner_time_ratio']:.2f}{noise} | "
-                f"{_yes(r['fits'] and r['flops_met'])} | {_yes(r['time_met'])} |")
+                f"{_yes(r['fits'] and r['flops_met'])} | {_yes(r['time_met'])} |"
+            )
     out += [
         "",
         "At per-block checkpointing's peak (target: planner's extra FLOPs at most half of "
@@ -200,13 +261,18 @@ def _target_tables(results) -> list[str]:
     for name, m in t.items():
         a, low = m.get("at_per_block_peak"), m.get("lowest")
         pb = results["models"][name]["variants"]["per-block"]
-        left = (f"{a['per_block_peak_ratio']:.2f} | {a['per_block_extra_flops']:+.1%} | "
-                f"{a['planner_extra_flops']:+.1%} | {_yes(a['flops_met'])}" if a and
-                "per_block_extra_flops" in a else
-                f"{pb['peak_ratio']:.2f} | {pb['flops_ratio'] - 1:+.1%} | no plan fits | "
-                f"**missed**")
-        right = (f"{low['compile_lowest_ratio']:.2f} | {low['peak_ratio']:.2f} | "
-                 f"{_yes(low['met'])}" if low else " | | ")
+        left = (
+            f"{a['per_block_peak_ratio']:.2f} | {a['per_block_extra_flops']:+.1%} | "
+            f"{a['planner_extra_flops']:+.1%} | {_yes(a['flops_met'])}"
+            if a and "per_block_extra_flops" in a
+            else f"{pb['peak_ratio']:.2f} | {pb['flops_ratio'] - 1:+.1%} | no plan fits | "
+            f"**missed**"
+        )
+        right = (
+            f"{low['compile_lowest_ratio']:.2f} | {low['peak_ratio']:.2f} | {_yes(low['met'])}"
+            if low
+            else " | | "
+        )
         out.append(f"| {name} | {left} | {right} |")
     return out
 
@@ -249,7 +315,8 @@ def _before_section(results) -> list[str]:
             out.append(
                 f"| {name} | {r['compile'].split()[-1]} | {o['planner_extra_flops']:+.1%} | "
                 f"{r['planner_extra_flops']:+.1%} | {o['planner_time_ratio']:.2f} | "
-                f"{r['planner_time_ratio']:.2f} | {len(v[r['planner']].get('kept') or ())} |")
+                f"{r['planner_time_ratio']:.2f} | {len(v[r['planner']].get('kept') or ())} |"
+            )
     return out + [""] if rows else []
 
 
@@ -277,8 +344,10 @@ def _cost_model_section() -> list[str]:
         "|---|---:|---:|---:|",
     ]
     for name, p in r["plans"].items():
-        out.append(f"| {name} | {p['segments']} | {1 + p['predicted_overhead']:.3f} | "
-                   f"{p['measured_time_ratio']:.3f} |")
+        out.append(
+            f"| {name} | {p['segments']} | {1 + p['predicted_overhead']:.3f} | "
+            f"{p['measured_time_ratio']:.3f} |"
+        )
     return out + [""]
 
 
@@ -347,7 +416,7 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
         "- **per-block**: every block under `checkpoint(use_reentrant=False)`: mlp (Linear, ReLU) "
         "pairs, resnet `blocks.*`, gpt `blocks.*`, bert `layers.*`, unet `down.*`, "
         "`bottleneck`, `dec.*`; the Hugging Face models (`hf-*`) use their own "
-        "`gradient_checkpointing_enable(gradient_checkpointing_kwargs={\"use_reentrant\": "
+        '`gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": '
         "False})`. As in Hugging Face models, BatchNorm running statistics are updated twice per "
         "step under recompute (planner restores them).",
         "- **hf-\\***: Hugging Face `transformers` GPT-2 (`GPT2LMHeadModel`), Llama "
@@ -358,10 +427,11 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
         "- **predicted time / none**: 1 + the planner's predicted recompute time as a fraction "
         "of a step (its cost model; a step taken as three forwards), beside the measured ratio.",
         "- **ckpt-seq**: `checkpoint_sequential(blocks, round(sqrt(n)))` over the same blocks "
-        "(stem/embeddings and head outside; not for `hf-*`). bert's layers take `(x, mask)` and unet has long "
-        "skips, so for them an adapter chunks the blocks exactly as `checkpoint_sequential` "
-        "does (last chunk not checkpointed); a unet chunk takes and returns the pending skips.",
-        "- **compile b**: `torch.compile(model, backend=\"aot_eager\", fullgraph=True)` with "
+        "(stem/embeddings and head outside; not for `hf-*`). bert's layers take `(x, mask)` "
+        "and unet has long skips, so for them an adapter chunks the blocks exactly as "
+        "`checkpoint_sequential` does (last chunk not checkpointed); a unet chunk takes and "
+        "returns the pending skips.",
+        '- **compile b**: `torch.compile(model, backend="aot_eager", fullgraph=True)` with '
         "`torch._functorch.config.activation_memory_budget = b` while compiling; each budget "
         "gets its own wrapper code object, else dynamo reuses the first budget's graph. Time "
         "column `plan/compile s` is the first (compiling) step. aot_eager runs the graph "
@@ -395,11 +465,12 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
         ]
         for key, r in v.items():
             if r["method"] == "planner":
-                budgets = sorted({f"{p['solver']}@{p['budget']}" for p in m["plans"]
-                                  if p.get("variant") == key})
+                budgets = sorted(
+                    {f"{p['solver']}@{p['budget']}" for p in m["plans"] if p.get("variant") == key}
+                )
                 kept = f", {len(r['kept'])} kept" if r.get("kept") else ""
                 label = f"{key} ({len(r['segments'])} seg{kept}; " + ", ".join(budgets) + ")"
-                pred = (f"{_mib(r['predicted_peak_bytes'])} ({r['prediction_error']:+.1%})")
+                pred = f"{_mib(r['predicted_peak_bytes'])} ({r['prediction_error']:+.1%})"
                 secs = min(p["solve_seconds"] for p in m["plans"] if p.get("variant") == key)
                 secs_text = f"{secs + r['rewrite_seconds']:.3f}"
                 predicted_time = f"{1 + r['predicted_overhead']:.2f}"
@@ -420,10 +491,16 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
             by_budget: dict = {}
             for p in infeasible:
                 by_budget.setdefault((p["budget"], p["budget_bytes"]), []).append(p)
-            out += ["", "Budgets a solver could not meet (its predicted peak in brackets): " + "; ".join(
-                f"{label} = {_mib(nbytes)} MiB: " + ", ".join(
-                    f"{p['solver']} ({_mib(p['predicted_peak_bytes'])})" for p in ps)
-                for (label, nbytes), ps in by_budget.items()) + "."]
+            out += [
+                "",
+                "Budgets a solver could not meet (its predicted peak in brackets): "
+                + "; ".join(
+                    f"{label} = {_mib(nbytes)} MiB: "
+                    + ", ".join(f"{p['solver']} ({_mib(p['predicted_peak_bytes'])})" for p in ps)
+                    for (label, nbytes), ps in by_budget.items()
+                )
+                + ".",
+            ]
         out.append("")
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text("\n".join(out) + "\n")

@@ -73,7 +73,8 @@ class MicroBatch:
         if self._context is not None:
             raise RuntimeError("this micro-batch is already entered; use `with micro:` once")
         self._context = (
-            contextlib.nullcontext() if self.is_last or self._sync_control is None
+            contextlib.nullcontext()
+            if self.is_last or self._sync_control is None
             else self._sync_control()
         )
         self._context.__enter__()
@@ -130,8 +131,11 @@ def batch_size(batch) -> int:
     if len(sizes) != 1:
         raise ValueError(
             "cannot tell the batch size: "
-            + ("no tensor with a batch dimension" if not sizes
-               else f"tensors disagree on dimension 0 ({sorted(sizes)})")
+            + (
+                "no tensor with a batch dimension"
+                if not sizes
+                else f"tensors disagree on dimension 0 ({sorted(sizes)})"
+            )
             + " in the batch; every tensor with dimensions must hold the samples along dim 0"
         )
     return sizes.pop()
@@ -145,7 +149,8 @@ def _split(batch, micro_batch: int) -> list:
     for begin in range(0, n, micro_batch):
         part = [
             leaf[begin : begin + micro_batch]
-            if isinstance(leaf, torch.Tensor) and leaf.dim() else leaf
+            if isinstance(leaf, torch.Tensor) and leaf.dim()
+            else leaf
             for leaf in leaves
         ]
         pieces.append(tree_unflatten(part, spec))
@@ -245,8 +250,9 @@ def micro_batches(
     _check_reduction(reduction)
     micro_batch = _positive_int("micro_batch", micro_batch)
     sync = _sync_control(model)
-    return _window(_split(batch, micro_batch), sync, reduction,
-                   _averaging_ranks(model, data_parallel_size))
+    return _window(
+        _split(batch, micro_batch), sync, reduction, _averaging_ranks(model, data_parallel_size)
+    )
 
 
 def accumulation_windows(

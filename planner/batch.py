@@ -108,8 +108,7 @@ class BatchPlan:
                 f"{'>' if o.micro_batch == self.micro_batch else ' '} {o.micro_batch:>6} "
                 f"{o.steps:>6} {peak:>12} {seconds:>12} {recompute:>10} "
                 f"{o.segments if evaluated else '-':>8}  "
-                f"{'yes' if o.fits else 'no '}"
-                + (f"  {o.note}" if o.note else "")
+                f"{'yes' if o.fits else 'no '}" + (f"  {o.note}" if o.note else "")
             )
         return "\n".join(lines)
 
@@ -299,8 +298,14 @@ def plan_batch(
     # (key, option, captured, problem, segments, simulation, solve seconds, solver name)
     best: (
         tuple[
-            tuple[float, int], BatchOption, Captured, Problem, Segments | Choice, Simulation,
-            float, str,
+            tuple[float, int],
+            BatchOption,
+            Captured,
+            Problem,
+            Segments | Choice,
+            Simulation,
+            float,
+            str,
         ]
         | None
     ) = None
@@ -311,8 +316,17 @@ def plan_batch(
         steps = per_rank // m
         if too_big is not None and steps > 1:
             options.append(
-                BatchOption(m, steps, None, None, None, None, None, False,
-                            f"skipped: micro-batch {too_big} already cannot fit")
+                BatchOption(
+                    m,
+                    steps,
+                    None,
+                    None,
+                    None,
+                    None,
+                    None,
+                    False,
+                    f"skipped: micro-batch {too_big} already cannot fit",
+                )
             )
             continue
         inputs = _inputs(make_inputs, m)

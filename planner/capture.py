@@ -118,8 +118,10 @@ class ModelCall:
 
     def _default(self, name: str):
         parameter = self.signature.parameters.get(name)
-        return None if parameter is None or parameter.default is parameter.empty else (
-            parameter.default
+        return (
+            None
+            if parameter is None or parameter.default is parameter.empty
+            else (parameter.default)
         )
 
     def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -129,7 +131,8 @@ class ModelCall:
         passed = self._passed(args, kwargs)
         captured = (*self.positional, *self.keywords)
         added = [
-            name for name, value in passed.items()
+            name
+            for name, value in passed.items()
             if name not in captured and not _same(value, self._default(name))
         ]
         if added:
@@ -522,8 +525,11 @@ def _region_patches() -> list[tuple[type, str, object]]:
         (grad.enable_grad, "__enter__", lambda m: (enter_grad_mode, (True,))),
         (grad.set_grad_enabled, "__init__", lambda m: (enter_grad_mode, (m.mode,))),
         (grad.inference_mode, "__enter__", lambda m: (enter_inference_mode, (m.mode,))),
-        (autocast, "__enter__",
-         lambda m: (enter_autocast, (m.device, m.fast_dtype, m._enabled, m._cache_enabled))),
+        (
+            autocast,
+            "__enter__",
+            lambda m: (enter_autocast, (m.device, m.fast_dtype, m._enabled, m._cache_enabled)),
+        ),
     ]
     exits = [
         (grad.no_grad, "__exit__"),
@@ -538,8 +544,11 @@ def _region_patches() -> list[tuple[type, str, object]]:
         (cls, name, _recording_entry(cls.__dict__[name], node_of))
         for cls, name, node_of in entries
         if name in cls.__dict__
-    ] + [(cls, name, _recording_exit(cls.__dict__[name])) for cls, name in exits
-         if name in cls.__dict__]
+    ] + [
+        (cls, name, _recording_exit(cls.__dict__[name]))
+        for cls, name in exits
+        if name in cls.__dict__
+    ]
 
 
 @contextlib.contextmanager
@@ -710,8 +719,14 @@ def _keeping_buffers(model: nn.Module):
     """Put every buffer of ``model`` back as it was (the same tensor, the same values) when the
     block ends; yields a list, filled then, of the names of those the block changed."""
     kept = [
-        (module, f"{prefix}.{name}" if prefix else name, name, tensor, tensor._version,
-         tensor.detach().clone())
+        (
+            module,
+            f"{prefix}.{name}" if prefix else name,
+            name,
+            tensor,
+            tensor._version,
+            tensor.detach().clone(),
+        )
         for prefix, module in model.named_modules(remove_duplicate=False)
         for name, tensor in module._buffers.items()
         if tensor is not None and not tensor.is_inference()
@@ -783,10 +798,11 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
     frozen into the graph and their Python side effects vanish. Hooks of a leaf module that stays
     a ``call_module`` node keep running (again when a checkpointed segment is recomputed).
     """
-    kept = {
-        node.target
-        for node in captured.graph_module.graph.find_nodes(op="call_module")
-    } if captured.method == "symbolic_trace" else set()
+    kept = (
+        {node.target for node in captured.graph_module.graph.find_nodes(op="call_module")}
+        if captured.method == "symbolic_trace"
+        else set()
+    )
     dropped = [
         f"{name or '<the model itself>'}.{kind}"
         for name, module in model.named_modules()
@@ -841,22 +857,22 @@ def _capturing_thread():
 
 
 def _trace_or_export(
-    model: nn.Module, args: tuple, kwargs: dict, fixed: dict, leaf_modules: tuple,
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    fixed: dict,
+    leaf_modules: tuple,
     dynamic_shapes: bool,
 ) -> Captured:
     try:
-        return Captured(
-            _trace(model, args, {**kwargs, **fixed}, leaf_modules), "symbolic_trace"
-        )
+        return Captured(_trace(model, args, {**kwargs, **fixed}, leaf_modules), "symbolic_trace")
     except PlanningError:
         raise
     except Exception as trace_error:  # any tracing failure means: try export
         log.info("symbolic_trace failed (%s); trying torch.export", trace_error)
         try:
             with _keeping_buffers(model), _watching_exported_regions() as regions:
-                captured = Captured(
-                    _export(model, args, kwargs, fixed, dynamic_shapes), "export"
-                )
+                captured = Captured(_export(model, args, kwargs, fixed, dynamic_shapes), "export")
         except PlanningError:
             raise
         except Exception as export_error:

@@ -62,34 +62,69 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG,
     )
-    p.add_argument("model", metavar="MODEL",
-                   help="a built-in model name (e.g. gpt) or MODULE:FACTORY (see below)")
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a built-in model name (e.g. gpt) or MODULE:FACTORY (see below)",
+    )
     budget = p.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--budget-gb", type=float, metavar="GIB",
-                        help="memory budget of the whole training step in GiB (2**30 bytes): "
-                        "parameters, gradients, optimizer state, activations, working memory")
-    budget.add_argument("--budget-bytes", type=int, metavar="N",
-                        help="the same budget in bytes")
-    p.add_argument("--solver", default="auto", metavar="NAME",
-                   help="solver name (default: auto, the cheapest fitting plan of all "
-                   "registered solvers); e.g. sqrt_n, greedy, optimal")
-    p.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="keyword argument for the factory, repeatable; VALUE is a Python "
-                   "literal (layers=12, device='cpu') or else a string")
-    p.add_argument("--optimizer-state-bytes", type=int, default=0, metavar="N",
-                   help="bytes of optimizer state to count in the budget (default 0; Adam "
-                   "keeps two float32 moments: 8 bytes per parameter)")
-    p.add_argument("--json", metavar="PATH", help="also save the plan as JSON "
-                   "(load it with planner.load(PATH, model))")
-    p.add_argument("--html", metavar="PATH", help="also write the HTML summary "
-                   "(what a notebook shows)")
-    p.add_argument("--draw", metavar="PATH", help="also draw the graph with its "
-                   "checkpointed segments (.png, .svg, .pdf; needs matplotlib)")
-    p.add_argument("--memory-plot", metavar="PATH", help="also plot predicted memory over "
-                   "the step, baseline vs plan (needs matplotlib)")
+    budget.add_argument(
+        "--budget-gb",
+        type=float,
+        metavar="GIB",
+        help="memory budget of the whole training step in GiB (2**30 bytes): "
+        "parameters, gradients, optimizer state, activations, working memory",
+    )
+    budget.add_argument("--budget-bytes", type=int, metavar="N", help="the same budget in bytes")
+    p.add_argument(
+        "--solver",
+        default="auto",
+        metavar="NAME",
+        help="solver name (default: auto, the cheapest fitting plan of all "
+        "registered solvers); e.g. sqrt_n, greedy, optimal",
+    )
+    p.add_argument(
+        "--arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword argument for the factory, repeatable; VALUE is a Python "
+        "literal (layers=12, device='cpu') or else a string",
+    )
+    p.add_argument(
+        "--optimizer-state-bytes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="bytes of optimizer state to count in the budget (default 0; Adam "
+        "keeps two float32 moments: 8 bytes per parameter)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also save the plan as JSON (load it with planner.load(PATH, model))",
+    )
+    p.add_argument(
+        "--html", metavar="PATH", help="also write the HTML summary (what a notebook shows)"
+    )
+    p.add_argument(
+        "--draw",
+        metavar="PATH",
+        help="also draw the graph with its "
+        "checkpointed segments (.png, .svg, .pdf; needs matplotlib)",
+    )
+    p.add_argument(
+        "--memory-plot",
+        metavar="PATH",
+        help="also plot predicted memory over the step, baseline vs plan (needs matplotlib)",
+    )
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
-    p.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS,
-                   help="on error, show the full Python traceback")
+    p.add_argument(
+        "--traceback",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="on error, show the full Python traceback",
+    )
     return parser  # fmt: skip
 
 

@@ -40,9 +40,11 @@ def main(argv=None) -> int:
     baseline = simulate(problem, ()).peak_bytes
     unavoidable = problem.fixed_bytes + problem.gradient_bytes
     budget = int(unavoidable + options.fraction * (baseline - unavoidable))
-    print(f"GPT: {options.layers} layers, d_model {options.d_model}, seq {options.seq}, "
-          f"batch {options.batch}; budget = params, grads + {options.fraction:.0%} of the "
-          "activation peak\n")
+    print(
+        f"GPT: {options.layers} layers, d_model {options.d_model}, seq {options.seq}, "
+        f"batch {options.batch}; budget = params, grads + {options.fraction:.0%} of the "
+        "activation peak\n"
+    )
 
     plan = planner.plan(model, inputs, budget_bytes=budget, solver=options.solver)
     print(plan, "\n")
@@ -60,22 +62,30 @@ def main(argv=None) -> int:
             continue
         worst = max(worst, (p.grad - q.grad).abs().max().item())
     identical = worst == 0.0 and torch.equal(reference_loss, planned_loss)
-    print(f"loss: original {reference_loss.item():.6f}, planned {planned_loss.item():.6f}; "
-          f"largest gradient difference {worst:.3g} "
-          f"({'identical' if identical else 'DIFFERENT'})")
+    print(
+        f"loss: original {reference_loss.item():.6f}, planned {planned_loss.item():.6f}; "
+        f"largest gradient difference {worst:.3g} "
+        f"({'identical' if identical else 'DIFFERENT'})"
+    )
 
     measured_baseline = peak_memory(reference, inputs).peak_bytes
     measured_plan = peak_memory(plan.module, inputs)
     print("\npeak memory of one training step (CPU live-storage tracker):")
-    print(f"  baseline  predicted {_mib(plan.baseline_peak_bytes)}  "
-          f"measured {_mib(measured_baseline)}")
-    print(f"  planned   predicted {_mib(plan.predicted_peak_bytes)}  measured "
-          f"{_mib(measured_plan.peak_bytes)}  "
-          f"(prediction error {plan.predicted_peak_bytes / measured_plan.peak_bytes - 1:+.1%})")
-    print(f"  activation peak     {_mib(measured_baseline - unavoidable)} -> "
-          f"{_mib(measured_plan.peak_bytes - unavoidable)} "
-          f"({1 - (measured_plan.peak_bytes - unavoidable) / (measured_baseline - unavoidable):.0%}"
-          " lower)")
+    print(
+        f"  baseline  predicted {_mib(plan.baseline_peak_bytes)}  "
+        f"measured {_mib(measured_baseline)}"
+    )
+    print(
+        f"  planned   predicted {_mib(plan.predicted_peak_bytes)}  measured "
+        f"{_mib(measured_plan.peak_bytes)}  "
+        f"(prediction error {plan.predicted_peak_bytes / measured_plan.peak_bytes - 1:+.1%})"
+    )
+    print(
+        f"  activation peak     {_mib(measured_baseline - unavoidable)} -> "
+        f"{_mib(measured_plan.peak_bytes - unavoidable)} "
+        f"({1 - (measured_plan.peak_bytes - unavoidable) / (measured_baseline - unavoidable):.0%}"
+        " lower)"
+    )
     fits = measured_plan.peak_bytes <= budget
     print(f"  budget    {_mib(budget)}  ({'fits' if fits else 'EXCEEDED'})")
     return 0 if identical and fits else 1

@@ -87,8 +87,9 @@ class StorageArrays:
         return cls(
             nbytes=np.array([s.nbytes for s in storages], dtype=np.int64),
             producer=np.array([s.producer for s in storages], dtype=np.int64),
-            last_use=np.array([n - 1 if s.is_output else s.last_reader for s in storages],
-                              dtype=np.int64),
+            last_use=np.array(
+                [n - 1 if s.is_output else s.last_reader for s in storages], dtype=np.int64
+            ),
             is_output=np.array([s.is_output for s in storages], dtype=bool),
             read_storage=read_storage,
             read_node=read_node,
@@ -142,6 +143,7 @@ class Problem:
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default())
+
     # What optimizer.step() holds at once beyond parameters, gradients and state (temporaries).
     optimizer_step_bytes: int = 0
     has_loss: bool = False  # the last position is the user's loss_fn, outside the module

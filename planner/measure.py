@@ -132,9 +132,7 @@ def _describe(output) -> str:
     tensors = list(_tensors_in(output))
     if not tensors:
         return f"{type(output).__name__} containing no tensors"
-    kinds = ", ".join(
-        f"{t.dtype} requires_grad={t.requires_grad}" for t in tensors[:4]
-    )
+    kinds = ", ".join(f"{t.dtype} requires_grad={t.requires_grad}" for t in tensors[:4])
     more = f", ... ({len(tensors)} tensors)" if len(tensors) > 4 else ""
     return f"{type(output).__name__} of tensors [{kinds}{more}]"
 

@@ -44,8 +44,11 @@ class _Allocations(TorchDispatchMode):
         self.live -= self.tracked.pop(cdata)[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        seen = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor)}
+        seen = {
+            t.untyped_storage()._cdata
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
@@ -123,8 +126,11 @@ def optimizer_memory(optimizer, model: nn.Module | None = None) -> OptimizerMemo
     # A subclass (or factory) that takes the groups alone; mypy checks the base's __init__.
     meta = make(_meta_groups(groups, on_cuda))  # type: ignore[call-arg]
     meta.step()  # the first step creates the state
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                for t in tree_leaves(list(meta.state.values())) if isinstance(t, torch.Tensor)}
+    storages = {
+        t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+        for t in tree_leaves(list(meta.state.values()))
+        if isinstance(t, torch.Tensor)
+    }
     allocations = _Allocations()
     with allocations:
         meta.step()  # a later step: its temporaries on top of the state

@@ -96,21 +96,24 @@ class Plan:
         rows = []
         for k, (start, stop) in enumerate(self.segments):
             tensors, nbytes = _segment_inputs(self.problem, start, stop)
-            rows.append({
-                "segment": k,
-                "start": start,
-                "stop": stop,
-                "nodes": stop - start,
-                "first": self.problem.names[start],
-                "last": self.problem.names[stop - 1],
-                "input_tensors": tensors,
-                "input_bytes": nbytes,
-                "dropped_bytes": int(saved[start:stop].sum()),
-                "recompute_seconds": float(seconds[start:stop].sum()),
-                "kept": [self.problem.names[i] for i in sorted(self.keep) if start <= i < stop],
-                "kept_bytes": int(sum(int(self.problem.kept_bytes[i])
-                                      for i in self.keep if start <= i < stop)),
-            })
+            rows.append(
+                {
+                    "segment": k,
+                    "start": start,
+                    "stop": stop,
+                    "nodes": stop - start,
+                    "first": self.problem.names[start],
+                    "last": self.problem.names[stop - 1],
+                    "input_tensors": tensors,
+                    "input_bytes": nbytes,
+                    "dropped_bytes": int(saved[start:stop].sum()),
+                    "recompute_seconds": float(seconds[start:stop].sum()),
+                    "kept": [self.problem.names[i] for i in sorted(self.keep) if start <= i < stop],
+                    "kept_bytes": int(
+                        sum(int(self.problem.kept_bytes[i]) for i in self.keep if start <= i < stop)
+                    ),
+                }
+            )
         return rows
 
     def __str__(self) -> str:
@@ -130,13 +133,16 @@ class Plan:
         ]
         rows = self.segment_table()
         if rows:
-            header = (f"  {'seg':>4} {'nodes':>6} {'from':<24} {'to':<24} {'inputs':>10} "
-                      f"{'dropped':>10}")
+            header = (
+                f"  {'seg':>4} {'nodes':>6} {'from':<24} {'to':<24} {'inputs':>10} {'dropped':>10}"
+            )
             lines.append(header + (f" {'kept':>5} {'kept bytes':>10}" if self.keep else ""))
             for r in rows:
-                line = (f"  {r['segment']:>4} {r['nodes']:>6} {r['first']:<24.24} "
-                        f"{r['last']:<24.24} {_mib(r['input_bytes']):>10} "
-                        f"{_mib(r['dropped_bytes']):>10}")
+                line = (
+                    f"  {r['segment']:>4} {r['nodes']:>6} {r['first']:<24.24} "
+                    f"{r['last']:<24.24} {_mib(r['input_bytes']):>10} "
+                    f"{_mib(r['dropped_bytes']):>10}"
+                )
                 if self.keep:
                     line += f" {len(r['kept']):>5} {_mib(r['kept_bytes']):>10}"
                 lines.append(line)
@@ -202,7 +208,9 @@ def budget_in_bytes(budget_gb, budget_bytes) -> int:
     """The budget in bytes from exactly one of ``budget_gb`` (GiB) and ``budget_bytes``."""
     if (budget_gb is None) == (budget_bytes is None):
         raise ValueError("give exactly one of budget_gb= (GiB, 2**30 bytes) and budget_bytes=")
-    name, value = ("budget_gb", budget_gb) if budget_gb is not None else ("budget_bytes", budget_bytes)
+    name, value = (
+        ("budget_gb", budget_gb) if budget_gb is not None else ("budget_bytes", budget_bytes)
+    )
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     if not math.isfinite(value) or value <= 0:
@@ -350,7 +358,9 @@ def _short_repr(value) -> str:
     return f"a {kind}" + (f" of {len(value)} items" if hasattr(value, "__len__") else "")
 
 
-def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str, Segments | Choice]:
+def choose(
+    problem: Problem, budget: int, solver="auto", **options
+) -> tuple[str, Segments | Choice]:
     """Run ``solver`` (a name, ``"auto"``, or a callable) and return (name that ran, choice):
     plain segments, or a ``Choice`` when the solver keeps nodes inside them.
 
@@ -368,8 +378,9 @@ def choose(problem: Problem, budget: int, solver="auto", **options) -> tuple[str
         if name not in SOLVERS or (name == "optimal" and problem.size > AUTO_OPTIMAL_MAX_NODES):
             continue
         limit = {"time_limit": AUTO_OPTIMAL_SECONDS} if name == "optimal" else {}
-        segments = _solver_result(name, SOLVERS[name](problem, budget, **{**limit, **options}),
-                                  problem)
+        segments = _solver_result(
+            name, SOLVERS[name](problem, budget, **{**limit, **options}), problem
+        )
         result = simulate(problem, segments)
         fits = result.peak_bytes <= budget
         key = (not fits, result.recompute_seconds if fits else result.peak_bytes)

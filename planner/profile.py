@@ -179,7 +179,11 @@ def _op_facts(func: torch._ops.OpOverload) -> _OpFacts:
         isinstance(r.type, torch.ListType) for r in schema.returns
     )
     return _OpFacts(
-        written, aliasing, flop_registry.get(func.overloadpacket), cacheable, random,
+        written,
+        aliasing,
+        flop_registry.get(func.overloadpacket),
+        cacheable,
+        random,
         several_outputs,
     )
 
@@ -211,8 +215,14 @@ def _metadata(value):
     if isinstance(value, torch.Tensor):
         if not value.is_meta or value.layout is not torch.strided:
             raise TypeError("not a strided meta tensor")
-        return (value.dtype, value.shape, value.stride(), value.storage_offset(),
-                value.is_conj(), value.is_neg())
+        return (
+            value.dtype,
+            value.shape,
+            value.stride(),
+            value.storage_offset(),
+            value.is_conj(),
+            value.is_neg(),
+        )
     if isinstance(value, (list, tuple)):
         return (type(value), *[_metadata(v) for v in value])
     return (type(value), value)
@@ -252,8 +262,7 @@ class _MetaKernels:
         single = isinstance(out, torch.Tensor)
         outputs = [out] if single else out
         if not isinstance(outputs, (list, tuple)) or not all(
-            isinstance(t, torch.Tensor) and t.is_meta and t.layout is torch.strided
-            for t in outputs
+            isinstance(t, torch.Tensor) and t.is_meta and t.layout is torch.strided for t in outputs
         ):
             return ()
         storages = [t.untyped_storage()._cdata for t in inputs]
@@ -286,8 +295,13 @@ class _MetaKernels:
 # Kernels that refuse operands of different dtypes on every device, where meta kernels (and so
 # the profile) accept them: an int64 input into a float nn.Linear would fail only when run.
 _SAME_DTYPE_OPS = frozenset(
-    (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
-     torch.ops.aten.convolution)
+    (
+        torch.ops.aten.mm,
+        torch.ops.aten.addmm,
+        torch.ops.aten.bmm,
+        torch.ops.aten.baddbmm,
+        torch.ops.aten.convolution,
+    )
 )
 
 
@@ -580,7 +594,6 @@ def _quiet_fake_failures():
         logger.removeFilter(quiet)
 
 
-
 def loss_node(loss_fn: Callable) -> fx.Node:
     """A stand-alone node for the user's loss, annotated like the graph's nodes.
 
@@ -589,8 +602,9 @@ def loss_node(loss_fn: Callable) -> fx.Node:
     a log-softmax saved for backward, the logits' gradient) is often the largest of the step.
     """
     graph = fx.Graph()
-    return graph.create_node("call_function", loss_fn, (graph.placeholder("output"),),
-                             name="loss_fn")
+    return graph.create_node(
+        "call_function", loss_fn, (graph.placeholder("output"),), name="loss_fn"
+    )
 
 
 class _StandIns(TorchDispatchMode):
@@ -627,10 +641,18 @@ def _run_loss(loss_fn: Callable, output, copies: _Copies) -> torch.Tensor:
 
 def check_loss(loss) -> None:
     """A loss must be a 0-dim floating-point tensor that requires grad, as ``backward()`` needs."""
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()
-            and loss.requires_grad):
-        got = (f"a tensor of shape {tuple(loss.shape)}, dtype {loss.dtype}, requires_grad="
-               f"{loss.requires_grad}" if isinstance(loss, torch.Tensor) else type(loss).__name__)
+    if not (
+        isinstance(loss, torch.Tensor)
+        and loss.dim() == 0
+        and loss.is_floating_point()
+        and loss.requires_grad
+    ):
+        got = (
+            f"a tensor of shape {tuple(loss.shape)}, dtype {loss.dtype}, requires_grad="
+            f"{loss.requires_grad}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
         raise PlanningError(
             f"loss_fn must return a 0-dim floating-point tensor that requires grad (the value "
             f"whose backward() is the training step), got {got}. Reduce it to a scalar, e.g. "
@@ -701,7 +723,9 @@ def profile(
         else:
             recorder.backward.nodes.append(loss_at)
             with cost:
-                loss = recorder.record(loss_at, functools.partial(_run_loss, loss_fn, output, copies))
+                loss = recorder.record(
+                    loss_at, functools.partial(_run_loss, loss_fn, output, copies)
+                )
         del output
         with recorder.backward, _StandIns(copies):  # the loss's labels, saved for backward
             loss.backward()

@@ -72,4 +72,6 @@ def bar(
 
     forced = os.environ.get("PLANNER_PROGRESS", "").strip().lower() in ("1", "true", "yes", "on")
     progress_bar: type[tqdm.tqdm] = tqdm.auto.tqdm if forced else tqdm.tqdm
-    return progress_bar(iterable, total=total, desc=desc, leave=leave, file=sys.stderr, dynamic_ncols=True)
+    return progress_bar(
+        iterable, total=total, desc=desc, leave=leave, file=sys.stderr, dynamic_ncols=True
+    )

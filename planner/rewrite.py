@@ -95,8 +95,13 @@ class Segment:
     and hands them to the recompute (``_keep_policy``).
     """
 
-    def __init__(self, body: fx.GraphModule, modules: tuple[str, ...], tensors: tuple[str, ...],
-                 selective: bool = False):
+    def __init__(
+        self,
+        body: fx.GraphModule,
+        modules: tuple[str, ...],
+        tensors: tuple[str, ...],
+        selective: bool = False,
+    ):
         self.body = body
         self.modules = modules  # targets of the called modules that have buffers
         self.tensors = tensors  # targets of the buffers the segment reads directly
@@ -331,9 +336,7 @@ class _Snapshot:
             if name in called
             for sub in module.modules()
         }
-        traced = [
-            (name, m) for name, m in model.named_modules() if id(m) not in inside_called
-        ]
+        traced = [(name, m) for name, m in model.named_modules() if id(m) not in inside_called]
         # Flat lists, compared with map() on every call: a few microseconds per hundred modules.
         self.names = [name for name, _ in traced]
         self.children = [m._modules for _, m in traced]
@@ -452,10 +455,11 @@ class PlannedModule(fx.GraphModule):
     In another mode (``model.eval()``, ``planned.eval()``) the traced graph would still behave as
     in the planning mode (dropout, ``if self.training:``), so the model itself runs instead,
     exactly, with a warning (once) when gradients are enabled. Otherwise a module replaced,
-    added or removed, or a plain attribute its code reads (``self.scale = ...``) changed in a part
-    of the model the graph traced through raises a ``PlanningError``, as does a tensor argument of the
-    planning call left out. ``train()`` sets the model's mode (through the model's own
-    ``train``); ``.to()``, ``.double()``... convert the model's tensors, root ones included.
+    added or removed, or a plain attribute its code reads (``self.scale = ...``) changed in a
+    part of the model the graph traced through raises a ``PlanningError``, as does a tensor
+    argument of the planning call left out. ``train()`` sets the model's mode (through the
+    model's own ``train``); ``.to()``, ``.double()``... convert the model's tensors, root ones
+    included.
     Pickling and ``copy.copy`` refuse: the module is tied to the model object it was planned
     from.
     """
@@ -562,8 +566,9 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
     holder = _holder(captured, model)
     nodes = compute_nodes(captured)
     kept = {nodes[k] for k in choice.keep}
-    first = {nodes[start]: (k, nodes[start:stop])
-             for k, (start, stop) in enumerate(choice.segments)}
+    first = {
+        nodes[start]: (k, nodes[start:stop]) for k, (start, stop) in enumerate(choice.segments)
+    }
     inside = {node for _, members in first.values() for node in members}
 
     graph = fx.Graph()
@@ -596,8 +601,9 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
     return planned
 
 
-def _checkpoint_segment(graph, env, holder, name: str, members: list[fx.Node],
-                        kept: set[fx.Node]) -> Segment:
+def _checkpoint_segment(
+    graph, env, holder, name: str, members: list[fx.Node], kept: set[fx.Node]
+) -> Segment:
     """Append to ``graph`` a checkpoint call of ``members`` as a ``Segment`` named ``name``,
     keeping the members in ``kept``; return the segment."""
     member_set = set(members)

@@ -158,7 +158,10 @@ class _Describer:
             items = [self.spec(v, [*path, i]) for i, v in enumerate(value)]
             return {"kind": type(value).__name__, "items": items}
         if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-            return {"kind": "dict", "items": {k: self.spec(v, [*path, k]) for k, v in value.items()}}
+            return {
+                "kind": "dict",
+                "items": {k: self.spec(v, [*path, k]) for k, v in value.items()},
+            }
         raise TypeError(type(value).__name__)
 
     def _tensor(self, tensor: torch.Tensor, path: list) -> dict:
@@ -297,8 +300,9 @@ def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
         }
         for start, stop in plan.segments
     ]
-    keep = [{"position": int(k), "name": problem.names[k]}
-            for k in sorted(getattr(plan, "keep", ()))]
+    keep = [
+        {"position": int(k), "name": problem.names[k]} for k in sorted(getattr(plan, "keep", ()))
+    ]
     return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -363,13 +367,17 @@ def save(plan, path, example_inputs=None, example_kwargs=None) -> Path:
     """
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"{path} is a directory; save the plan to a file in it, e.g. "
-                         f"{path / 'plan.json'}")
+        raise ValueError(
+            f"{path} is a directory; save the plan to a file in it, e.g. {path / 'plan.json'}"
+        )
     if not path.parent.is_dir():
         raise ValueError(f"cannot save the plan to {path}: there is no directory {path.parent}")
     data = to_dict(plan, example_inputs, example_kwargs)
-    rows = {"segments": data["segments"], "keep": data["keep"],
-            "signature": data["graph"]["signature"]}
+    rows = {
+        "segments": data["segments"],
+        "keep": data["keep"],
+        "signature": data["graph"]["signature"],
+    }
     data["segments"], data["keep"] = "@segments@", "@keep@"
     data["graph"]["signature"] = "@signature@"
     text = json.dumps(data, indent=1, allow_nan=False)
@@ -393,7 +401,7 @@ def _read(path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise PlanningError(f"{path} is not a saved plan (not JSON: {error})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise PlanningError(f"{path} is not a saved plan (no \"format\": \"{FORMAT}\" field)")
+        raise PlanningError(f'{path} is not a saved plan (no "format": "{FORMAT}" field)')
     version = data.get("version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise PlanningError(
@@ -440,7 +448,9 @@ def _unrecorded_options_hint(model, recorded: dict) -> str:
         return ""
     hint = " This file does not record how the model was captured:"
     if not model.training:
-        hint += " the model is in eval mode; if the plan was made in train mode, call model.train();"
+        hint += (
+            " the model is in eval mode; if the plan was made in train mode, call model.train();"
+        )
     return hint + " if it was made with leaf_modules=..., pass the same to planner.load."
 
 
@@ -543,8 +553,11 @@ def load(
     if bool(data.get("loss_fn", False)) != (loss_fn is not None):
         raise PlanningError(
             f"the plan in {path} was made "
-            + ("with a loss_fn: pass the same one, planner.load(path, model, loss_fn=...)"
-               if loss_fn is None else "without a loss_fn: load it without one")
+            + (
+                "with a loss_fn: pass the same one, planner.load(path, model, loss_fn=...)"
+                if loss_fn is None
+                else "without a loss_fn: load it without one"
+            )
         )
     captured, problem = prepare(
         model,
@@ -586,8 +599,11 @@ def load(
     keep = []
     for entry in data.get("keep", []):  # versions 1 and 2 keep nothing
         position = entry.get("position") if isinstance(entry, dict) else None
-        if not (isinstance(position, int) and 0 <= position < problem.size
-                and problem.names[position] == entry.get("name")):
+        if not (
+            isinstance(position, int)
+            and 0 <= position < problem.size
+            and problem.names[position] == entry.get("name")
+        ):
             raise PlanningError(
                 f"kept node {entry} of {path} does not name the node at its position; the file "
                 "was edited or corrupted"

@@ -99,7 +99,9 @@ def validate_choice(problem: Problem, choice) -> Choice:
         return Choice(segments)
     for k in sorted(keep):
         if not 0 <= k < problem.size:
-            raise ValueError(f"kept position {k} is not a node of this graph (0..{problem.size - 1})")
+            raise ValueError(
+                f"kept position {k} is not a node of this graph (0..{problem.size - 1})"
+            )
         if not problem.keepable[k]:
             raise ValueError(
                 f"node {k} ({problem.names[k]}) cannot be kept: it creates no memory, mutates a "
@@ -170,10 +172,14 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     elsewhere = np.where(saver_segment != home[a.save_storage], starts[saver_segment], never)
     release = np.minimum(
         first(a.save_storage, np.where(saver_segment < 0, a.save_node, elsewhere)),
-        first(a.read_storage, np.where(
-            (reader_segment >= 0) & (reader_segment != home[a.read_storage]),
-            starts[reader_segment], never,
-        )),
+        first(
+            a.read_storage,
+            np.where(
+                (reader_segment >= 0) & (reader_segment != home[a.read_storage]),
+                starts[reader_segment],
+                never,
+            ),
+        ),
     )
     cached = kept[a.producer]
     triggered = (release < never) & ~cached
@@ -189,8 +195,9 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     by_saver = recomputed & (inner_saver < never)
     backward_free += _total_at(inner_saver[by_saver], a.nbytes[by_saver], n)
     last_read = a.producer.copy()
-    np.maximum.at(last_read, a.read_storage,
-                  np.where(a.read_node <= end[a.read_storage], a.read_node, -1))
+    np.maximum.at(
+        last_read, a.read_storage, np.where(a.read_node <= end[a.read_storage], a.read_node, -1)
+    )
     by_reader = recomputed & (inner_saver == never)
     created = recomputed & ~cached
     recompute_alloc = _total_at(a.producer[created], a.nbytes[created], n)
@@ -245,8 +252,11 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     )
     # A kept node's forward holds its temporaries (no transient on top); its recompute runs none.
     forward_transient = np.where(kept, np.maximum(problem.workspace - held, 0), problem.workspace)
-    transient = np.select([phase == 0, recompute & ~kept[position]],
-                          [forward_transient[position], problem.workspace[position]], 0)
+    transient = np.select(
+        [phase == 0, recompute & ~kept[position]],
+        [forward_transient[position], problem.workspace[position]],
+        0,
+    )
     after = np.cumsum(alloc - free)
     live = after + free + transient  # at each step's high point
     peak = int(live.max(initial=0))
@@ -260,8 +270,7 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     timeline = None
     if record:
         names = ("forward", "recompute", "backward")
-        timeline = tuple(zip([names[p] for p in phase.tolist()], position.tolist(),
-                             live.tolist()))
+        timeline = tuple(zip([names[p] for p in phase.tolist()], position.tolist(), live.tolist()))
     return Simulation(
         peak_bytes=int(problem.fixed_bytes + peak),
         optimizer_step_bytes=int(problem.fixed_bytes + step),

@@ -122,23 +122,53 @@ class Frontier:
         overhead = np.array([p.recompute_overhead for p in self.points]) * 100
         for x0, x1, y in zip(peaks, asked, overhead):
             ax.plot([x0, x1], [y, y], color=_BUDGET_COLOUR, lw=0.8, alpha=0.5)
-        ax.plot(asked, overhead, ls="none", marker="|", ms=12, mew=1.5, color=_BUDGET_COLOUR,
-                label="budget asked")
-        ax.plot(peaks, overhead, marker="o", ms=6, lw=1.8, color=_PLAN_COLOUR,
-                label="plan (simulated peak)")
+        ax.plot(
+            asked,
+            overhead,
+            ls="none",
+            marker="|",
+            ms=12,
+            mew=1.5,
+            color=_BUDGET_COLOUR,
+            label="budget asked",
+        )
+        ax.plot(
+            peaks,
+            overhead,
+            marker="o",
+            ms=6,
+            lw=1.8,
+            color=_PLAN_COLOUR,
+            label="plan (simulated peak)",
+        )
         ax.axvline(self.lowest_peak_bytes / MIB, color=_BASELINE_COLOUR, ls=":", lw=1.0)
-        ax.annotate(f"lowest peak\n{self._mib(self.lowest_peak_bytes)} MiB",
-                    (self.lowest_peak_bytes / MIB, 1.0), xycoords=("data", "axes fraction"),
-                    xytext=(4, -4), textcoords="offset points", ha="left", va="top",
-                    fontsize=8, color="#555555")
-        ax.plot([self.baseline_peak_bytes / MIB], [0.0], marker="*", ms=15, ls="none",
-                color=_BASELINE_COLOUR, zorder=5,
-                label=f"no checkpointing ({self._mib(self.baseline_peak_bytes)} MiB)")
+        ax.annotate(
+            f"lowest peak\n{self._mib(self.lowest_peak_bytes)} MiB",
+            (self.lowest_peak_bytes / MIB, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(4, -4),
+            textcoords="offset points",
+            ha="left",
+            va="top",
+            fontsize=8,
+            color="#555555",
+        )
+        ax.plot(
+            [self.baseline_peak_bytes / MIB],
+            [0.0],
+            marker="*",
+            ms=15,
+            ls="none",
+            color=_BASELINE_COLOUR,
+            zorder=5,
+            label=f"no checkpointing ({self._mib(self.baseline_peak_bytes)} MiB)",
+        )
         span = self.baseline_peak_bytes - self.lowest_peak_bytes
         margin = max(span * 0.06, self.baseline_peak_bytes * 0.005) / MIB
         ax.set_xlim(self.lowest_peak_bytes / MIB - margin, self.baseline_peak_bytes / MIB + margin)
-        ax.set_ylim(-max(overhead.max(initial=0.0), 1.0) * 0.06,
-                    max(overhead.max(initial=0.0), 1.0) * 1.15)
+        ax.set_ylim(
+            -max(overhead.max(initial=0.0), 1.0) * 0.06, max(overhead.max(initial=0.0), 1.0) * 1.15
+        )
         ax.set_xlabel("peak memory of a training step (MiB, parameters and gradients included)")
         ax.set_ylabel("recompute overhead (% of a step)")
         ax.set_title("Memory against recompute: the best plan at each budget", fontsize=10)
@@ -156,8 +186,9 @@ def _budgets(lowest: int, baseline: int, points: int) -> list[int]:
     return sorted({round(b) for b in np.linspace(lowest, baseline, points)})
 
 
-def frontier_of(problem: Problem, *, budgets=None, points: int = 12, solver="auto",
-                **options) -> Frontier:
+def frontier_of(
+    problem: Problem, *, budgets=None, points: int = 12, solver="auto", **options
+) -> Frontier:
     """The frontier of a prepared ``problem``; see :func:`frontier`.
 
     Parameters
@@ -205,15 +236,17 @@ def frontier_of(problem: Problem, *, budgets=None, points: int = 12, solver="aut
             chosen = previous  # it fits this larger budget too, and costs less
         previous = chosen
         result, count, name = chosen
-        found.append(FrontierPoint(
-            budget_bytes=budget,
-            peak_bytes=result.peak_bytes,
-            recompute_seconds=result.recompute_seconds,
-            recompute_overhead=result.recompute_seconds / step_seconds if step_seconds else 0.0,
-            recompute_flops=result.recompute_flops,
-            segments=count,
-            solver=name,
-        ))
+        found.append(
+            FrontierPoint(
+                budget_bytes=budget,
+                peak_bytes=result.peak_bytes,
+                recompute_seconds=result.recompute_seconds,
+                recompute_overhead=result.recompute_seconds / step_seconds if step_seconds else 0.0,
+                recompute_flops=result.recompute_flops,
+                segments=count,
+                solver=name,
+            )
+        )
     return Frontier(points=tuple(found), baseline_peak_bytes=baseline, lowest_peak_bytes=lowest)
 
 
@@ -263,7 +296,14 @@ def frontier(
     >>> f.points[-1].recompute_seconds, f.points[-1].peak_bytes == f.baseline_peak_bytes
     (0.0, True)
     """
-    _, problem = prepare(model, example_inputs, example_kwargs, cost_model=cost_model,
-                         optimizer_state_bytes=optimizer_state_bytes, leaf_modules=leaf_modules,
-                         loss_fn=loss_fn, optimizer=optimizer)
+    _, problem = prepare(
+        model,
+        example_inputs,
+        example_kwargs,
+        cost_model=cost_model,
+        optimizer_state_bytes=optimizer_state_bytes,
+        leaf_modules=leaf_modules,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+    )
     return frontier_of(problem, budgets=budgets, points=points, solver=solver)

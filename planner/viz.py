@@ -239,7 +239,8 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
         out.append(
             f'<details{open_attr} style="margin-top:6px"><summary>{len(rows)} checkpointed '
             "segments (boundary tensors are kept; the rest is recomputed in backward"
-            + (", but for the kept nodes' outputs" if selective else "") + ")</summary>"
+            + (", but for the kept nodes' outputs" if selective else "")
+            + ")</summary>"
             f'<table style="border-collapse:collapse;font-size:12px"><tr>{head}</tr>'
         )
         for r in shown:
@@ -528,7 +529,7 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
         nodes = group.stop - group.start
         label = (
             f"{_short(group.key)}\n{nodes} node{'s' if nodes != 1 else ''}"
-            f" · {saved[group.start:group.stop].sum() / MIB:.2f} MiB"
+            f" · {saved[group.start : group.stop].sum() / MIB:.2f} MiB"
         )
         starts_segment = group.segment >= 0 and plan.segments[group.segment][0] == group.start
         if group.segment >= 0:
@@ -568,8 +569,11 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
     shown = min(len(plan.segments), 6)
     for k in range(shown):
         handles.append(
-            Patch(facecolor=_SEGMENT_COLOURS[k % len(_SEGMENT_COLOURS)], edgecolor="#555555",
-                  label=f"checkpointed segment {k}")
+            Patch(
+                facecolor=_SEGMENT_COLOURS[k % len(_SEGMENT_COLOURS)],
+                edgecolor="#555555",
+                label=f"checkpointed segment {k}",
+            )
         )
     if len(plan.segments) > shown:
         handles.append(Patch(facecolor="white", edgecolor="white",
@@ -592,7 +596,8 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
     ax.set_title(
         f"{_model_name(plan)}: {problem.size} nodes in {count} boxes "
         f"(modules collapsed to depth {depth}); {len(plan.segments)} checkpointed segments"
-        + (f", {len(keep)} nodes kept inside them" if keep else "") + "\n"
+        + (f", {len(keep)} nodes kept inside them" if keep else "")
+        + "\n"
         f"predicted peak {_mib(plan.predicted_peak_bytes)} of a {_mib(plan.budget_bytes)} "
         f"budget (baseline {_mib(plan.baseline_peak_bytes)}); recompute "
         f"{plan.predicted_overhead:.1%} of a step; solver {plan.solver}",
@@ -740,10 +745,16 @@ def plot_memory(plan, measured=None, ax=None, *, measured_baseline=None, path=No
 
     ax.plot(base.x, base.y / unit, drawstyle="steps-pre", color=_BASELINE_COLOUR, lw=1.6,
             label=f"no checkpointing (peak {_mib(base.peak_bytes)})")  # fmt: skip
-    ax.plot(planned.x, planned.y / unit, drawstyle="steps-pre", color=_PLAN_COLOUR, lw=1.6,
-            label=f"plan: {len(plan.segments)} segments"
-            + (f", {len(plan.keep)} kept nodes" if getattr(plan, "keep", ()) else "")
-            + f" (peak {_mib(planned.peak_bytes)})")
+    ax.plot(
+        planned.x,
+        planned.y / unit,
+        drawstyle="steps-pre",
+        color=_PLAN_COLOUR,
+        lw=1.6,
+        label=f"plan: {len(plan.segments)} segments"
+        + (f", {len(plan.keep)} kept nodes" if getattr(plan, "keep", ()) else "")
+        + f" (peak {_mib(planned.peak_bytes)})",
+    )
     ax.axhline(plan.budget_bytes / unit, color=_BUDGET_COLOUR, ls="--", lw=1.4,
                label=f"budget ({_mib(plan.budget_bytes)})")  # fmt: skip
     for curve, colour in ((base, _BASELINE_COLOUR), (planned, _PLAN_COLOUR)):

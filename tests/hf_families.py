@@ -23,8 +23,13 @@ def _padded_mask(batch, length):
 
 
 _DECODER = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
 )
 
 
@@ -44,8 +49,13 @@ def _causal_lm(model_class, config_class, **sizes):
 
 def gpt2(batch=2, length=16, labels=False):
     config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, n_positions=128, vocab_size=VOCAB,
-        bos_token_id=0, eos_token_id=0,
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        n_positions=128,
+        vocab_size=VOCAB,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = transformers.GPT2LMHeadModel(config).train()
     ids = _ids(batch, length)
@@ -58,8 +68,13 @@ def gpt2(batch=2, length=16, labels=False):
 def _masked_lm(model_class, config_class, **extra):
     def build(batch=2, length=16, labels=False):
         config = config_class(
-            num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
-            vocab_size=VOCAB, max_position_embeddings=130, **extra,
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=VOCAB,
+            max_position_embeddings=130,
+            **extra,
         )
         model = model_class(config).train()
         ids = _ids(batch, length)
@@ -84,26 +99,55 @@ def _seq2seq(model_class, config):
 
 def _t5_config():
     return transformers.T5Config(
-        d_model=32, d_ff=64, d_kv=16, num_layers=2, num_heads=2, vocab_size=VOCAB,
-        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        d_model=32,
+        d_ff=64,
+        d_kv=16,
+        num_layers=2,
+        num_heads=2,
+        vocab_size=VOCAB,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
     )
 
 
 def _bart_config():
     return transformers.BartConfig(
-        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB,
-        max_position_embeddings=128, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-        decoder_start_token_id=2, forced_eos_token_id=2,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+        forced_eos_token_id=2,
     )
 
 
 def whisper(batch=2, length=16, labels=False):
     config = transformers.WhisperConfig(
-        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB,
-        num_mel_bins=16, max_source_positions=32, max_target_positions=64, pad_token_id=0,
-        bos_token_id=0, eos_token_id=1, decoder_start_token_id=2, suppress_tokens=None,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        vocab_size=VOCAB,
+        num_mel_bins=16,
+        max_source_positions=32,
+        max_target_positions=64,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=2,
+        suppress_tokens=None,
         begin_suppress_tokens=None,
     )
     model = transformers.WhisperForConditionalGeneration(config).train()
@@ -115,8 +159,13 @@ def whisper(batch=2, length=16, labels=False):
 
 def vit(batch=2, length=32, labels=False):
     config = transformers.ViTConfig(
-        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, num_labels=5,
+        image_size=32,
+        patch_size=8,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=5,
     )
     model = transformers.ViTForImageClassification(config).train()
     kwargs = {"interpolate_pos_encoding": True} if length != 32 else {}
@@ -128,12 +177,20 @@ def vit(batch=2, length=32, labels=False):
 def clip(batch=2, length=16, labels=False):
     config = transformers.CLIPConfig(
         text_config=dict(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            vocab_size=VOCAB, max_position_embeddings=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
         ),
         vision_config=dict(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            image_size=32, patch_size=8,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
         ),
         projection_dim=16,
     )
@@ -151,8 +208,10 @@ FAMILIES = {
     "phi3": _causal_lm(transformers.Phi3ForCausalLM, transformers.Phi3Config),
     "gemma": _causal_lm(transformers.GemmaForCausalLM, transformers.GemmaConfig, head_dim=8),
     "mixtral": _causal_lm(
-        transformers.MixtralForCausalLM, transformers.MixtralConfig,
-        num_local_experts=4, num_experts_per_tok=2,
+        transformers.MixtralForCausalLM,
+        transformers.MixtralConfig,
+        num_local_experts=4,
+        num_experts_per_tok=2,
     ),
     "bert": _masked_lm(transformers.BertForMaskedLM, transformers.BertConfig),
     "roberta": _masked_lm(

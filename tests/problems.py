@@ -29,9 +29,16 @@ def random_problem(seed: int, nodes: int | None = None) -> Problem:
     for k in range(n):
         readers = tuple(i for i in range(n) if k in reads[i])
         savers = ({k} if rng.random() < 0.5 else set()) | {i for i in readers if saves_input[i]}
-        storages.append(Storage(nbytes=int(rng.choice([1, 2, 4, 8, 16])), producer=k,
-                                readers=readers, savers=tuple(sorted(savers)),
-                                is_output=k in outputs, requires_grad=True))
+        storages.append(
+            Storage(
+                nbytes=int(rng.choice([1, 2, 4, 8, 16])),
+                producer=k,
+                readers=readers,
+                savers=tuple(sorted(savers)),
+                is_output=k in outputs,
+                requires_grad=True,
+            )
+        )
     seconds = rng.choice([0.5, 1.0, 3.0, 10.0], n)
     arrays = dict(
         workspace=rng.choice([0, 0, 1, 4], n),

@@ -37,8 +37,20 @@ from planner.simulate import Choice, last_recomputed
 #   ("flag",)                h + 1 if flag    (non-tensor bool argument)
 #   ("extra",)               h + y            (keyword tensor argument)
 #   ("mark",)                remember h as the auxiliary output
-OPS = ("layer", "norm", "act", "dropout", "push", "add", "branch", "reuse", "scale", "flag",
-       "extra", "mark")
+OPS = (
+    "layer",
+    "norm",
+    "act",
+    "dropout",
+    "push",
+    "add",
+    "branch",
+    "reuse",
+    "scale",
+    "flag",
+    "extra",
+    "mark",
+)
 
 
 @dataclass(frozen=True)
@@ -174,14 +186,20 @@ _op = st.one_of(
     st.tuples(st.just("norm"), st.sampled_from(["ln", "bn"])),
     st.tuples(st.just("act"), st.sampled_from(["gelu", "tanh", "relu"])),
     st.tuples(st.just("dropout"), st.sampled_from([0.1, 0.5])),
-    st.sampled_from([("push",), ("add",), ("branch",), ("reuse",), ("scale",), ("flag",),
-                     ("extra",), ("mark",)]),
+    st.sampled_from(
+        [("push",), ("add",), ("branch",), ("reuse",), ("scale",), ("flag",), ("extra",), ("mark",)]
+    ),
 )
 
 
 @st.composite
-def model_specs(draw, *, untraceable: bool | None = False, max_ops: int = 10,
-                kinds: tuple[str, ...] = ("dense", "conv")) -> ModelSpec:
+def model_specs(
+    draw,
+    *,
+    untraceable: bool | None = False,
+    max_ops: int = 10,
+    kinds: tuple[str, ...] = ("dense", "conv"),
+) -> ModelSpec:
     """A random :class:`ModelSpec`; ``untraceable=None`` draws it too."""
     kind = draw(st.sampled_from(kinds))
     ops = tuple(draw(st.lists(_op, min_size=1, max_size=max_ops)))
@@ -229,15 +247,17 @@ def random_choices(draw, problem) -> Choice:
         allowed = [c for c in range(1, problem.size) if problem.cut_allowed[c]]
         cuts = [c for c in allowed if draw(st.integers(0, 3)) == 0]
         bounds = sorted({0, problem.size, *cuts})
-        segments = tuple((a, b) for a, b in zip(bounds, bounds[1:])
-                         if problem.is_valid_segment(a, b))
+        segments = tuple(
+            (a, b) for a, b in zip(bounds, bounds[1:]) if problem.is_valid_segment(a, b)
+        )
     keep = set()
     for start, stop in segments:
         end = last_recomputed(problem, start, stop)
         candidates = [k for k in range(start, end) if problem.keepable[k]]
         chosen = {k for k in candidates if draw(st.booleans())}
-        recomputed_random = [k for k in range(start, end + 1)
-                             if problem.random[k] and k not in chosen]
+        recomputed_random = [
+            k for k in range(start, end + 1) if problem.random[k] and k not in chosen
+        ]
         if recomputed_random:
             chosen -= {k for k in chosen if problem.random[k] and k < recomputed_random[-1]}
         keep |= chosen
@@ -270,15 +290,26 @@ def model_state(model: nn.Module) -> dict:
     """Everything about ``model`` that planning must not change."""
     return {
         "parameters": [
-            (name, id(p), p.requires_grad, p.detach().clone(),
-             None if p.grad is None else p.grad.clone())
+            (
+                name,
+                id(p),
+                p.requires_grad,
+                p.detach().clone(),
+                None if p.grad is None else p.grad.clone(),
+            )
             for name, p in model.named_parameters(remove_duplicate=False)
         ],
         "buffers": [(name, id(b), b.clone()) for name, b in model.named_buffers()],
         "training": [(name, m.training) for name, m in model.named_modules()],
         "hooks": [
-            (name, {k: len(v) for k, v in vars(m).items() if k.endswith("hooks") and v is not None
-                    and hasattr(v, "__len__")})
+            (
+                name,
+                {
+                    k: len(v)
+                    for k, v in vars(m).items()
+                    if k.endswith("hooks") and v is not None and hasattr(v, "__len__")
+                },
+            )
             for name, m in model.named_modules()
         ],
         "modules": [(name, id(m), type(m)) for name, m in model.named_modules()],
@@ -316,8 +347,11 @@ def _assert_same_tree(expected, actual, what: str) -> None:
 
 def _step(module, params, args, kwargs, seed: int, use_autograd_grad: bool, loss_fn=None):
     args, kwargs = fresh(args), fresh(kwargs)
-    inputs = [t for t in tree_flatten((args, kwargs))[0]
-              if isinstance(t, torch.Tensor) and t.requires_grad]
+    inputs = [
+        t
+        for t in tree_flatten((args, kwargs))[0]
+        if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
     for p in params:
         p.grad = None
     torch.manual_seed(seed)
@@ -332,9 +366,17 @@ def _step(module, params, args, kwargs, seed: int, use_autograd_grad: bool, loss
     return out, loss, grads, torch.get_rng_state()
 
 
-def assert_equivalent(reference: nn.Module, model: nn.Module, planned, args, kwargs,
-                      *, seed: int = 0, check_output_type: bool = True,
-                      loss_fn=None) -> None:
+def assert_equivalent(
+    reference: nn.Module,
+    model: nn.Module,
+    planned,
+    args,
+    kwargs,
+    *,
+    seed: int = 0,
+    check_output_type: bool = True,
+    loss_fn=None,
+) -> None:
     """One step of ``planned`` (sharing ``model``'s parameters) equals one of ``reference`` (an
     untouched deep copy of ``model``): outputs, loss, every parameter and input gradient, the
     RNG state after the step (so every dropout mask drew the same numbers), and every buffer
@@ -357,7 +399,9 @@ def assert_equivalent(reference: nn.Module, model: nn.Module, planned, args, kwa
         assert len(expected[2]) == len(actual[2])
         labels = names + [f"input {k}" for k in range(len(expected[2]) - len(names))]
         if use_grad:
-            labels = [n for n, p in zip(names, ref_params) if p.requires_grad] + labels[len(names):]
+            labels = [n for n, p in zip(names, ref_params) if p.requires_grad] + labels[
+                len(names) :
+            ]
         for label, a, b in zip(labels, expected[2], actual[2]):
             assert (a is None) == (b is None), f"{how}: gradient of {label}: {a} vs {b}"
             if a is not None:

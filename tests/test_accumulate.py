@@ -157,8 +157,12 @@ def test_backward_outside_the_context_is_refused_for_a_data_parallel_model():
 
 def test_a_sum_loss_undoes_the_averaging_over_ranks():
     model = FakeDataParallel()
-    scales = [m.loss_scale for m in micro_batches(torch.ones(4, 2), 2, model=model,
-                                                  reduction="sum", data_parallel_size=4)]
+    scales = [
+        m.loss_scale
+        for m in micro_batches(
+            torch.ones(4, 2), 2, model=model, reduction="sum", data_parallel_size=4
+        )
+    ]
     assert scales == [4.0, 4.0]
 
 

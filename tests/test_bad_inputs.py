@@ -25,11 +25,30 @@ from strategies import ModelSpec, assert_equivalent, assert_same_state, build, i
 
 def small(untraceable=False, output="tensor"):
     spec = ModelSpec(
-        kind="dense", width=8, batch=4, spatial=3,
-        ops=(("layer", True), ("norm", "bn"), ("dropout", 0.5), ("push",), ("layer", False),
-             ("act", "gelu"), ("add",), ("scale",), ("flag",)),
-        frozen=1, tie=False, output=output, extra_input=True, scale=0.5, flag=True,
-        untraceable=untraceable, input_requires_grad=True, seed=3,
+        kind="dense",
+        width=8,
+        batch=4,
+        spatial=3,
+        ops=(
+            ("layer", True),
+            ("norm", "bn"),
+            ("dropout", 0.5),
+            ("push",),
+            ("layer", False),
+            ("act", "gelu"),
+            ("add",),
+            ("scale",),
+            ("flag",),
+        ),
+        frozen=1,
+        tie=False,
+        output=output,
+        extra_input=True,
+        scale=0.5,
+        flag=True,
+        untraceable=untraceable,
+        input_requires_grad=True,
+        seed=3,
     )
     model = build(spec)
     model.layers[0].weight.grad = torch.ones_like(model.layers[0].weight)  # a stale .grad
@@ -57,8 +76,18 @@ def plan_of(model, args, kwargs, **options):
         {"budget_gb": 1e300},
         {"budget_bytes": 2**63},
     ],
-    ids=["none", "both", "zero", "negative", "nan", "inf", "string", "bool", "huge gb",
-         "huge bytes"],
+    ids=[
+        "none",
+        "both",
+        "zero",
+        "negative",
+        "nan",
+        "inf",
+        "string",
+        "bool",
+        "huge gb",
+        "huge bytes",
+    ],
 )
 def test_invalid_budget_is_a_value_error(budget):
     model, args, kwargs = small()
@@ -269,8 +298,11 @@ def test_a_custom_solver_returning_no_segments_is_named(result):
     def my_solver(problem, budget_bytes):
         return result
 
-    with pytest.raises(TypeError, match=r"solver 'my_solver' returned .*; a solver must return "
-                                        r"a tuple of \(start, stop\) pairs of int positions"):
+    with pytest.raises(
+        TypeError,
+        match=r"solver 'my_solver' returned .*; a solver must return "
+        r"a tuple of \(start, stop\) pairs of int positions",
+    ):
         plan_of(model, args, kwargs, budget_gb=1, solver=my_solver)
     assert_same_state(before, model_state(model))
 
@@ -281,8 +313,11 @@ def test_a_custom_solver_returning_invalid_segments_is_named():
     def my_solver(problem, budget_bytes):
         return ((0, 999),)
 
-    with pytest.raises(ValueError, match=r"solver 'my_solver' returned an invalid plan: "
-                                         r"segment \(0, 999\) is not valid"):
+    with pytest.raises(
+        ValueError,
+        match=r"solver 'my_solver' returned an invalid plan: "
+        r"segment \(0, 999\) is not valid",
+    ):
         plan_of(model, args, kwargs, budget_gb=1, solver=my_solver)
 
 
@@ -303,7 +338,8 @@ def test_a_solver_plan_over_a_feasible_budget_does_not_ask_for_that_budget():
 
 
 @pytest.mark.parametrize(
-    "example_kwargs", [[torch.randn(4, 8)], [("y", torch.randn(4, 8))], (), {1: 2.0}],
+    "example_kwargs",
+    [[torch.randn(4, 8)], [("y", torch.randn(4, 8))], (), {1: 2.0}],
     ids=["list of tensors", "list of pairs", "empty tuple", "int key"],
 )
 def test_example_kwargs_must_be_a_dict_by_name(example_kwargs, monkeypatch):

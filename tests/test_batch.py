@@ -72,14 +72,18 @@ def test_a_tight_budget_gets_the_fastest_configuration_that_fits(model, peaks, b
 
 
 def test_predicted_time_is_steps_times_step_and_recompute_time(model):
-    choice = plan_batch(model, make_inputs, budget_bytes=2**30, global_batch=GLOBAL_BATCH,
-                        micro_batches=[2], solver="sqrt_n")
+    choice = plan_batch(
+        model,
+        make_inputs,
+        budget_bytes=2**30,
+        global_batch=GLOBAL_BATCH,
+        micro_batches=[2],
+        solver="sqrt_n",
+    )
     problem = choice.plan.problem
     recompute = simulate(problem, choice.plan.segments).recompute_seconds
     assert choice.plan.segments
-    assert choice.predicted_seconds == pytest.approx(
-        4 * (3 * problem.seconds.sum() + recompute)
-    )
+    assert choice.predicted_seconds == pytest.approx(4 * (3 * problem.seconds.sum() + recompute))
 
 
 def test_the_table_lists_every_alternative_and_marks_the_choice(model):
@@ -123,8 +127,11 @@ def measured_peak_with_gradients_present(module, inputs):
 def test_accumulation_memory_model_bounds_a_measured_later_micro_batch(solver):
     model, inputs = zoo.gpt(**{**TINY_GPT, "with_loss": False}, batch=2, seed=0)
     captured, problem = prepare(model, inputs)
-    segments = () if solver is None else planner.plan(
-        model, inputs, budget_bytes=2**30, solver=solver).segments
+    segments = (
+        ()
+        if solver is None
+        else planner.plan(model, inputs, budget_bytes=2**30, solver=solver).segments
+    )
     module = rewrite(captured.graph_module, model, segments)
     measured = measured_peak_with_gradients_present(module, inputs)
     predicted = simulate(accumulation_problem(problem), segments).peak_bytes
@@ -169,10 +176,14 @@ def test_make_inputs_must_be_a_function(model):
 
 def test_make_inputs_that_ignores_the_batch_size_is_refused(model):
     """Every row would be predicted on the wrong batch: the shapes must follow the size asked."""
-    with pytest.raises(ValueError, match=r"make_inputs\(1\) returned tensors of shapes \[\(8, 16\)"):
+    with pytest.raises(
+        ValueError, match=r"make_inputs\(1\) returned tensors of shapes \[\(8, 16\)"
+    ):
         plan_batch(model, lambda b: make_inputs(8), budget_bytes=2**30, global_batch=8)
-    with pytest.raises(ValueError, match=r"make_inputs\(4\) returned inputs of batch size 2, "
-                                         r"expected 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"make_inputs\(4\) returned inputs of batch size 2, "
+        r"expected 4",
+    ):
         plan_batch(model, lambda b: make_inputs(min(b, 2)), budget_bytes=2**30, global_batch=8,
                    micro_batches=[2, 4])  # fmt: skip
-

@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _load_compare():
-    spec = importlib.util.spec_from_file_location("benchmarks_compare", ROOT / "benchmarks" / "compare.py")
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks_compare", ROOT / "benchmarks" / "compare.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(spec.name, module)
     spec.loader.exec_module(module)
@@ -30,23 +32,43 @@ def test_short_mode_on_tiny_models_writes_consistent_results_and_page(tmp_path):
     out = tmp_path / "results.json"
     page = tmp_path / "docs" / "benchmarks.md"
     img = tmp_path / "docs" / "img"
-    returned = compare.main([
-        "--mode", "short", "--models", "mlp", "hf-gpt2", "--set", "mlp:depth=6,width=16,batch=32",
-        "--set", "hf-gpt2:layers=1,d_model=32,heads=2,seq=16,batch=2",
-        "--reps", "2", "--out", str(out), "--page", str(page), "--img-dir", str(img),
-    ])
+    returned = compare.main(
+        [
+            "--mode",
+            "short",
+            "--models",
+            "mlp",
+            "hf-gpt2",
+            "--set",
+            "mlp:depth=6,width=16,batch=32",
+            "--set",
+            "hf-gpt2:layers=1,d_model=32,heads=2,seq=16,batch=2",
+            "--reps",
+            "2",
+            "--out",
+            str(out),
+            "--page",
+            str(page),
+            "--img-dir",
+            str(img),
+        ]
+    )
 
     results = json.loads(out.read_text())
     assert results["models"].keys() == {"mlp", "hf-gpt2"} == returned["models"].keys()
     assert results["mode"] == "short" and results["reps"] == 2
-    assert results["machine"]["torch"] and results["command"].startswith("python benchmarks/compare.py")
+    assert results["machine"]["torch"] and results["command"].startswith(
+        "python benchmarks/compare.py"
+    )
     assert results["solvers"][0] == "auto" and {"greedy", "sqrt_n"} <= set(results["solvers"])
 
     for name, m in results["models"].items():
         check_model(results, name, m)
 
     text = page.read_text()
-    assert "## mlp" in text and "## hf-gpt2" in text and "torch" in text and results["command"] in text
+    assert (
+        "## mlp" in text and "## hf-gpt2" in text and "torch" in text and results["command"] in text
+    )
     assert (img / "benchmarks_mlp.png").stat().st_size > 0
     assert "img/benchmarks_mlp.png" in text
 
@@ -63,7 +85,9 @@ def check_model(results: dict, name: str, m: dict) -> None:
     assert {"none", "per-block", "compile", "planner"} <= methods
     # checkpoint_sequential has adapters for the zoo models only
     assert ("ckpt-seq" in methods) == (not name.startswith("hf-"))
-    compile_budgets = sorted(r["activation_memory_budget"] for r in v.values() if r["method"] == "compile")
+    compile_budgets = sorted(
+        r["activation_memory_budget"] for r in v.values() if r["method"] == "compile"
+    )
     assert compile_budgets == sorted(results["compile_budgets"])
 
     none = v["none"]
@@ -99,4 +123,3 @@ def check_model(results: dict, name: str, m: dict) -> None:
     assert sorted(v[r["compile"]]["activation_memory_budget"] for r in rows) == compile_budgets
     for r in rows:  # each compile peak was given to planner auto as its budget
         assert r["planner"] is None or v[r["planner"]]["method"] == "planner"
-

@@ -87,7 +87,10 @@ def _init(rank, port):
 def run_ranks(worker, tmp_path, timeout_s=TIMEOUT_S):
     """Spawn ``worker(rank, port, out_dir)`` on 2 ranks; return each rank's saved results."""
     context = mp.start_processes(
-        worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False,
+        worker,
+        args=(_free_port(), str(tmp_path)),
+        nprocs=WORLD,
+        join=False,
         start_method="spawn",
     )
     deadline = time.monotonic() + timeout_s
@@ -147,7 +150,8 @@ def _ddp_worker(rank, port, out):
             with micro:
                 micro.backward(ddp(*micro.data))
         results[f"accumulate_{micro_batch}"] = {
-            "grads": _grads(ddp.module), "allreduces": counter["allreduces"],
+            "grads": _grads(ddp.module),
+            "allreduces": counter["allreduces"],
         }
 
     ddp, local, counter = fresh_ddp()

@@ -140,9 +140,20 @@ def test_auto_fits_every_budget_down_to_the_lowest_peak():
     from strategies import ModelSpec
 
     spec = ModelSpec(
-        kind="dense", width=4, batch=2, spatial=3, ops=(("norm", "ln"), ("layer", False)),
-        frozen=0, tie=False, output="tensor", extra_input=False, scale=None, flag=False,
-        untraceable=False, input_requires_grad=False, seed=0,
+        kind="dense",
+        width=4,
+        batch=2,
+        spatial=3,
+        ops=(("norm", "ln"), ("layer", False)),
+        frozen=0,
+        tie=False,
+        output="tensor",
+        extra_input=False,
+        scale=None,
+        flag=False,
+        untraceable=False,
+        input_requires_grad=False,
+        seed=0,
     )
     _, _, _, _, _, problem = _prepared(spec)
     budget = lowest_peak(problem).peak_bytes
@@ -158,10 +169,20 @@ def test_exported_batchnorm_update_inside_a_segment():
     from strategies import ModelSpec
 
     spec = ModelSpec(
-        kind="conv", width=2, batch=2, spatial=3,
+        kind="conv",
+        width=2,
+        batch=2,
+        spatial=3,
         ops=(("layer", False), ("layer", False), ("norm", "ln"), ("norm", "bn")),
-        frozen=0, tie=False, output="tensor", extra_input=False, scale=None, flag=False,
-        untraceable=True, input_requires_grad=False, seed=0,
+        frozen=0,
+        tie=False,
+        output="tensor",
+        extra_input=False,
+        scale=None,
+        flag=False,
+        untraceable=True,
+        input_requires_grad=False,
+        seed=0,
     )
     model, reference, args, kwargs, captured, problem = _prepared(spec)
     add = problem.names.index("add_")

@@ -59,8 +59,15 @@ def test_overhead_is_recompute_over_three_forwards(swept, problem):
 def test_rows_and_table(swept):
     rows = swept.to_rows()
     assert len(rows) == len(swept.points)
-    assert set(rows[0]) == {"budget_bytes", "peak_bytes", "recompute_seconds",
-                            "recompute_overhead", "recompute_flops", "segments", "solver"}
+    assert set(rows[0]) == {
+        "budget_bytes",
+        "peak_bytes",
+        "recompute_seconds",
+        "recompute_overhead",
+        "recompute_flops",
+        "segments",
+        "solver",
+    }
     text = str(swept)
     assert text.startswith("Frontier: 8 budgets") and "budget MiB" in text
     assert len(text.splitlines()) == 2 + len(swept.points)

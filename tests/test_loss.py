@@ -79,8 +79,11 @@ def test_planned_step_with_the_users_loss_trains_exactly_like_the_original(spec,
 
 
 @settings(max_examples=EXAMPLES)
-@given(spec=model_specs(untraceable=None, max_ops=8, kinds=("dense",)), kind=LOSSES,
-       fraction=st.floats(0, 1))
+@given(
+    spec=model_specs(untraceable=None, max_ops=8, kinds=("dense",)),
+    kind=LOSSES,
+    fraction=st.floats(0, 1),
+)
 def test_measured_step_with_the_users_loss_fits_and_matches_the_prediction(spec, kind, fraction):
     """Memory the step adds to what was live before it (parameters the graph never reads are
     live too, but no plan changes them: they are left out on both sides), at a batch large
@@ -127,8 +130,7 @@ def test_planning_on_the_meta_device_counts_the_loss_the_same():
     """Labels closed over by the loss are replaced by stand-ins, on fake and meta tensors."""
     model, args, loss_fn = _gpt_with_cross_entropy()
     _, problem = prepare(model, args, loss_fn=loss_fn)
-    meta_model, (meta_idx,) = planner.zoo.gpt(layers=2, vocab=2048, with_loss=False,
-                                              device="meta")
+    meta_model, (meta_idx,) = planner.zoo.gpt(layers=2, vocab=2048, with_loss=False, device="meta")
     labels = torch.zeros(meta_idx.shape, dtype=torch.long)  # on the CPU: made meta too
     meta_loss = lambda logits: F.cross_entropy(logits.flatten(0, 1), labels.flatten())  # noqa: E731
     _, meta_problem = prepare(meta_model, (meta_idx,), loss_fn=meta_loss)
@@ -188,6 +190,12 @@ def test_frontier_and_plan_batch_take_the_loss():
         labels = torch.zeros(batch, 64, dtype=torch.long)
         return lambda logits: F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
-    choice = planner.plan_batch(model, make_inputs, budget_bytes=f.baseline_peak_bytes,
-                                global_batch=4, micro_batches=[4], make_loss_fn=make_loss_fn)
+    choice = planner.plan_batch(
+        model,
+        make_inputs,
+        budget_bytes=f.baseline_peak_bytes,
+        global_batch=4,
+        micro_batches=[4],
+        make_loss_fn=make_loss_fn,
+    )
     assert choice.predicted_peak_bytes == f.baseline_peak_bytes

@@ -43,8 +43,12 @@ def pinned_peak(problem: Problem, form, plan) -> int:
         lower[column] = upper[column] = float(key in inside)
     objective = np.zeros(len(lower))
     objective[form.peak] = 1.0
-    result = milp(objective, integrality=form.integrality, bounds=Bounds(lower, upper),
-                  constraints=LinearConstraint(form.matrix, form.row_lower, form.row_upper))
+    result = milp(
+        objective,
+        integrality=form.integrality,
+        bounds=Bounds(lower, upper),
+        constraints=LinearConstraint(form.matrix, form.row_lower, form.row_upper),
+    )
     assert result.status == 0, result.message
     return round(problem.fixed_bytes + result.fun * form.scale)
 
@@ -63,8 +67,7 @@ def test_optimum_equals_exhaustive_search(seed):
     plans = all_plans(problem)
     results = [simulate(problem, plan) for plan in plans]
     for budget in budgets(problem, plans):
-        least = min((r.recompute_seconds for r in results if r.peak_bytes <= budget),
-                    default=None)
+        least = min((r.recompute_seconds for r in results if r.peak_bytes <= budget), default=None)
         found = milp_plan(problem, budget)
         if least is None:
             assert found.status == "infeasible" and not found.fits

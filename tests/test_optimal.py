@@ -25,30 +25,43 @@ from planner.solvers import (
 )
 from problems import all_plans, budgets, problem_of
 
-settings.register_profile("ci", max_examples=60, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("thorough", max_examples=2000, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "thorough", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def make_problem(sizes, skips, saver_bits, seconds, workspace, blocked, output,
-                 random=None) -> Problem:
+def make_problem(
+    sizes, skips, saver_bits, seconds, workspace, blocked, output, random=None
+) -> Problem:
     """A problem where node i creates storage i, reads storage i-1 and maybe ``skips[i]``.
 
     ``saver_bits[i]`` says whether node i saves its own output (bit 0) and its inputs (bit 1),
     as ReLU and Linear do. Gradient bookkeeping follows ``planner.graph.build_problem``.
     """
     n = len(sizes)
-    reads = [set() if i == 0 else {i - 1} | ({skips[i]} if skips[i] is not None else set())
-             for i in range(n)]
+    reads = [
+        set() if i == 0 else {i - 1} | ({skips[i]} if skips[i] is not None else set())
+        for i in range(n)
+    ]
     storages = []
     for k in range(n):
         readers = tuple(sorted(i for i in range(n) if k in reads[i]))
         own = {k} if saver_bits[k] & 1 else set()
         savers = tuple(sorted(own | {i for i in readers if saver_bits[i] & 2}))
-        storages.append(Storage(nbytes=sizes[k], producer=k, readers=readers, savers=savers,
-                                is_output=output and k == n - 1, requires_grad=True))
+        storages.append(
+            Storage(
+                nbytes=sizes[k],
+                producer=k,
+                readers=readers,
+                savers=savers,
+                is_output=output and k == n - 1,
+                requires_grad=True,
+            )
+        )
     grad_alloc = np.zeros(n, dtype=np.int64)
     grad_free = np.zeros(n, dtype=np.int64)
     for s in storages:
@@ -161,12 +174,18 @@ def test_budget_zero_gives_the_exhaustive_lowest_peak(problem):
 def long_problem(n: int, seed: int) -> Problem:
     """A generated DAG too large for the exact search: exercises the coarse-to-fine path."""
     rng = np.random.default_rng(seed)
-    skips = [None, None] + [int(rng.integers(max(0, i - 12), i - 1)) if rng.random() < 0.3
-                            else None for i in range(2, n)]
+    skips = [None, None] + [
+        int(rng.integers(max(0, i - 12), i - 1)) if rng.random() < 0.3 else None
+        for i in range(2, n)
+    ]
     return make_problem(
-        rng.choice([1, 2, 4, 8, 16], n).tolist(), skips, rng.integers(0, 4, n).tolist(),
-        rng.choice([0.5, 1.0, 3.0, 10.0], n).tolist(), rng.choice([0, 0, 1, 4], n).tolist(),
-        set(rng.integers(1, n - 1, n // 10).tolist()), True,
+        rng.choice([1, 2, 4, 8, 16], n).tolist(),
+        skips,
+        rng.integers(0, 4, n).tolist(),
+        rng.choice([0.5, 1.0, 3.0, 10.0], n).tolist(),
+        rng.choice([0, 0, 1, 4], n).tolist(),
+        set(rng.integers(1, n - 1, n // 10).tolist()),
+        True,
     )
 
 
@@ -203,8 +222,11 @@ def test_real_model_plans_fit_and_beat_the_heuristics(gpt_problem):
 def test_candidate_cuts_sets_the_first_pass_and_every_plan_fits(gpt_problem, monkeypatch):
     passes = []
     run = optimal._Search.run
-    monkeypatch.setattr(optimal._Search, "run", lambda self, corridors: passes.append(
-        len(corridors)) or run(self, corridors))
+    monkeypatch.setattr(
+        optimal._Search,
+        "run",
+        lambda self, corridors: passes.append(len(corridors)) or run(self, corridors),
+    )
     allowed = int(gpt_problem.cut_allowed.sum())
     baseline = simulate(gpt_problem, ()).peak_bytes
     budget = (simulate(gpt_problem, SOLVERS["optimal"](gpt_problem, 0)).peak_bytes + baseline) // 2
@@ -221,8 +243,9 @@ def test_a_time_limit_stops_the_search_and_keeps_the_heuristics_plans(gpt_proble
     lowest = simulate(gpt_problem, SOLVERS["optimal"](gpt_problem, 0)).peak_bytes
     budget = (lowest + baseline) // 2
     stopped = simulate(gpt_problem, SOLVERS["optimal"](gpt_problem, budget, time_limit=0))
-    heuristics = [simulate(gpt_problem, SOLVERS[name](gpt_problem, budget))
-                  for name in ("greedy", "sqrt_n")]
+    heuristics = [
+        simulate(gpt_problem, SOLVERS[name](gpt_problem, budget)) for name in ("greedy", "sqrt_n")
+    ]
     fitting = [h.recompute_seconds for h in heuristics if h.peak_bytes <= budget]
     assert fitting, "the budget is meant to be reachable by a heuristic"
     assert stopped.peak_bytes <= budget and stopped.recompute_seconds == min(fitting)

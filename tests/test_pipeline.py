@@ -97,7 +97,9 @@ def test_batchnorm_statistics_are_updated_once_per_step_despite_recompute():
     model, inputs = SMALL["resnet"]()
     original = copy.deepcopy(model)
     plan = planner.plan(model, inputs, budget_bytes=midpoint_budget(model, inputs))
-    assert any(s.restores_buffers for s in _segments(plan.module)), "a segment must contain a BatchNorm"
+    assert any(s.restores_buffers for s in _segments(plan.module)), (
+        "a segment must contain a BatchNorm"
+    )
     training_step(original, inputs)
     training_step(plan.module, inputs)
     for key, value in original.state_dict().items():

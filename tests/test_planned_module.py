@@ -48,11 +48,29 @@ def tight_plan(model, args, kwargs=None):
 def exported_batchnorm_model():
     """Linear, BatchNorm, dropout...: a forward symbolic_trace rejects, so torch.export captures."""
     spec = ModelSpec(
-        kind="dense", width=8, batch=4, spatial=3,
-        ops=(("layer", False), ("norm", "bn"), ("act", "tanh"), ("dropout", 0.5),
-             ("layer", False), ("norm", "bn"), ("act", "gelu"), ("layer", False)),
-        frozen=0, tie=False, output="tensor", extra_input=False, scale=None, flag=False,
-        untraceable=True, input_requires_grad=True, seed=3,
+        kind="dense",
+        width=8,
+        batch=4,
+        spatial=3,
+        ops=(
+            ("layer", False),
+            ("norm", "bn"),
+            ("act", "tanh"),
+            ("dropout", 0.5),
+            ("layer", False),
+            ("norm", "bn"),
+            ("act", "gelu"),
+            ("layer", False),
+        ),
+        frozen=0,
+        tie=False,
+        output="tensor",
+        extra_input=False,
+        scale=None,
+        flag=False,
+        untraceable=True,
+        input_requires_grad=True,
+        seed=3,
     )
     args, kwargs = inputs(spec)
     return build(spec), args, kwargs
@@ -91,7 +109,9 @@ def test_a_dtype_move_after_planning_trains_exactly_like_the_moved_model(capture
     assert p.capture_method == capture
     MOVES[move](p, model)
     reference.double()
-    assert all(t.dtype == torch.float64 for t in model.state_dict().values() if t.is_floating_point())
+    assert all(
+        t.dtype == torch.float64 for t in model.state_dict().values() if t.is_floating_point()
+    )
     assert_equivalent(reference, model, p.module, to_double(args), to_double(kwargs))
 
 
@@ -159,7 +179,9 @@ class RootState(nn.Module):
         super().__init__()
         self.pos = nn.Parameter(torch.randn(16))
         self.register_buffer("shift", torch.zeros(16))
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)])
+        self.layers = nn.Sequential(
+            *[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)]
+        )
 
     def forward(self, x):
         return self.layers(x + self.pos + self.shift)
@@ -425,8 +447,11 @@ class ExportedMasked(Masked):
 @pytest.mark.parametrize("cls", [Masked, ExportedMasked])
 @pytest.mark.parametrize(
     "call",
-    [lambda m, x: m(x, scale=0.5), lambda m, x: m(x, None, 0.5),
-     lambda m, x: m(x, mask=None, scale=0.5)],
+    [
+        lambda m, x: m(x, scale=0.5),
+        lambda m, x: m(x, None, 0.5),
+        lambda m, x: m(x, mask=None, scale=0.5),
+    ],
     ids=["left out", "None by position", "None by keyword"],
 )
 def test_leaving_out_a_tensor_argument_given_at_planning_names_it(cls, call):
@@ -460,7 +485,9 @@ class Blocks(nn.Module):
 
 CHANGES = {
     "a leaf module replaced": lambda m: m.blocks[0].__setitem__(0, nn.Linear(8, 8)),
-    "a traced-through module replaced": lambda m: m.blocks.__setitem__(1, copy.deepcopy(m.blocks[1])),
+    "a traced-through module replaced": lambda m: m.blocks.__setitem__(
+        1, copy.deepcopy(m.blocks[1])
+    ),
     "a module appended": lambda m: m.blocks.append(copy.deepcopy(m.blocks[0])),
     "a plain attribute changed": lambda m: setattr(m, "scale", 2.0),
 }

@@ -28,8 +28,12 @@ def annotations(gm, inputs):
         for node in gm.graph.nodes
         if node.op in COMPUTE_OPS
     ]
-    return nodes, (result.storage_bytes, result.fixed_kind, result.trainable,
-                   result.output_storages)
+    return nodes, (
+        result.storage_bytes,
+        result.fixed_kind,
+        result.trainable,
+        result.output_storages,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
@@ -104,6 +108,7 @@ def test_tensor_attributes_of_modules_are_annotated_alike_on_meta_and_cpu(leaf):
         torch.manual_seed(0)
         model, inputs = nn.Sequential(Scaled(device), nn.ReLU()), (torch.ones(4, 8, device=device),)
         leaf_modules = (Scaled,) if leaf else ()
-        results.append(annotations(capture(model, inputs, leaf_modules=leaf_modules).graph_module,
-                                   inputs))
+        results.append(
+            annotations(capture(model, inputs, leaf_modules=leaf_modules).graph_module, inputs)
+        )
     assert results[0] == results[1]

@@ -24,8 +24,16 @@ from strategies import assert_equivalent
 
 def _plan(model, args, choice):
     captured, problem = prepare(model, args)
-    return assemble(model, captured, problem, choice, solver="test", budget_bytes=1,
-                    solve_seconds=0.0, started=time.perf_counter())
+    return assemble(
+        model,
+        captured,
+        problem,
+        choice,
+        solver="test",
+        budget_bytes=1,
+        solve_seconds=0.0,
+        started=time.perf_counter(),
+    )
 
 
 class RandomMasks(nn.Module):
@@ -66,7 +74,9 @@ def test_fact_the_refused_random_keep_would_change_gradients():
     and a kept random node draws nothing there, so the next random node draws other numbers."""
     model, args, captured, problem, first, _ = _random_nodes()
     reference = copy.deepcopy(model)
-    planned = rewrite(captured.graph_module, model, Choice(((0, problem.size),), frozenset({first})))
+    planned = rewrite(
+        captured.graph_module, model, Choice(((0, problem.size),), frozenset({first}))
+    )
     with pytest.raises(AssertionError):
         assert_equivalent(reference, model, planned, args, {})
 
@@ -84,8 +94,9 @@ def test_batchnorm_statistics_are_updated_once_under_a_partial_recompute():
     """The buffer-restoring context composes with the selective-checkpoint ones: the
     recompute reruns BatchNorm (never keepable: it writes its statistics) beside kept Linears."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6),
-                          nn.BatchNorm1d(6), nn.Tanh())
+    model = nn.Sequential(
+        nn.Linear(6, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Tanh()
+    )
     args = (torch.randn(5, 6),)
     reference = copy.deepcopy(model)
     captured, problem = prepare(model, args)
@@ -123,11 +134,22 @@ def test_simulated_peak_moves_exactly_as_the_measured_peak_when_nodes_are_kept(e
     segments = ((0, 6), (6, problem.size))
     errors = set()
     for offset in range(every):
-        keep = frozenset(k for start, stop in segments
-                         for k in range(start, last_recomputed(problem, start, stop))
-                         if (k - offset) % every == 0 and problem.keepable[k])
-        plan = assemble(model, captured, problem, Choice(segments, keep), solver="test",
-                        budget_bytes=1, solve_seconds=0.0, started=time.perf_counter())
+        keep = frozenset(
+            k
+            for start, stop in segments
+            for k in range(start, last_recomputed(problem, start, stop))
+            if (k - offset) % every == 0 and problem.keepable[k]
+        )
+        plan = assemble(
+            model,
+            captured,
+            problem,
+            Choice(segments, keep),
+            solver="test",
+            budget_bytes=1,
+            solve_seconds=0.0,
+            started=time.perf_counter(),
+        )
         peak_memory(plan.module, args)  # warm up: first steps allocate lazily
         errors.add(plan.predicted_peak_bytes - peak_memory(plan.module, args).peak_bytes)
     flat = _plan(model, args, segments)

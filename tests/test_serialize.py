@@ -233,8 +233,11 @@ def aliased_arguments(draw):
     transpose, expand) of one, placed at random among args, kwargs and nested lists."""
     tensors = []
     for _ in range(draw(st.integers(1, 5))):
-        how = draw(st.sampled_from(["fresh", "same", "slice", "transpose", "expand"])
-                   if tensors else st.just("fresh"))
+        how = draw(
+            st.sampled_from(["fresh", "same", "slice", "transpose", "expand"])
+            if tensors
+            else st.just("fresh")
+        )
         if how == "fresh":
             tensors.append(torch.randn(draw(st.integers(1, 4)), draw(st.integers(1, 4))))
             continue
@@ -242,7 +245,7 @@ def aliased_arguments(draw):
         if how == "same":
             tensors.append(source)
         elif how == "slice":
-            tensors.append(source[draw(st.integers(0, source.shape[0] - 1)):])
+            tensors.append(source[draw(st.integers(0, source.shape[0] - 1)) :])
         elif how == "transpose":
             tensors.append(source.t())
         else:
@@ -306,13 +309,15 @@ def test_a_recorded_leaf_class_the_model_lacks_is_named_when_the_graph_differs(t
     differs, and the message says which recorded name matched nothing."""
     model, inputs = small_gpt()
     block = type(model.blocks[0])
-    path = planner.plan(
-        model, inputs, budget_gb=1, solver="sqrt_n", leaf_modules=(block,)
-    ).save(tmp_path / "plan.json")
+    path = planner.plan(model, inputs, budget_gb=1, solver="sqrt_n", leaf_modules=(block,)).save(
+        tmp_path / "plan.json"
+    )
     data = json.loads(path.read_text())
     data["capture"]["leaf_modules"] = ["somewhere.else.RenamedBlock"]
     path.write_text(json.dumps(data))
-    with pytest.raises(PlanningError, match=r"leaf_modules somewhere\.else\.RenamedBlock, which no"):
+    with pytest.raises(
+        PlanningError, match=r"leaf_modules somewhere\.else\.RenamedBlock, which no"
+    ):
         serialize.load(path, model)
 
 
@@ -332,8 +337,7 @@ GRAPH_OPTIONS = {
     "non-tensor keyword": lambda model, x: dict(example_kwargs={"y": 2.0}),
     "nested keyword": lambda model, x: dict(example_kwargs={"y": 1.0, "pair": [x, x * 2]}),
     "leaf_modules": lambda model, x: dict(example_kwargs={"y": 1.0}, leaf_modules=(Pair,)),
-    "optimizer state": lambda model, x: dict(example_kwargs={"y": 1.0},
-                                             optimizer_state_bytes=1000),
+    "optimizer state": lambda model, x: dict(example_kwargs={"y": 1.0}, optimizer_state_bytes=1000),
 }
 
 
@@ -355,8 +359,11 @@ def test_eval_mode_is_recorded_and_a_mismatch_says_what_to_do(tmp_path):
     model, inputs = small_gpt()
     path = planner.plan(model, inputs, budget_gb=1, solver="sqrt_n").save(tmp_path / "p.json")
     model.eval()
-    with pytest.raises(PlanningError, match=r"in train mode, and this GPTWithLoss is in eval "
-                                            r"mode: call model.train\(\)"):
+    with pytest.raises(
+        PlanningError,
+        match=r"in train mode, and this GPTWithLoss is in eval "
+        r"mode: call model.train\(\)",
+    ):
         serialize.load(path, model)
     assert not model.training  # untouched
     with pytest.raises(PlanningError, match=r"model is in eval mode; .* call model.train\(\)"):
@@ -393,9 +400,12 @@ def _keep_every_keepable(plan):
     from planner.simulate import Choice, last_recomputed
 
     def solve(problem, budget_bytes, **options):
-        keep = {k for start, stop in plan.segments
-                for k in range(start, last_recomputed(problem, start, stop))
-                if problem.keepable[k] and not problem.random[k]}
+        keep = {
+            k
+            for start, stop in plan.segments
+            for k in range(start, last_recomputed(problem, start, stop))
+            if problem.keepable[k] and not problem.random[k]
+        }
         return Choice(plan.segments, frozenset(keep))
 
     return solve
@@ -408,8 +418,9 @@ def test_kept_nodes_round_trip_by_position_and_name(saved, tmp_path):
     assert selective.keep
     path = serialize.save(selective, tmp_path / "selective.json")
     data = json.loads(path.read_text())
-    assert data["keep"] == [{"position": k, "name": selective.problem.names[k]}
-                            for k in sorted(selective.keep)]
+    assert data["keep"] == [
+        {"position": k, "name": selective.problem.names[k]} for k in sorted(selective.keep)
+    ]
     loaded = serialize.load(path, small_gpt(seed=3)[0])
     assert (loaded.segments, loaded.keep) == (selective.segments, selective.keep)
     assert loaded.predicted_peak_bytes == selective.predicted_peak_bytes

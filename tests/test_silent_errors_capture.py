@@ -159,8 +159,9 @@ def test_regions_in_forward_are_kept_in_every_segment(make):
     reference = copy.deepcopy(model)
     captured, problem = prepare(model, (x,))
     n = problem.size
-    segments = [(a, b) for a in range(n) for b in range(a + 1, n + 1)
-                if problem.is_valid_segment(a, b)]
+    segments = [
+        (a, b) for a in range(n) for b in range(a + 1, n + 1) if problem.is_valid_segment(a, b)
+    ]
     assert len(segments) > n
     for segment in segments:
         planned = rewrite(captured.graph_module, model, (segment,))

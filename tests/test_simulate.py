@@ -24,8 +24,9 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
     segments, keep = choice.segments, choice.keep
     n = problem.size
     # What a kept node's cache holds beyond the storages it creates (its temporaries).
-    held = [int(problem.kept_bytes[i] - problem.created_bytes[i]) if i in keep else 0
-            for i in range(n)]
+    held = [
+        int(problem.kept_bytes[i] - problem.created_bytes[i]) if i in keep else 0 for i in range(n)
+    ]
     segment_of = [-1] * n
     for k, (start, stop) in enumerate(segments):
         segment_of[start:stop] = [k] * (stop - start)
@@ -36,10 +37,16 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
         cached = s.producer in keep  # held by the cache from the forward to the recompute
         # Kept for backward until the first trigger: an outside saver, or another segment's
         # start when that segment saves or reads it.
-        triggers = [j if segment_of[j] < 0 else segments[segment_of[j]][0]
-                    for j in s.savers if segment_of[j] != home or segment_of[j] < 0]
-        triggers += [segments[segment_of[j]][0] for j in s.readers
-                     if segment_of[j] >= 0 and segment_of[j] != home]
+        triggers = [
+            j if segment_of[j] < 0 else segments[segment_of[j]][0]
+            for j in s.savers
+            if segment_of[j] != home or segment_of[j] < 0
+        ]
+        triggers += [
+            segments[segment_of[j]][0]
+            for j in s.readers
+            if segment_of[j] >= 0 and segment_of[j] != home
+        ]
         if cached:
             pass  # the recompute frees it, below
         elif triggers:
@@ -72,8 +79,13 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
 
     for i in range(n):
         # A kept node's temporaries are held, not transient.
-        step("forward", i, problem.created_bytes[i] + held[i],
-             max(problem.workspace[i] - held[i], 0), forward_free[i])
+        step(
+            "forward",
+            i,
+            problem.created_bytes[i] + held[i],
+            max(problem.workspace[i] - held[i], 0),
+            forward_free[i],
+        )
     for i in range(n - 1, -1, -1):
         k = segment_of[i]
         if k >= 0 and i == segments[k][1] - 1:
@@ -83,12 +95,19 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
                 if j in keep:  # taken from the cache: nothing runs, its temporaries go
                     step("recompute", j, 0, 0, recompute_free[j] + held[j])
                 else:
-                    step("recompute", j, recompute_alloc[j], problem.workspace[j],
-                         recompute_free[j])
-            seconds += float(np.where([j in keep for j in range(n)], 0.0,
-                                      problem.seconds)[start : end + 1].sum())
-        step("backward", i, problem.activation_grad_alloc[i] + problem.grad_bytes_at[i], 0,
-             problem.activation_grad_free[i] + backward_free[i])
+                    step(
+                        "recompute", j, recompute_alloc[j], problem.workspace[j], recompute_free[j]
+                    )
+            seconds += float(
+                np.where([j in keep for j in range(n)], 0.0, problem.seconds)[start : end + 1].sum()
+            )
+        step(
+            "backward",
+            i,
+            problem.activation_grad_alloc[i] + problem.grad_bytes_at[i],
+            0,
+            problem.activation_grad_free[i] + backward_free[i],
+        )
     return problem.fixed_bytes + peak, seconds, timeline
 
 
@@ -119,8 +138,9 @@ def test_agrees_with_the_step_by_step_replay_with_kept_nodes(seed, nodes, data):
 def test_keeping_nothing_simulates_as_plain_segments(seed, nodes, data):
     problem = random_problem(seed, nodes)
     segments = data.draw(random_segments(problem))
-    assert simulate(problem, Choice(segments), record=True) == simulate(problem, segments,
-                                                                         record=True)
+    assert simulate(problem, Choice(segments), record=True) == simulate(
+        problem, segments, record=True
+    )
 
 
 @pytest.mark.parametrize("name", ["mlp", "resnet", "gpt", "bert", "unet"])
@@ -131,8 +151,14 @@ def test_agrees_with_the_step_by_step_replay_on_zoo_models(name):
 
     problem = prepare(*zoo.build(name))[1]
     allowed = np.flatnonzero(problem.cut_allowed)
-    everything = [(int(a), int(b)) for a, b in zip(allowed, allowed[1:])
-                  if problem.is_valid_segment(a, b)]
-    for segments in ((), SOLVERS["sqrt_n"](problem, 0), SOLVERS["greedy"](problem, 0),
-                     everything, everything[::3]):
+    everything = [
+        (int(a), int(b)) for a, b in zip(allowed, allowed[1:]) if problem.is_valid_segment(a, b)
+    ]
+    for segments in (
+        (),
+        SOLVERS["sqrt_n"](problem, 0),
+        SOLVERS["greedy"](problem, 0),
+        everything,
+        everything[::3],
+    ):
         assert_agree(problem, segments)

@@ -48,8 +48,12 @@ def gpt2(device="cpu"):
 
 def bert(device="cpu"):
     config = transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64,
-        vocab_size=64, max_position_embeddings=32,
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=64,
+        max_position_embeddings=32,
     )
     torch.manual_seed(0)
     model = transformers.BertModel(config).train().to(device)

@@ -45,12 +45,21 @@ def test_print_and_html_show_the_same_segment_rows():
     text, page = str(plan), viz.plan_html(plan)
     for row in rows:
         start, stop = row["start"], row["stop"]
-        kept = [s for s in problem.storages
-                if s.producer < start and any(start <= r < stop for r in s.readers)]
-        assert (row["input_tensors"], row["input_bytes"]) == (len(kept), sum(s.nbytes for s in kept))
+        kept = [
+            s
+            for s in problem.storages
+            if s.producer < start and any(start <= r < stop for r in s.readers)
+        ]
+        assert (row["input_tensors"], row["input_bytes"]) == (
+            len(kept),
+            sum(s.nbytes for s in kept),
+        )
         assert f"{row['input_tensors']} &middot; {viz._mib(row['input_bytes'])}" in page
-        line = next(r for r in text.splitlines() if r.split()[:2] == [str(row["segment"]),
-                                                                   str(row["nodes"])])
+        line = next(
+            r
+            for r in text.splitlines()
+            if r.split()[:2] == [str(row["segment"]), str(row["nodes"])]
+        )
         assert f"{row['input_bytes'] / 2**20:.1f} MiB" in line
     assert any(row["input_bytes"] != problem.cut_bytes[row["start"]] for row in rows)
 

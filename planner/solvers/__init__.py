@@ -50,4 +50,3 @@ def get_solver(solver: str | Solver) -> tuple[str, Solver]:
 
 
 from planner.solvers import greedy, milp, optimal, sqrt_n  # noqa: E402,F401  (registration side effect)
-

@@ -226,8 +226,9 @@ def _formulate(problem: Problem) -> _Formulation:
     a: dict[tuple[int, int], int] = {}
     for k, s in enumerate(storages):
         if s.touches:
-            for i, column in zip(range(s.producer, s.touches[-1] + 1),
-                                 new_columns(s.touches[-1] - s.producer + 1)):
+            for i, column in zip(
+                range(s.producer, s.touches[-1] + 1), new_columns(s.touches[-1] - s.producer + 1)
+            ):
                 a[k, i] = column
     # Running sums of kept bytes: freed-in-forward before i (forward rows), and last touch
     # before i (backward rows), so that each memory row stays short.
@@ -281,8 +282,7 @@ def _formulate(problem: Problem) -> _Formulation:
                 if (i, first) in z:  # another segment starting at i reads or saves s
                     rows.add([(a[k, i], 1.0), (z[i, first], -1.0)], 0.0, math.inf)
         for j in s.savers:  # a saver outside every segment keeps s
-            rows.add([(a[k, j], 1.0)] + [(z[c, j], 1.0) for c in starts_covering[j]],
-                     1.0, math.inf)
+            rows.add([(a[k, j], 1.0)] + [(z[c, j], 1.0) for c in starts_covering[j]], 1.0, math.inf)
 
     def kept(k: int) -> int:
         return a[k, storages[k].touches[-1]]
@@ -291,14 +291,20 @@ def _formulate(problem: Problem) -> _Formulation:
         terms = [(kept_forward[i], 1.0)]
         if i:
             terms.append((kept_forward[i - 1], -1.0))
-        terms += [(kept(k), -storages[k].nbytes / scale) for k, s in enumerate(storages)
-                  if s.touches and s.freed_in_forward == i - 1]
+        terms += [
+            (kept(k), -storages[k].nbytes / scale)
+            for k, s in enumerate(storages)
+            if s.touches and s.freed_in_forward == i - 1
+        ]
         rows.add(terms, 0.0, 0.0)
         terms = [(kept_backward[i], 1.0)]
         if i:
             terms.append((kept_backward[i - 1], -1.0))
-        terms += [(kept(k), -storages[k].nbytes / scale) for k, s in enumerate(storages)
-                  if s.touches and s.touches[-1] == i - 1]
+        terms += [
+            (kept(k), -storages[k].nbytes / scale)
+            for k, s in enumerate(storages)
+            if s.touches and s.touches[-1] == i - 1
+        ]
         rows.add(terms, 0.0, 0.0)
 
     # Plan-independent parts of the replay, in bytes above fixed memory.
@@ -308,8 +314,9 @@ def _formulate(problem: Problem) -> _Formulation:
         freed_before[s.freed_in_forward + 1] += s.nbytes
     freed_before = np.cumsum(freed_before)
     grads = problem.activation_grad_alloc + problem.grad_bytes_at
-    grads_after = np.concatenate((np.cumsum((grads - problem.activation_grad_free)[::-1])[::-1],
-                                  [0]))  # gradients alive once backward has passed node i
+    grads_after = np.concatenate(
+        (np.cumsum((grads - problem.activation_grad_free)[::-1])[::-1], [0])
+    )  # gradients alive once backward has passed node i
     saved_weight = np.zeros((n + 1, n + 1))  # [c, i]: bytes made at >= c, first saved at <= i
     for s in storages:
         if s.first_saver < n:
@@ -320,14 +327,14 @@ def _formulate(problem: Problem) -> _Formulation:
         rows.add(terms + [(peak, -1.0)], -math.inf, -constant / scale)
 
     for i in range(n):
-        memory_row([(kept_forward[i], 1.0)],
-                   created[i] - freed_before[i] + problem.workspace[i])
+        memory_row([(kept_forward[i], 1.0)], created[i] - freed_before[i] + problem.workspace[i])
         held = [(column, nbytes / scale) for column, nbytes in held_at[i]]
         held.append((kept_backward[i], 1.0))
         recomputed = [(z[c, i], saved_weight[c, i] / scale) for c in starts_covering[i]]
         memory_row(held + recomputed, grads_after[i + 1] + grads[i])
-        recompute = [t for c, value in ending_at[i + 1]
-                     for t in segment_terms(c, i + 1, value / scale)]
+        recompute = [
+            t for c, value in ending_at[i + 1] for t in segment_terms(c, i + 1, value / scale)
+        ]
         if recompute:
             memory_row(held + recompute, grads_after[i + 1])
 
@@ -364,8 +371,9 @@ def _run(form: _Formulation, objective: np.ndarray, peak_limit: float, time_limi
 _STATUS = {0: "optimal", 1: "time limit", 2: "infeasible"}
 
 
-def _least_recompute(problem: Problem, form: _Formulation, budget_bytes: int, deadline: float,
-                     retries: int) -> MilpResult:
+def _least_recompute(
+    problem: Problem, form: _Formulation, budget_bytes: int, deadline: float, retries: int
+) -> MilpResult:
     limit = budget_bytes - problem.fixed_bytes
     answer = _run(form, form.seconds, limit / form.scale, deadline - time.perf_counter())
     status = _STATUS.get(answer.status, "failed")
@@ -384,8 +392,14 @@ def _least_recompute(problem: Problem, form: _Formulation, budget_bytes: int, de
         answer = _run(form, form.seconds, limit / form.scale, deadline - time.perf_counter())
     if simulated is None:
         return MilpResult((), status, False, 0, 0.0, bound)
-    return MilpResult(segments, status, simulated.peak_bytes <= budget_bytes,
-                      simulated.peak_bytes, simulated.recompute_seconds, bound)
+    return MilpResult(
+        segments,
+        status,
+        simulated.peak_bytes <= budget_bytes,
+        simulated.peak_bytes,
+        simulated.recompute_seconds,
+        bound,
+    )
 
 
 def milp_plan(
@@ -442,13 +456,20 @@ def milp_plan(
         return MilpResult((), _STATUS.get(lowest.status, "failed"), False, 0, 0.0, 0.0)
     peak = simulate(problem, form.decode(lowest.x)).peak_bytes
     if peak >= baseline.peak_bytes:
-        return MilpResult((), _STATUS.get(lowest.status, "failed"), True, baseline.peak_bytes,
-                          0.0, 0.0)
+        return MilpResult(
+            (), _STATUS.get(lowest.status, "failed"), True, baseline.peak_bytes, 0.0, 0.0
+        )
     result = _least_recompute(problem, form, peak, deadline, retries)
     if lowest.status == 0:
         return result
-    return MilpResult(result.segments, _STATUS.get(lowest.status, "failed"), result.fits,
-                      result.peak_bytes, result.recompute_seconds, result.bound_seconds)
+    return MilpResult(
+        result.segments,
+        _STATUS.get(lowest.status, "failed"),
+        result.fits,
+        result.peak_bytes,
+        result.recompute_seconds,
+        result.bound_seconds,
+    )
 
 
 @register("milp")

@@ -311,9 +311,7 @@ def _stored_local(t: _Tables, c: int, mask: frozenset):
 
 def _next_mask(t: _Tables, b: int, previous: frozenset, triggered) -> frozenset:
     """Storages crossing cut ``b`` already charged: before, or by the block just chosen."""
-    return frozenset(
-        k for k in t.crossing[b] if k in previous or k in triggered
-    )
+    return frozenset(k for k in t.crossing[b] if k in previous or k in triggered)
 
 
 def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int) -> np.ndarray:
@@ -400,8 +398,15 @@ class _Search:
             for mask, state in here:
                 charged = self.states[state][1]
                 local, held, after = self._stored_run(c, following, mask)
-                self._extend(state, [following], [after], np.array([local]), np.array([held]),
-                             np.zeros(1), False)
+                self._extend(
+                    state,
+                    [following],
+                    [after],
+                    np.array([local]),
+                    np.array([held]),
+                    np.zeros(1),
+                    False,
+                )
                 if not ends.size:
                     continue
                 held_b, local_b, monotone = _segment_locals(problem, t, c, mask, stop, recompute)
@@ -413,8 +418,15 @@ class _Search:
                     for b in reachable.tolist()
                 ]
                 i = reachable - c - 1
-                self._extend(state, reachable.tolist(), masks, local_b[i], held_b[i],
-                             cost[i] + self.segment_tie, True)
+                self._extend(
+                    state,
+                    reachable.tolist(),
+                    masks,
+                    local_b[i],
+                    held_b[i],
+                    cost[i] + self.segment_tie,
+                    True,
+                )
         finals = self._settle(n)
         if not finals:
             return None
@@ -485,10 +497,16 @@ class _Search:
             keep = _pareto(charged, value, self.bucket)
             # The chunk each kept entry came from, and its index there (= in the parent front).
             chunk = np.searchsorted(starts, keep, side="right") - 1
-            self.states.append((
-                position, charged[keep], value[keep], np.array(parents)[chunk],
-                keep - starts[chunk], np.array(segment_flags)[chunk],
-            ))
+            self.states.append(
+                (
+                    position,
+                    charged[keep],
+                    value[keep],
+                    np.array(parents)[chunk],
+                    keep - starts[chunk],
+                    np.array(segment_flags)[chunk],
+                )
+            )
             settled.append((mask, len(self.states) - 1))
         self.pending[position] = {}
         return settled
@@ -593,9 +611,7 @@ def _segments_plan(
     known = min(results.values(), key=lambda r: r.peak_bytes).peak_bytes
     lowest = known - problem.fixed_bytes
     peak_bucket = 1 if exact else max(1, lowest // BUCKETS)
-    found = _search(
-        _Search(problem, t, lowest, True, exact, peak_bucket, candidate_cuts, deadline)
-    )
+    found = _search(_Search(problem, t, lowest, True, exact, peak_bucket, candidate_cuts, deadline))
     if found is not None:
         results[found[1]] = simulate(problem, found[1])
     ranked = {plan: (r.peak_bytes, r.recompute_seconds) for plan, r in results.items()}
@@ -668,8 +684,10 @@ def _eligible(problem: Problem, segments: Segments, value: np.ndarray) -> np.nda
     """Positions that may be kept under ``segments``, most valuable first: inside a segment,
     before the last node its recompute runs, and worth keeping (``_keep_value``)."""
     positions = [
-        x for start, stop in segments
-        for x in range(start, last_recomputed(problem, start, stop)) if value[x] > 0
+        x
+        for start, stop in segments
+        for x in range(start, last_recomputed(problem, start, stop))
+        if value[x] > 0
     ]
     order = np.array(positions, dtype=np.int64)
     return order[np.argsort(-value[order], kind="stable")]
@@ -687,8 +705,9 @@ def _best_prefix(problem: Problem, budget: int, segments: Segments, value: np.nd
     that fits (every candidate is simulated), not always the longest.
     """
     order = _eligible(problem, segments, value)
-    lengths = np.unique(np.linspace(0, order.size, min(order.size, PREFIXES) + 1).round()
-                        ).astype(int)
+    lengths = np.unique(np.linspace(0, order.size, min(order.size, PREFIXES) + 1).round()).astype(
+        int
+    )
 
     def run(count: int):
         choice = Choice(segments, frozenset(order[:count].tolist()))
@@ -768,9 +787,12 @@ def _exhaustive(problem: Problem, budget: int) -> Segments | Choice | None:
     """The least recompute over every valid (segments, keep set) that fits, or None."""
     best = None
     for segments in _all_segments(problem):
-        nodes = [x for start, stop in segments
-                 for x in range(start, last_recomputed(problem, start, stop))
-                 if problem.keepable[x]]
+        nodes = [
+            x
+            for start, stop in segments
+            for x in range(start, last_recomputed(problem, start, stop))
+            if problem.keepable[x]
+        ]
         for mask in range(1 << len(nodes)):
             keep = frozenset(x for i, x in enumerate(nodes) if mask >> i & 1)
             try:

@@ -18,9 +18,7 @@ from planner.solvers import register
 def segments_between(problem: Problem, cuts) -> Segments:
     """Checkpoint every valid segment between consecutive ``cuts`` (0 and n are added)."""
     bounds = sorted({0, problem.size, *cuts})
-    return tuple(
-        (a, b) for a, b in zip(bounds, bounds[1:]) if problem.is_valid_segment(a, b)
-    )
+    return tuple((a, b) for a, b in zip(bounds, bounds[1:]) if problem.is_valid_segment(a, b))
 
 
 @register("sqrt_n")
