@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:  # runnable as a script from a fresh clone, withou
 from benchmarks import baselines, hf, instruments  # noqa: E402
 from benchmarks.report import render_page  # noqa: E402
 from planner import measure, zoo  # noqa: E402
-from planner.graph import CostModel  # noqa: E402
+from planner.problem import CostModel  # noqa: E402
 from planner.pipeline import choose, lowest_peak, plan, prepare  # noqa: E402
 from planner.rewrite import rewrite  # noqa: E402
 from planner.simulate import as_choice, simulate  # noqa: E402

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.compare import pooled_seconds  # noqa: E402
 from planner import measure  # noqa: E402
-from planner.graph import CostModel  # noqa: E402
+from planner.problem import CostModel  # noqa: E402
 from planner.pipeline import plan, prepare  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
 

@@ -7,15 +7,15 @@
 """
 
 from planner import zoo
-from planner.accumulate import MicroBatch, accumulation_windows, micro_batches
+from planner.training import MicroBatch, accumulation_windows, micro_batches
 from planner.batch import BatchOption, BatchPlan, plan_batch
 from planner.errors import PlanningError
-from planner.graph import CostModel, Problem
+from planner.problem import CostModel, Problem
 from planner.pipeline import Plan, plan
 from planner.serialize import load
 from planner.simulate import Simulation
 from planner.solvers import SOLVERS, register
-from planner.sweep import Frontier, frontier, frontier_of
+from planner.frontier import Frontier, frontier, frontier_of
 
 __version__ = "0.1.0"  # the one source of the version: pyproject.toml reads it
 

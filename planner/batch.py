@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from planner.capture import Captured
 from planner.errors import PlanningError
-from planner.graph import CostModel, Problem
+from planner.problem import CostModel, Problem
 from planner.pipeline import Plan, assemble, budget_in_bytes, choose, lowest_peak, prepare
 from planner.simulate import Choice, Segments, Simulation, as_choice, simulate
 

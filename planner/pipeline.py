@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from planner.capture import capture, module_classes
 from planner.errors import PlanningError
-from planner.graph import CostModel, Problem, build_problem
+from planner.problem import CostModel, Problem, build_problem
 from planner.optimizer import optimizer_memory
 from planner.profile import profile
 from planner.rewrite import rewrite, tensor_arguments

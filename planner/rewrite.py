@@ -44,7 +44,7 @@ from torch.utils.checkpoint import (
 
 from planner.capture import CALL_KEY, closing_regions, updates_in_place
 from planner.errors import PlanningError
-from planner.graph import compute_nodes
+from planner.problem import compute_nodes
 from planner.simulate import as_choice
 
 # Whether the ops running now belong to a kept node; per thread, as autograd may recompute a
@@ -560,7 +560,7 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
     """A GraphModule computing what ``captured`` computes, with ``choice`` checkpointed.
 
     ``choice`` is a ``planner.simulate.Choice`` or plain segments: ``(start, stop)`` positions
-    over ``planner.graph.compute_nodes(captured)``, and positions of kept nodes.
+    over ``planner.problem.compute_nodes(captured)``, and positions of kept nodes.
     """
     choice = as_choice(choice)
     holder = _holder(captured, model)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.graph import Problem
+from planner.problem import Problem
 
 Segments = tuple[tuple[int, int], ...]
 

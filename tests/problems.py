@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.graph import Problem, Storage
+from planner.problem import Problem, Storage
 from planner.simulate import simulate
 
 

@@ -12,7 +12,7 @@ import torch
 
 import planner
 from planner import zoo
-from planner.accumulate import micro_batches
+from planner.training import micro_batches
 from planner.batch import accumulation_problem, plan_batch
 from planner.measure import _LiveStorageTracker, _state_tensors, training_step
 from planner.pipeline import lowest_peak, prepare

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 import planner
 from planner import zoo
-from planner.accumulate import micro_batches
+from planner.training import micro_batches
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),

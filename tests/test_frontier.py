@@ -11,10 +11,10 @@ import planner
 from planner.errors import PlanningError
 from planner.pipeline import lowest_peak, prepare
 from planner.simulate import simulate
-from planner.sweep import Frontier, frontier, frontier_of
+from planner.frontier import Frontier, frontier, frontier_of
 
 # The module, not the function of the same name that ``planner`` may export.
-frontier_module = importlib.import_module("planner.sweep")
+frontier_module = importlib.import_module("planner.frontier")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-from planner.graph import Problem
+from planner.problem import Problem
 from planner.simulate import simulate
 from planner.solvers import (
     SOLVERS,

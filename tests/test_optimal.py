@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.graph import Problem, Storage
+from planner.problem import Problem, Storage
 from planner.simulate import Choice, as_choice, simulate, validate_choice
 from planner.solvers import (
     SOLVERS,
@@ -40,7 +40,7 @@ def make_problem(
     """A problem where node i creates storage i, reads storage i-1 and maybe ``skips[i]``.
 
     ``saver_bits[i]`` says whether node i saves its own output (bit 0) and its inputs (bit 1),
-    as ReLU and Linear do. Gradient bookkeeping follows ``planner.graph.build_problem``.
+    as ReLU and Linear do. Gradient bookkeeping follows ``planner.problem.build_problem``.
     """
     n = len(sizes)
     reads = [

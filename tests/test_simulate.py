@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.graph import Problem
+from planner.problem import Problem
 from planner.simulate import Choice, last_recomputed, simulate, validate_choice
 from problems import random_problem
 from strategies import random_choices, random_segments

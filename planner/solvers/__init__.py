@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from planner.graph import Problem
+from planner.problem import Problem
 from planner.simulate import Choice, Segments
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.graph import Problem
+from planner.problem import Problem
 from planner.simulate import Segments, simulate
 from planner.solvers import register
 from planner.solvers.sqrt_n import segments_between

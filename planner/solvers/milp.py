@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.graph import Problem
+from planner.problem import Problem
 from planner.simulate import Segments, simulate
 from planner.solvers import register
 

@@ -72,7 +72,7 @@ from functools import cached_property
 
 import numpy as np
 
-from planner.graph import Problem
+from planner.problem import Problem
 from planner.simulate import (
     Choice,
     Segments,

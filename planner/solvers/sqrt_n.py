@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from planner.graph import Problem
+from planner.problem import Problem
 from planner.simulate import Segments
 from planner.solvers import register
 

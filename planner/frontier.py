@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from planner.errors import PlanningError
-from planner.graph import CostModel, Problem
+from planner.problem import CostModel, Problem
 from planner.pipeline import choose, lowest_peak, prepare
 from planner.progress import bar
 from planner.simulate import as_choice, simulate

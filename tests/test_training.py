@@ -1,4 +1,4 @@
-"""Specifications of gradient accumulation (planner.accumulate).
+"""Specifications of gradient accumulation (planner.training).
 
 Accumulating micro-batches must give exactly the gradients of the whole batch, computed here a
 second way in one backward, for mean and sum losses and for a smaller last micro-batch or a
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import planner
 from planner import zoo
-from planner.accumulate import accumulation_windows, micro_batches
+from planner.training import accumulation_windows, micro_batches
 
 BATCH = 10
 
