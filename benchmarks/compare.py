@@ -48,8 +48,8 @@ if str(ROOT) not in sys.path:  # runnable as a script from a fresh clone, withou
 
 from benchmarks import baselines, hf, instruments  # noqa: E402
 from benchmarks.report import render_page  # noqa: E402
-from planner import measure, zoo  # noqa: E402
-from planner.problem import CostModel  # noqa: E402
+from planner import costs, step, zoo  # noqa: E402
+from planner.costs import CostModel  # noqa: E402
 from planner.pipeline import choose, lowest_peak, plan, prepare  # noqa: E402
 from planner.rewrite import rewrite  # noqa: E402
 from planner.simulate import as_choice, simulate  # noqa: E402
@@ -107,10 +107,10 @@ def _time_interleaved(variants, args, reps, device):
     for r in range(reps + 1):
         shift = r % len(order)
         for v in order[shift:] + order[:shift]:
-            measure._clear_grads(v.module)
+            step.clear_grads(v.module)
             _sync(device)
             begin = time.perf_counter()
-            measure.training_step(v.module, args)
+            step.training_step(v.module, args)
             _sync(device)
             if r > 0:
                 v.times.append(time.perf_counter() - begin)
@@ -129,9 +129,7 @@ def _parse_overrides(items):
 def cost_model_for(model, args, roofline: bool) -> CostModel:
     """The planner's cost model: per-node times measured on the benchmark's device (what its
     step times are measured on), or the default roofline, whose figures describe a GPU."""
-    return (
-        CostModel() if roofline else CostModel(measured_seconds=measure.node_seconds(model, args))
-    )
+    return CostModel() if roofline else CostModel(measured_seconds=costs.node_seconds(model, args))
 
 
 def _kind(model, label: str) -> str:
@@ -183,7 +181,7 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
 
     none = Variant("none", "none", model)
     variants.append(none)
-    none.measured["memory"] = measure.peak_memory(model, args)
+    none.measured["memory"] = step.peak_memory(model, args)
 
     start = time.perf_counter()  # planning includes timing the nodes for the cost model
     cost_model = cost_model_for(model, args, roofline)
@@ -215,7 +213,7 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
     for i, b in enumerate(MODES[mode]["compile_budgets"]):
         module = baselines.compiled(model, b, f"{name}_{i}")
         begin = time.perf_counter()
-        baselines.compile_now(module, b, lambda m: measure.training_step(m, args))
+        baselines.compile_now(module, b, lambda m: step.training_step(m, args))
         variants.append(
             Variant(
                 f"compile {b:g}",
@@ -226,7 +224,7 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
             )
         )
     for v in variants[1:]:
-        v.measured["memory"] = measure.peak_memory(v.module, args)
+        v.measured["memory"] = step.peak_memory(v.module, args)
     none_peak = none.measured["memory"].peak_bytes
 
     _log(f"   baselines measured ({time.perf_counter() - t0:.0f} s)")
@@ -276,7 +274,7 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
                 )
                 by_segments[key] = v
                 variants.append(v)
-                v.measured["memory"] = measure.peak_memory(module, args)
+                v.measured["memory"] = step.peak_memory(module, args)
             row["variant"] = by_segments[key].key
             plans.append(row)
 
@@ -291,8 +289,8 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
         f"   {len(variants)} variants planned and measured ({time.perf_counter() - t0:.0f} s); "
         f"FLOPs, saved bytes, timing x{reps}"
     )
-    flops_check = measure.step_flops(model, args)
-    exclude = measure._state_tensors(model, args, {})
+    flops_check = step.step_flops(model, args)
+    exclude = step.state_tensors(model, args, {})
     for v in variants:
         v.measured["flops"] = instruments.step_flops(v.module, args)
         if v.method in ("none", "compile"):

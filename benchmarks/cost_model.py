@@ -4,7 +4,7 @@
 
 On a residual MLP (``BLOCKS`` blocks ``x + Linear(relu(Linear(x)))``, d 256, batch 1024) at half
 its activation memory, ``optimal`` plans with three cost models: the default roofline, each
-node's measured time (``planner.measure.node_seconds``), and the measured times pooled over the
+node's measured time (``planner.costs.node_seconds``), and the measured times pooled over the
 nodes doing the same work (``benchmarks.compare.pooled_seconds``). For each plan it records the
 overhead its cost model predicts and the measured step time (all plans interleaved, median of
 the per-repetition ratios to no checkpointing), and the spread of the raw measured times of
@@ -29,8 +29,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.compare import pooled_seconds  # noqa: E402
-from planner import measure  # noqa: E402
-from planner.problem import CostModel  # noqa: E402
+from planner import costs, step  # noqa: E402
+from planner.costs import CostModel  # noqa: E402
 from planner.pipeline import plan, prepare  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
 
@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     model, args = residual_mlp(opts.blocks)
 
-    raw = measure.node_seconds(model, args)
+    raw = costs.node_seconds(model, args)
     _, problem = prepare(model, args, cost_model=CostModel(measured_seconds=raw))
     linear = [problem.seconds[i] for i, label in enumerate(problem.labels) if label.endswith(".a")]
     models = {
@@ -87,9 +87,9 @@ def main(argv=None) -> dict:
     for r in range(opts.reps + 1):
         shift = r % len(order)
         for name in order[shift:] + order[:shift]:
-            measure._clear_grads(modules[name])
+            step.clear_grads(modules[name])
             begin = time.perf_counter()
-            measure.training_step(modules[name], args)
+            step.training_step(modules[name], args)
             if r:
                 times[name].append(time.perf_counter() - begin)
     results = dict(

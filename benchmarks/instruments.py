@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from planner.measure import training_step
+from planner.step import training_step
 
 
 class _FlopMode(TorchDispatchMode):

@@ -115,7 +115,7 @@ def _cost_model_line(results) -> str:
         )
         return (
             "- **Planner's cost model**: each node's time measured on the benchmark's device "
-            "(`CostModel(measured_seconds=planner.measure.node_seconds(model, inputs))`, "
+            "(`CostModel(measured_seconds=planner.costs.node_seconds(model, inputs))`, "
             "counted in the planning times), so plans weigh recompute as this machine runs "
             "it; `--roofline` plans with the default roofline, whose figures describe a GPU."
             + pooled
@@ -393,9 +393,9 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
         *_cost_model_section(),
         "## How it is measured",
         "",
-        "- **One training step** = forward, `planner.measure.training_loss`, backward "
+        "- **One training step** = forward, `planner.step.training_loss`, backward "
         "(no optimizer), from `.grad = None`.",
-        "- **Peak**: the project's CPU live-storage tracker (`planner.measure.peak_memory`); "
+        "- **Peak**: the project's CPU live-storage tracker (`planner.step.peak_memory`); "
         "CUDA allocator statistics on CUDA. Dynamo runs compiled frames eagerly whenever a "
         "`TorchDispatchMode` is active unless the mode declares `ignore_compile_internals()`; "
         "the tracker does, so for `torch.compile` it sees the compiled graph's operators "

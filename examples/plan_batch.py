@@ -10,8 +10,8 @@ batch in one step needs recompute (or does not fit at all).
 import torch
 
 import planner
-from planner.training import micro_batches
 from planner.batch import plan_batch
+from planner.training import micro_batches
 
 CONFIG = dict(layers=4, d_model=64, heads=4, seq=64, vocab=256, dropout=0.0)
 GLOBAL_BATCH = 16

@@ -7,15 +7,16 @@
 """
 
 from planner import zoo
-from planner.training import MicroBatch, accumulation_windows, micro_batches
 from planner.batch import BatchOption, BatchPlan, plan_batch
+from planner.costs import CostModel
 from planner.errors import PlanningError
-from planner.problem import CostModel, Problem
+from planner.frontier import Frontier, frontier, frontier_of
 from planner.pipeline import Plan, plan
+from planner.problem import Problem
 from planner.serialize import load
 from planner.simulate import Simulation
 from planner.solvers import SOLVERS, register
-from planner.frontier import Frontier, frontier, frontier_of
+from planner.training import MicroBatch, accumulation_windows, micro_batches
 
 __version__ = "0.1.0"  # the one source of the version: pyproject.toml reads it
 

@@ -24,9 +24,10 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from planner.capture import Captured
+from planner.costs import CostModel
 from planner.errors import PlanningError
-from planner.problem import CostModel, Problem
 from planner.pipeline import Plan, assemble, budget_in_bytes, choose, lowest_peak, prepare
+from planner.problem import Problem
 from planner.simulate import Choice, Segments, Simulation, as_choice, simulate
 
 __all__ = ["BatchOption", "BatchPlan", "accumulation_problem", "plan_batch"]

@@ -14,9 +14,9 @@ import sys
 import torch
 
 import planner
-from planner.measure import peak_memory, training_step
 from planner.pipeline import prepare
 from planner.simulate import simulate
+from planner.step import peak_memory, training_step
 
 
 def _mib(nbytes: float) -> str:

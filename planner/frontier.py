@@ -24,9 +24,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from planner.costs import CostModel
 from planner.errors import PlanningError
-from planner.problem import CostModel, Problem
 from planner.pipeline import choose, lowest_peak, prepare
+from planner.problem import Problem
 from planner.progress import bar
 from planner.simulate import as_choice, simulate
 

@@ -15,9 +15,10 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
 from planner.capture import capture, module_classes
+from planner.costs import CostModel
 from planner.errors import PlanningError
-from planner.problem import CostModel, Problem, build_problem
 from planner.optimizer import optimizer_memory
+from planner.problem import Problem, build_problem
 from planner.profile import profile
 from planner.rewrite import rewrite, tensor_arguments
 from planner.serialize import input_spec
@@ -481,8 +482,8 @@ def plan(
         model returns; labels come through its closure, e.g.
         ``lambda out: F.cross_entropy(out.flatten(0, 1), labels.flatten())``. Its memory (a
         float copy of the logits, a log-softmax, their gradients) is planned for. Measure with
-        the same ``loss_fn`` (``planner.measure.peak_memory(..., loss_fn=...)``). Default: the
-        sum of the outputs (``planner.measure.training_loss``), or the output itself when the
+        the same ``loss_fn`` (``planner.step.peak_memory(..., loss_fn=...)``). Default: the
+        sum of the outputs (``planner.step.training_loss``), or the output itself when the
         model returns a 0-dim loss.
     optimizer
         The optimizer the step ends with: an instance (it counts the parameters it was given),

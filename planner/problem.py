@@ -17,33 +17,10 @@ import numpy as np
 from torch import fx
 
 from planner.capture import region_spans
+from planner.costs import CostModel
 from planner.profile import COMPUTE_OPS, Profile, require_meta
 
 SOURCE, SINK = "planner.source", "planner.sink"
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Time of each node: what recomputing it costs.
-
-    By default a roofline: the larger of its compute time and its memory-traffic time. FLOPs
-    alone would make elementwise ops, norms and softmax look free to recompute. The default
-    figures are round numbers for one recent data-centre GPU in bf16 (about 400 TFLOP/s dense,
-    2 TB/s); only ratios between nodes matter to the solvers. ``measured_seconds`` maps node
-    names (``Plan.problem.names``; ``planner.measure.node_seconds`` measures them) to times
-    that replace the roofline for those nodes.
-    """
-
-    flops_per_second: float = 4e14
-    bytes_per_second: float = 2e12
-    measured_seconds: Mapping[str, float] | None = None
-
-    def seconds(self, flops: np.ndarray, bytes_moved: np.ndarray, names=()) -> np.ndarray:
-        estimate = np.maximum(flops / self.flops_per_second, bytes_moved / self.bytes_per_second)
-        for i, name in enumerate(names):
-            if self.measured_seconds and name in self.measured_seconds:
-                estimate[i] = float(self.measured_seconds[name])
-        return estimate
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ from torch.utils.flop_counter import flop_registry
 
 from planner.capture import closing_regions
 from planner.errors import PlanningError
-from planner.measure import training_loss
+from planner.step import training_loss
 
 META_KEYS = (
     "planner.created",
@@ -668,7 +668,7 @@ def profile(
 
     The loss is ``loss_fn(output)`` when given, recorded as the node ``Profile.loss`` (its
     memory, reads, saves and backward, like any node's); otherwise the loss of
-    ``planner.measure.training_loss``, whose memory is negligible and not recorded.
+    ``planner.step.training_loss``, whose memory is negligible and not recorded.
 
     ``gm`` itself is not run: a copy on fake tensors is, so neither real memory nor the user's
     parameters are touched. When every input, parameter and buffer is already on the ``meta``

@@ -7,7 +7,7 @@ The replay follows what PyTorch does with non-reentrant ``torch.utils.checkpoint
   dies after its last reader unless something keeps it for backward: a saver outside any
   checkpointed segment, or a checkpointed segment that takes it as input (the segment holds its
   inputs until its backward is done). The graph's outputs live until the loss has read them
-  (``planner.measure.training_step`` drops them before backward).
+  (``planner.step.training_step`` drops them before backward).
 * backward, in reverse order: on reaching the last node of a checkpointed segment, the segment's
   forward runs again up to its last node that saves anything (early stop: autograd saves inputs
   before an op runs and outputs after, so when that last node saves only inputs its outputs are

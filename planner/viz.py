@@ -15,7 +15,7 @@ Three views of a :class:`planner.Plan`, each a plain function (``Plan._repr_html
 ``plot_memory(plan)``
     Predicted live memory over one training step, forward then backward (with recomputation),
     for the model without checkpointing and with the plan, on one axis, with the budget as a
-    line; optionally a measured trace (``planner.measure.peak_memory(..., record_timeline=True)``).
+    line; optionally a measured trace (``planner.step.peak_memory(..., record_timeline=True)``).
 
 matplotlib is optional: ``pip install matplotlib`` (or
 ``pip install 'torch-activation-planner[viz]'``). Figures are closed in ``pyplot`` as soon as
@@ -674,7 +674,7 @@ def _trace(measured) -> np.ndarray | None:
     if values is None:
         raise ValueError(
             "the measurement has no timeline: measure it with "
-            "planner.measure.peak_memory(module, args, record_timeline=True) (CPU only)"
+            "planner.step.peak_memory(module, args, record_timeline=True) (CPU only)"
         )
     return np.asarray(values, dtype=np.float64)
 
@@ -694,7 +694,7 @@ def plot_memory(plan, measured=None, ax=None, *, measured_baseline=None, path=No
     plan : planner.Plan
     measured : MemoryReport or sequence of int, optional
         A measured trace of the planned module
-        (``planner.measure.peak_memory(plan.module, inputs, record_timeline=True)``), drawn over
+        (``planner.step.peak_memory(plan.module, inputs, record_timeline=True)``), drawn over
         the plan's curve, rescaled to its x range (events are not timed, only ordered).
     ax : matplotlib Axes, optional
         Draw into it instead of a new figure.

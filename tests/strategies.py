@@ -273,7 +273,7 @@ import copy  # noqa: E402
 
 from torch.utils._pytree import tree_flatten, tree_map_only  # noqa: E402
 
-from planner.measure import training_loss  # noqa: E402
+from planner.step import training_loss  # noqa: E402
 
 EXACT = dict(rtol=0, atol=0)
 
@@ -382,7 +382,7 @@ def assert_equivalent(
     RNG state after the step (so every dropout mask drew the same numbers), and every buffer
     (BatchNorm running statistics and ``num_batches_tracked``: updated once, not twice); by
     ``backward()`` and by ``torch.autograd.grad``; then ``state_dict`` both ways. The loss is
-    ``loss_fn(output)``, by default ``planner.measure.training_loss``."""
+    ``loss_fn(output)``, by default ``planner.step.training_loss``."""
     names = [n for n, _ in reference.named_parameters()]
     assert names == [n for n, _ in model.named_parameters()]
     ref_params = [p for _, p in reference.named_parameters()]

@@ -12,12 +12,12 @@ import torch
 
 import planner
 from planner import zoo
-from planner.training import micro_batches
 from planner.batch import accumulation_problem, plan_batch
-from planner.measure import _LiveStorageTracker, _state_tensors, training_step
 from planner.pipeline import lowest_peak, prepare
 from planner.rewrite import rewrite
 from planner.simulate import simulate
+from planner.step import LiveStorageTracker, state_tensors, training_step
+from planner.training import micro_batches
 
 GLOBAL_BATCH = 8
 TINY_GPT = dict(layers=2, d_model=32, heads=2, seq=16, vocab=64, dropout=0.0, with_loss=True)
@@ -114,8 +114,8 @@ def measured_peak_with_gradients_present(module, inputs):
     """Peak bytes of a training step that starts with every gradient already accumulated."""
     training_step(module, inputs)
     gc.collect()
-    tracker = _LiveStorageTracker()
-    for t in _state_tensors(module, inputs, {}):
+    tracker = LiveStorageTracker()
+    for t in state_tensors(module, inputs, {}):
         tracker.register_existing(t)
     with tracker:
         training_step(module, inputs)

@@ -103,7 +103,7 @@ def check_model(results: dict, name: str, m: dict) -> None:
         if r["method"] == "planner":
             err = (r["predicted_peak_bytes"] - r["peak_bytes"]) / r["peak_bytes"]
             assert r["prediction_error"] == pytest.approx(err), key
-    # the FLOP instrument that sees compiled code agrees with planner.measure on eager code
+    # the FLOP instrument that sees compiled code agrees with planner.step on eager code
     check = m["flops_cross_check"]
     assert check["planner_measure_step_flops"] == check["instruments_step_flops"]
     # every feasible plan row points at a measured variant; infeasible ones are over budget

@@ -214,7 +214,7 @@ def test_random_selective_choices_train_exactly_like_the_original(device, spec, 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 @pytest.mark.parametrize("name", ["mlp", "gpt", "resnet"])
 def test_predicted_peak_is_close_to_cuda_max_memory_allocated(name):
-    from planner.measure import peak_memory
+    from planner.step import peak_memory
 
     model, args = planner.zoo.build(name, device="cuda")
     _, problem = prepare(model, args)

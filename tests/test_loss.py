@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 import planner
 from planner.errors import PlanningError
-from planner.measure import peak_memory, training_loss
 from planner.pipeline import lowest_peak, prepare
 from planner.simulate import simulate
+from planner.step import peak_memory, training_loss
 from strategies import assert_equivalent, build, inputs, model_specs
 
 EXAMPLES = max(4, settings.default.max_examples // 3)

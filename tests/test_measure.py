@@ -1,4 +1,4 @@
-"""Specifications of planner.measure: the real measurements that check the planner's predictions.
+"""Specifications of planner.step: the real measurements that check the planner's predictions.
 
 Most tests compute the same number two ways: by hand, from tensor shapes (the arithmetic is in
 the comments), and by measuring a real training step. All sizes are float32 (4 bytes).
@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from planner.measure import (
+from planner.step import (
     MemoryReport,
     peak_memory,
     step_flops,

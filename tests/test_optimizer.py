@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 import planner
-from planner.measure import peak_memory, training_step
 from planner.optimizer import optimizer_memory
 from planner.pipeline import lowest_peak, prepare
 from planner.simulate import simulate
+from planner.step import peak_memory, training_step
 
 FLOAT = 4  # bytes per float32 element; each Adam parameter also gets a float32 step counter
 

@@ -15,9 +15,9 @@ import torch
 import planner
 import planner.pipeline
 from planner import zoo
-from planner.measure import peak_memory, training_step
 from planner.pipeline import lowest_peak, prepare
 from planner.simulate import simulate
+from planner.step import peak_memory, training_step
 
 SMALL = {
     "mlp": lambda: zoo.mlp_chain(depth=12, width=128, batch=512),
@@ -40,7 +40,7 @@ def step_with_grads(module, params_of, inputs, seed=0):
         p.grad = None
     torch.manual_seed(seed)
     out = module(*inputs)
-    loss = planner.measure.training_loss(out)
+    loss = planner.step.training_loss(out)
     loss.backward()
     return out, {name: p.grad.clone() for name, p in params_of.named_parameters()}
 
@@ -295,7 +295,7 @@ def test_on_cuda_gradients_match_and_the_prediction_matches_the_allocator(name):
 def test_measured_node_times_replace_the_roofline_estimate():
     model, inputs = SMALL["mlp"]()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    times = planner.measure.node_seconds(model, inputs, repeat=2)
+    times = planner.costs.node_seconds(model, inputs, repeat=2)
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key])
     _, roofline = prepare(model, inputs)

@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from planner.measure import peak_memory
 from planner.pipeline import assemble, prepare
 from planner.rewrite import rewrite
 from planner.simulate import Choice, last_recomputed, simulate, validate_choice
+from planner.step import peak_memory
 from strategies import assert_equivalent
 
 

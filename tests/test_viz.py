@@ -117,7 +117,7 @@ def test_memory_timeline_matches_the_predictions(gpt_plan):
 
 
 def test_plot_memory_with_measured_traces(gpt_plan, tmp_path):
-    from planner.measure import peak_memory
+    from planner.step import peak_memory
 
     plan, model, inputs = gpt_plan
     measured = peak_memory(plan.module, inputs, record_timeline=True)
@@ -133,7 +133,7 @@ def test_plot_memory_with_measured_traces(gpt_plan, tmp_path):
 
 
 def test_plot_memory_needs_a_recorded_timeline(gpt_plan):
-    from planner.measure import MemoryReport
+    from planner.step import MemoryReport
 
     plan, _, _ = gpt_plan
     with pytest.raises(ValueError, match="record_timeline=True"):

@@ -42,8 +42,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = [
+    "LiveStorageTracker",
     "MemoryReport",
+    "clear_grads",
     "peak_memory",
+    "state_tensors",
+    "step_device",
     "step_flops",
     "step_time",
     "training_loss",
@@ -244,13 +248,13 @@ def peak_memory(
     MemoryReport
     """
     kwargs = kwargs or {}
-    _clear_grads(module)
+    clear_grads(module)
     gc.collect()
-    device = _step_device(module, args, kwargs)
+    device = step_device(module, args, kwargs)
     if device.type == "cuda":
         return _cuda_peak_memory(module, args, kwargs, device, loss_fn, optimizer)
-    tracker = _LiveStorageTracker(record_timeline=record_timeline)
-    for t in _state_tensors(module, args, kwargs):
+    tracker = LiveStorageTracker(record_timeline=record_timeline)
+    for t in state_tensors(module, args, kwargs):
         tracker.register_existing(t)
     with tracker:
         training_step(module, args, kwargs, loss_fn=loss_fn, optimizer=optimizer)
@@ -278,22 +282,22 @@ def _parameters(module):
     return list(module.parameters()) if isinstance(module, torch.nn.Module) else []
 
 
-def _clear_grads(module) -> None:
+def clear_grads(module) -> None:
     """Set every parameter's ``.grad`` to None, so that a step starts as after ``zero_grad``."""
     for p in _parameters(module):
         p.grad = None
 
 
-def _step_device(module, args, kwargs) -> torch.device:
+def step_device(module, args, kwargs) -> torch.device:
     """The device the step runs on: the first CUDA device among parameters and inputs, if any."""
-    tensors = _state_tensors(module, args, kwargs)
+    tensors = state_tensors(module, args, kwargs)
     for t in tensors:
         if t.device.type == "cuda":
             return t.device
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-def _state_tensors(module, args, kwargs) -> list[torch.Tensor]:
+def state_tensors(module, args, kwargs) -> list[torch.Tensor]:
     """Tensors live before the step that the step may read or view.
 
     Parameters, buffers, plain tensor attributes of submodules (constants that were not
@@ -338,7 +342,7 @@ def _storage_finalizers_track_storage_lifetime() -> bool:
     return not dropped_wrapper_early and bool(fired)
 
 
-class _LiveStorageTracker(TorchDispatchMode):
+class LiveStorageTracker(TorchDispatchMode):
     """Dispatch mode that keeps the running total of bytes held by live storages.
 
     Every storage is counted once, however many tensors view it, from the first operator that
@@ -486,7 +490,7 @@ def step_flops(module, args, kwargs=None) -> int:
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    _clear_grads(module)
+    clear_grads(module)
     counter = FlopCounterMode(display=False)
     with counter:
         training_step(module, args, kwargs)
@@ -512,7 +516,7 @@ def step_time(module, args, kwargs=None, *, repeat=5, warmup=1) -> float:
     if repeat < 1 or warmup < 0:
         raise ValueError(f"step_time needs repeat >= 1 and warmup >= 0, got {repeat=}, {warmup=}")
     kwargs = kwargs or {}
-    device = _step_device(module, args, kwargs)
+    device = step_device(module, args, kwargs)
 
     def sync():
         if device.type == "cuda":
@@ -520,7 +524,7 @@ def step_time(module, args, kwargs=None, *, repeat=5, warmup=1) -> float:
 
     times = []
     for i in range(warmup + repeat):
-        _clear_grads(module)
+        clear_grads(module)
         sync()
         begin = time.perf_counter()
         training_step(module, args, kwargs)
@@ -528,47 +532,3 @@ def step_time(module, args, kwargs=None, *, repeat=5, warmup=1) -> float:
         if i >= warmup:
             times.append(time.perf_counter() - begin)
     return statistics.median(times)
-
-
-def node_seconds(module, args, kwargs=None, *, repeat=3) -> dict[str, float]:
-    """Median forward seconds of every node of ``module``'s captured graph, by node name.
-
-    Feed the result to ``planner.CostModel(measured_seconds=...)`` so that solvers weigh
-    recompute by measured time instead of the roofline estimate. Nodes run on real tensors
-    with autograd recording, as a recompute does. Buffers (BatchNorm statistics) are restored
-    afterwards, so the model is left as it was.
-    """
-    from planner.capture import capture
-    from planner.profile import COMPUTE_OPS, placeholder_values
-
-    if repeat < 1:
-        raise ValueError(f"node_seconds needs repeat >= 1, got {repeat=}")
-    kwargs = kwargs or {}
-    captured = capture(module, tuple(args), kwargs)
-    graph_module = captured.graph_module
-    args, kwargs = captured.inputs(tuple(args), kwargs)
-    device = _step_device(module, args, kwargs)
-    samples: dict[str, list[float]] = {}
-
-    class Timer(torch.fx.Interpreter):
-        def run_node(self, node):
-            if node.op not in COMPUTE_OPS:
-                return super().run_node(node)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            begin = time.perf_counter()
-            out = super().run_node(node)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            samples.setdefault(node.name, []).append(time.perf_counter() - begin)
-            return out
-
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    try:
-        for _ in range(repeat):
-            Timer(graph_module).run(*placeholder_values(graph_module, tuple(args), kwargs))
-    finally:
-        with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
-    return {name: statistics.median(times) for name, times in samples.items()}
