@@ -13,10 +13,10 @@ import transformers  # noqa: E402
 
 from hf_families import FAMILIES  # noqa: E402
 from planner.capture import capture  # noqa: E402
-from planner.pipeline import choose, lowest_peak  # noqa: E402
 from planner.problem import build_problem  # noqa: E402
 from planner.profile import profile  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
+from planner.solvers.auto import choose, lowest_peak  # noqa: E402
 
 
 def main() -> None:

@@ -11,9 +11,10 @@ from planner.batch import BatchOption, BatchPlan, plan_batch
 from planner.costs import CostModel
 from planner.errors import PlanningError
 from planner.frontier import Frontier, frontier, frontier_of
-from planner.pipeline import Plan, plan
+from planner.pipeline import plan
+from planner.plans import Plan
 from planner.problem import Problem
-from planner.serialize import load
+from planner.restore import load
 from planner.simulate import Simulation
 from planner.solvers import SOLVERS, register
 from planner.training import MicroBatch, accumulation_windows, micro_batches

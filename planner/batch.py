@@ -26,9 +26,11 @@ from torch.utils._pytree import tree_leaves
 from planner.capture import Captured
 from planner.costs import CostModel
 from planner.errors import PlanningError
-from planner.pipeline import Plan, assemble, budget_in_bytes, choose, lowest_peak, prepare
+from planner.pipeline import assemble, budget_in_bytes, prepare
+from planner.plans import Plan
 from planner.problem import Problem
 from planner.simulate import Choice, Segments, Simulation, as_choice, simulate
+from planner.solvers.auto import choose, lowest_peak
 
 __all__ = ["BatchOption", "BatchPlan", "accumulation_problem", "plan_batch"]
 

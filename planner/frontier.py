@@ -10,7 +10,7 @@ What the sweep guarantees, whatever the solver:
   ``PlanningError`` with the lowest peak found);
 * recompute never grows with the budget: a plan that fits a smaller budget fits every larger
   one, so each point keeps the cheaper of its solver's plan and the previous point's;
-* the first default point is the lowest peak found by any strategy (``pipeline.lowest_peak``),
+* the first default point is the lowest peak found by any strategy (``solvers.auto.lowest_peak``),
   or, for a named solver that cannot reach it, the lowest peak that solver reaches;
 * the last default point is the baseline: nothing checkpointed, no recompute.
 
@@ -26,10 +26,11 @@ import numpy as np
 
 from planner.costs import CostModel
 from planner.errors import PlanningError
-from planner.pipeline import choose, lowest_peak, prepare
+from planner.pipeline import prepare
 from planner.problem import Problem
 from planner.progress import bar
 from planner.simulate import as_choice, simulate
+from planner.solvers.auto import choose, lowest_peak
 
 __all__ = ["Frontier", "FrontierPoint", "frontier", "frontier_of"]
 
@@ -198,7 +199,7 @@ def frontier_of(
         From ``planner.pipeline.prepare`` (reused across sweeps and benchmarks).
     budgets
         Budgets in bytes (whole step, as ``simulate`` counts it); default: ``points`` budgets
-        evenly spaced from the lowest peak found (``pipeline.lowest_peak``; for a solver that
+        evenly spaced from the lowest peak found (``solvers.auto.lowest_peak``; for a solver that
         cannot reach it, the lowest peak that solver reaches) to the baseline peak.
     points
         Number of default budgets.

@@ -7,202 +7,25 @@ import numbers
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from planner.capture import capture, module_classes
 from planner.costs import CostModel
-from planner.errors import PlanningError
+from planner.errors import PlanningError, short_repr
 from planner.optimizer import optimizer_memory
+from planner.plans import Plan
 from planner.problem import Problem, build_problem
 from planner.profile import profile
 from planner.rewrite import rewrite, tensor_arguments
 from planner.serialize import input_spec
-from planner.simulate import (
-    Choice,
-    Segments,
-    Simulation,
-    as_choice,
-    simulate,
-    validate_choice,
-    validate_segments,
-)
-from planner.solvers import SOLVERS, get_solver
-from planner.solvers.sqrt_n import segments_between
+from planner.simulate import as_choice, simulate
+from planner.solvers.auto import choose, lowest_peak
+from planner.units import GIB, mib
 
-GIB = 2**30
 MAX_BUDGET_BYTES = 2**63  # byte counts are int64
-AUTO_OPTIMAL_MAX_NODES = 50_000
-AUTO_OPTIMAL_SECONDS = 30.0  # auto's time limit for optimal (its best plan by then is kept)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A checkpointing plan and the module that carries it out.
-
-    ``module`` is a drop-in replacement for the model (same call signature, outputs, parameters
-    and ``state_dict`` keys). Peaks are bytes of the whole training step (parameters, gradients,
-    optimizer state when given, activations, working memory); ``predicted_overhead`` is the
-    recompute time as a fraction of a step without checkpointing (forward + backward, taken as
-    three forwards), under the cost model. ``leaf_modules`` and ``training`` record how the
-    model was captured (``save`` writes them, so that ``load`` captures it the same way).
-    """
-
-    segments: Segments
-    solver: str
-    budget_bytes: int
-    predicted_peak_bytes: int
-    baseline_peak_bytes: int
-    predicted_overhead: float
-    recompute_flops: float
-    capture_method: str
-    solve_seconds: float
-    planning_seconds: float
-    module: fx.GraphModule = field(repr=False, compare=False)
-    problem: Problem = field(repr=False, compare=False)
-    input_spec: dict | None = field(default=None, repr=False, compare=False)
-    leaf_modules: tuple = field(default=(), repr=False, compare=False)
-    training: bool = field(default=True, repr=False, compare=False)
-
-    keep: frozenset[int] = frozenset()  # positions of kept nodes inside segments
-
-    @property
-    def choice(self) -> Choice:
-        """The segments and kept nodes, as solvers and ``simulate`` take them."""
-        return Choice(self.segments, self.keep)
-
-    @property
-    def baseline_fixed_bytes(self) -> int:
-        """Parameters, buffers, inputs and optimizer state: memory no plan can remove."""
-        return self.problem.fixed_bytes
-
-    def segment_table(self) -> list[dict]:
-        """One row per checkpointed segment: positions, node names, inputs and dropped bytes.
-
-        ``input_tensors`` and ``input_bytes`` are the activation storages made before the
-        segment and read inside it: the checkpoint's inputs, which it holds until its backward
-        (as ``simulate`` counts them). Tensors that merely cross the cut on their way to later
-        nodes are not among them. Every rendering of the plan (``str``, the notebook HTML, the
-        graph drawing) shows these rows. Kept nodes (``keep``) are neither dropped nor
-        recomputed: ``kept`` names them and ``kept_bytes`` is what their cache holds from the
-        forward to the recompute.
-        """
-        saved = self.problem.saved_bytes_per_node()
-        seconds = self.problem.seconds.copy()
-        saved[list(self.keep)], seconds[list(self.keep)] = 0, 0.0
-        rows = []
-        for k, (start, stop) in enumerate(self.segments):
-            tensors, nbytes = _segment_inputs(self.problem, start, stop)
-            rows.append(
-                {
-                    "segment": k,
-                    "start": start,
-                    "stop": stop,
-                    "nodes": stop - start,
-                    "first": self.problem.names[start],
-                    "last": self.problem.names[stop - 1],
-                    "input_tensors": tensors,
-                    "input_bytes": nbytes,
-                    "dropped_bytes": int(saved[start:stop].sum()),
-                    "recompute_seconds": float(seconds[start:stop].sum()),
-                    "kept": [self.problem.names[i] for i in sorted(self.keep) if start <= i < stop],
-                    "kept_bytes": int(
-                        sum(int(self.problem.kept_bytes[i]) for i in self.keep if start <= i < stop)
-                    ),
-                }
-            )
-        return rows
-
-    def __str__(self) -> str:
-        kept = f", {len(self.keep)} nodes kept inside them" if self.keep else ""
-        lines = [
-            f"Plan: {len(self.segments)} checkpointed segments{kept} over {self.problem.size} "
-            f"nodes (solver {self.solver}, captured by {self.capture_method})",
-            f"  budget          {_mib(self.budget_bytes):>12}",
-            f"  predicted peak  {_mib(self.predicted_peak_bytes):>12}"
-            f"   (baseline {_mib(self.baseline_peak_bytes)}, "
-            f"fixed {_mib(self.problem.fixed_bytes)})",
-            f"  recompute       {self.predicted_overhead:>11.1%}   of a step "
-            f"({self.recompute_flops:.3g} FLOPs)",
-            f"  planning time   {self.planning_seconds:>10.2f} s   "
-            f"(solve {self.solve_seconds:.3f} s)",
-            *self._step_lines(),
-        ]
-        rows = self.segment_table()
-        if rows:
-            header = (
-                f"  {'seg':>4} {'nodes':>6} {'from':<24} {'to':<24} {'inputs':>10} {'dropped':>10}"
-            )
-            lines.append(header + (f" {'kept':>5} {'kept bytes':>10}" if self.keep else ""))
-            for r in rows:
-                line = (
-                    f"  {r['segment']:>4} {r['nodes']:>6} {r['first']:<24.24} "
-                    f"{r['last']:<24.24} {_mib(r['input_bytes']):>10} "
-                    f"{_mib(r['dropped_bytes']):>10}"
-                )
-                if self.keep:
-                    line += f" {len(r['kept']):>5} {_mib(r['kept_bytes']):>10}"
-                lines.append(line)
-        return "\n".join(lines)
-
-    def _step_lines(self) -> list[str]:
-        """The loss and optimizer parts of the step, when the plan was given them."""
-        problem, lines = self.problem, []
-        if problem.has_loss:
-            lines.append(
-                f"  loss_fn         {_mib(problem.created_bytes[-1]):>12}   kept for its backward, "
-                f"which allocates {_mib(problem.activation_grad_alloc[-1])}"
-            )
-        if problem.optimizer_state_bytes or problem.optimizer_step_bytes:
-            step = simulate(problem, self.choice).optimizer_step_bytes
-            peak = "; the step's peak" if step >= self.predicted_peak_bytes else ""
-            lines.append(
-                f"  optimizer       {_mib(problem.optimizer_state_bytes):>12}   state; step() "
-                f"holds {_mib(step)} with {_mib(problem.optimizer_step_bytes)} of "
-                f"temporaries{peak}"
-            )
-        return lines
-
-    __repr__ = __str__
-
-    def _repr_html_(self) -> str:
-        from planner import viz
-
-        return viz.plan_html(self)
-
-    def draw(self, path=None, ax=None, **options):
-        """Draw the graph, segments coloured, boundaries highlighted; see planner.viz.draw."""
-        from planner import viz
-
-        return viz.draw(self, path=path, ax=ax, **options)
-
-    def plot_memory(self, measured=None, ax=None, **options):
-        """Predicted memory over the step, baseline vs plan vs budget; see viz.plot_memory."""
-        from planner import viz
-
-        return viz.plot_memory(self, measured, ax=ax, **options)
-
-    def save(self, path, example_inputs=None, example_kwargs=None):
-        """Write the plan as JSON (no pickle); load it with ``planner.load(path, model)``."""
-        from planner import serialize
-
-        return serialize.save(self, path, example_inputs, example_kwargs)
-
-
-def _segment_inputs(problem: Problem, start: int, stop: int) -> tuple[int, int]:
-    """(count, bytes) of the activation storages made before ``start`` and read in the segment."""
-    a = problem.storage_arrays
-    inside = (a.read_node >= start) & (a.read_node < stop)
-    kept = np.unique(a.read_storage[inside & (a.producer[a.read_storage] < start)])
-    return int(kept.size), int(a.nbytes[kept].sum())
-
-
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def budget_in_bytes(budget_gb, budget_bytes) -> int:
@@ -260,7 +83,7 @@ def _keyword_arguments(example_kwargs) -> dict:
     ):
         raise TypeError(
             f"example_kwargs must be a dict of keyword arguments by name, as in "
-            f"model(*example_inputs, **example_kwargs); got {_short_repr(example_kwargs)}. "
+            f"model(*example_inputs, **example_kwargs); got {short_repr(example_kwargs)}. "
             "Positional arguments go in the example_inputs tuple."
         )
     return dict(example_kwargs)
@@ -273,15 +96,15 @@ def _floor_advice(problem: Problem, lowest: int) -> str:
     optimizer = problem.optimizer_state_bytes
     state = problem.fixed_bytes - optimizer
     floor = problem.fixed_bytes + problem.gradient_bytes
-    parts = f"parameters, buffers and inputs take {_mib(state)}, parameter gradients " + (
-        f"{_mib(problem.gradient_bytes)} and optimizer state {_mib(optimizer)}"
+    parts = f"parameters, buffers and inputs take {mib(state)}, parameter gradients " + (
+        f"{mib(problem.gradient_bytes)} and optimizer state {mib(optimizer)}"
         if optimizer
-        else f"{_mib(problem.gradient_bytes)} and optimizer state none (optimizer_state_bytes=0)"
+        else f"{mib(problem.gradient_bytes)} and optimizer state none (optimizer_state_bytes=0)"
     )
     raise_to = f"Raise the budget to at least budget_bytes={lowest}"
     if floor >= 0.9 * lowest:
         return (
-            f"Of that, {parts}: together {_mib(floor)}, which no checkpointing removes, so a "
+            f"Of that, {parts}: together {mib(floor)}, which no checkpointing removes, so a "
             f"smaller batch or input barely helps. {raise_to}, or train fewer parameters "
             "(requires_grad_(False) on some), keep parameters and gradients in a smaller dtype "
             "(bfloat16), or shard parameters, gradients and optimizer state across devices "
@@ -303,100 +126,6 @@ def _check_loss_fn(loss_fn) -> None:
 
 def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
-def lowest_peak_plan(problem: Problem) -> tuple[Segments | Choice, Simulation]:
-    """The candidate plan with the lowest simulated peak, among those the strategies consider."""
-    candidates = [
-        SOLVERS["greedy"](problem, 0),
-        segments_between(problem, problem.articulation_cuts),
-        segments_between(problem, [c for c in range(problem.size) if problem.cut_allowed[c]]),
-    ]
-    if "optimal" in SOLVERS and problem.size <= AUTO_OPTIMAL_MAX_NODES:
-        candidates.append(SOLVERS["optimal"](problem, 0, time_limit=AUTO_OPTIMAL_SECONDS))
-    return min(((c, simulate(problem, c)) for c in candidates), key=lambda r: r[1].peak_bytes)
-
-
-def lowest_peak(problem: Problem) -> Simulation:
-    """The lowest simulated peak found: the minimum budget ``plan`` reports and accepts."""
-    return lowest_peak_plan(problem)[1]
-
-
-def _solver_result(name: str, result, problem: Problem) -> Segments | Choice:
-    """A solver's segments, sorted, as ints (or its ``Choice``, when it keeps nodes inside
-    them); a clear error naming the solver when they are not the ``(start, stop)`` pairs of int
-    positions every solver must return."""
-    if isinstance(result, Choice):
-        try:
-            choice = validate_choice(problem, result)
-        except ValueError as error:
-            raise ValueError(f"solver {name!r} returned an invalid plan: {error}") from None
-        return choice if choice.keep else choice.segments
-    try:
-        pairs = None if isinstance(result, (str, bytes)) else [tuple(pair) for pair in result]
-    except TypeError:  # not iterable, or items that are not
-        pairs = None
-    if pairs is None or not all(
-        len(pair) == 2
-        and all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in pair)
-        for pair in pairs
-    ):
-        raise TypeError(
-            f"solver {name!r} returned {_short_repr(result)}; a solver must return a tuple of "
-            "(start, stop) pairs of int positions, the half-open segments to checkpoint "
-            "(() for none)"
-        )
-    try:
-        return validate_segments(problem, pairs)
-    except ValueError as error:
-        raise ValueError(f"solver {name!r} returned an invalid plan: {error}") from None
-
-
-def _short_repr(value) -> str:
-    text, kind = repr(value), type(value).__name__
-    if len(text) <= 60:
-        return f"{kind} {text}"
-    return f"a {kind}" + (f" of {len(value)} items" if hasattr(value, "__len__") else "")
-
-
-def choose(
-    problem: Problem, budget: int, solver="auto", **options
-) -> tuple[str, Segments | Choice]:
-    """Run ``solver`` (a name, ``"auto"``, or a callable) and return (name that ran, choice):
-    plain segments, or a ``Choice`` when the solver keeps nodes inside them.
-
-    ``"auto"`` runs ``optimal`` on graphs of at most ``AUTO_OPTIMAL_MAX_NODES`` nodes (its
-    search takes about 1-3 s at 10,000-20,000 nodes on two CPU cores, growing about linearly;
-    past ``AUTO_OPTIMAL_SECONDS`` it stops with the best plan found by then), then ``greedy``
-    and ``sqrt_n``, and keeps the cheapest plan that fits the budget. Name ``solver="optimal"``
-    to run it on larger graphs, without a time limit, anyway.
-    """
-    if solver != "auto":
-        name, solve = get_solver(solver)
-        return name, _solver_result(name, solve(problem, budget, **options), problem)
-    best: tuple[tuple[bool, float], str, Segments | Choice] | None = None
-    for name in ("optimal", "greedy", "sqrt_n"):
-        if name not in SOLVERS or (name == "optimal" and problem.size > AUTO_OPTIMAL_MAX_NODES):
-            continue
-        limit = {"time_limit": AUTO_OPTIMAL_SECONDS} if name == "optimal" else {}
-        segments = _solver_result(
-            name, SOLVERS[name](problem, budget, **{**limit, **options}), problem
-        )
-        result = simulate(problem, segments)
-        fits = result.peak_bytes <= budget
-        key = (not fits, result.recompute_seconds if fits else result.peak_bytes)
-        if best is None or key < best[0]:
-            best = (key, f"auto:{name}", segments)
-    if best is None:
-        raise PlanningError(
-            "solver='auto' runs optimal, greedy and sqrt_n, and none of them is in "
-            "planner.SOLVERS: name a registered solver with solver="
-        )
-    if best[0][0]:  # nothing fits: the plan with the lowest peak may still (the stated minimum)
-        segments, result = lowest_peak_plan(problem)
-        if result.peak_bytes <= budget:
-            return "auto:lowest_peak", segments
-    return best[1], best[2]
 
 
 def prepare(
@@ -533,17 +262,17 @@ def plan(
         if lowest.peak_bytes <= budget:  # only a named solver can miss a budget auto meets
             raise PlanningError(
                 f"solver {name!r} returned a plan whose predicted peak is "
-                f"{_mib(result.peak_bytes)} ({result.peak_bytes} bytes), over the budget of "
-                f"{_mib(budget)} ({budget} bytes); plans down to {_mib(lowest.peak_bytes)} "
+                f"{mib(result.peak_bytes)} ({result.peak_bytes} bytes), over the budget of "
+                f"{mib(budget)} ({budget} bytes); plans down to {mib(lowest.peak_bytes)} "
                 f"({lowest.peak_bytes} bytes, the lowest peak found) exist: use solver='auto', "
                 f"which finds one within this budget, or give {name!r} a larger budget."
             )
         raise PlanningError(
-            f"no plan fits a budget of {_mib(budget)} ({budget} bytes): the lowest predicted "
-            f"peak found is {_mib(lowest.peak_bytes)} ({lowest.peak_bytes} bytes) and the "
-            f"baseline without checkpointing is {_mib(baseline.peak_bytes)}. "
+            f"no plan fits a budget of {mib(budget)} ({budget} bytes): the lowest predicted "
+            f"peak found is {mib(lowest.peak_bytes)} ({lowest.peak_bytes} bytes) and the "
+            f"baseline without checkpointing is {mib(baseline.peak_bytes)}. "
             + _floor_advice(problem, lowest.peak_bytes)
-            + (f" (solver {name} found {_mib(result.peak_bytes)})" if solver != "auto" else "")
+            + (f" (solver {name} found {mib(result.peak_bytes)})" if solver != "auto" else "")
         )
     return assemble(
         model,

@@ -1,4 +1,4 @@
-"""Saving plans to JSON and applying them again, without pickle and without re-solving.
+"""The saved plan's file format: plans as JSON, without pickle (``planner.restore`` loads them).
 
 A saved plan is a small JSON document (format ``"planner.plan"``, ``"version": 3``)::
 
@@ -32,23 +32,15 @@ inputs alias: a tensor given again is ``"same"`` as its first occurrence, and a 
 its storage with another input, or does not fill its own (a slice, an expanded view), also
 records ``storage`` (a number shared by the tensors of one storage), ``storage_bytes``,
 ``offset`` and ``stride``. Version 1 files (no ``capture``, no aliasing) still load.
-
-``load`` captures and profiles the model again (cheap: fake tensors), checks the mode and the
-fingerprint, recomputes the predictions with the simulator and rebuilds the module with
-``planner.rewrite.rewrite``; it never runs a solver. A plan applied to another model, or to the
-same model with inputs of other shapes, is a ``PlanningError`` naming the first difference.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-import time
 from pathlib import Path
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from planner.errors import PlanningError
@@ -59,7 +51,9 @@ __all__ = [
     "build_inputs",
     "fingerprint",
     "input_spec",
-    "load",
+    "model_name",
+    "qualified_name",
+    "read",
     "save",
     "to_dict",
 ]
@@ -120,9 +114,6 @@ def fingerprint(plan_or_problem) -> str:
             bool(problem.cut_allowed[i]),
         ]
         digest.update(json.dumps(row).encode())
-    shapes = getattr(problem, "shapes", None)  # used when the Problem records shapes
-    if shapes is not None:
-        digest.update(json.dumps([list(map(str, s)) for s in shapes]).encode())
     return "sha256:" + digest.hexdigest()
 
 
@@ -269,7 +260,7 @@ def build_inputs(spec: dict, device: torch.device) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def _model_device(model) -> torch.device:
+def model_device(model) -> torch.device:
     for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device
     return torch.device("cpu")
@@ -279,7 +270,7 @@ def _model_device(model) -> torch.device:
 # Save
 
 
-def _model_name(plan) -> str:
+def model_name(plan) -> str:
     name = type(plan.module).__name__
     return name[len("Planned") :] if name.startswith("Planned") and len(name) > 7 else name
 
@@ -308,12 +299,12 @@ def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
         "version": FORMAT_VERSION,
         "planner_version": _planner_version(),
         "torch_version": torch.__version__.split("+")[0],
-        "model": _model_name(plan),
+        "model": model_name(plan),
         "solver": str(plan.solver),
         "capture_method": plan.capture_method,
         "capture": {
             "training": bool(plan.training),
-            "leaf_modules": [_qualified_name(c) for c in plan.leaf_modules],
+            "leaf_modules": [qualified_name(c) for c in plan.leaf_modules],
         },
         "budget_bytes": int(plan.budget_bytes),
         "optimizer_state_bytes": int(problem.optimizer_state_bytes),
@@ -341,7 +332,7 @@ def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
     }
 
 
-def _qualified_name(cls: type) -> str:
+def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -388,11 +379,8 @@ def save(plan, path, example_inputs=None, example_kwargs=None) -> Path:
     return path
 
 
-# --------------------------------------------------------------------------------------------
-# Load
-
-
-def _read(path) -> dict:
+def read(path) -> dict:
+    """The JSON of a saved plan, checked to be one this planner reads (format, version, fields)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -412,217 +400,3 @@ def _read(path) -> dict:
         if key not in data:
             raise PlanningError(f"{path} is not a complete saved plan: no {key!r} field")
     return data
-
-
-def _first_difference(saved: list, now: list) -> str:
-    for i, (a, b) in enumerate(zip(saved, now)):
-        if list(a) != list(b):
-            return (
-                f"first difference at node {i}: the plan has {a[0]!r} ({a[1]}, {a[2]} bytes), "
-                f"the model has {b[0]!r} ({b[1]}, {b[2]} bytes)"
-            )
-    if len(saved) != len(now):
-        return f"the plan has {len(saved)} nodes, the model {len(now)}"
-    return "the nodes match by name and operation but differ in FLOPs, bytes moved or parameters"
-
-
-def _mode(training: bool) -> str:
-    return "train" if training else "eval"
-
-
-def _check_mode(path, data: dict, model, training) -> None:
-    """A plan applies to the mode it was captured in (dropout, BatchNorm statistics)."""
-    if training is None or bool(training) == model.training:
-        return
-    raise PlanningError(
-        f"the plan in {path} was made for {data.get('model', 'a model')} in "
-        f"{_mode(training)} mode, and this {type(model).__name__} is in "
-        f"{_mode(model.training)} mode: call model.{'train' if training else 'eval'}() before "
-        "planner.load (the mode changes the captured graph: dropout, BatchNorm statistics)."
-    )
-
-
-def _unrecorded_options_hint(model, recorded: dict) -> str:
-    """For files of version 1, which recorded neither the mode nor ``leaf_modules``."""
-    if "training" in recorded:
-        return ""
-    hint = " This file does not record how the model was captured:"
-    if not model.training:
-        hint += (
-            " the model is in eval mode; if the plan was made in train mode, call model.train();"
-        )
-    return hint + " if it was made with leaf_modules=..., pass the same to planner.load."
-
-
-def _unmatched_leaf_hint(unmatched) -> str:
-    """For recorded ``leaf_modules`` names that no class of the model has (renamed, moved)."""
-    if not unmatched:
-        return ""
-    return (
-        f" The plan was made with leaf_modules {', '.join(unmatched)}, which no module of this "
-        "model is an instance of (a class renamed or moved?): pass leaf_modules=... to "
-        "planner.load."
-    )
-
-
-def _leaf_classes(model: nn.Module, names) -> tuple[type, ...]:
-    """The classes among ``model``'s modules (and their bases) with these qualified names.
-
-    A recorded class that no module of ``model`` is an instance of kept nothing whole, so
-    leaving it out captures the same graph.
-    """
-    wanted = set(names)
-    found = {
-        cls
-        for module in model.modules()
-        for cls in type(module).__mro__
-        if _qualified_name(cls) in wanted
-    }
-    return tuple(sorted(found, key=_qualified_name))
-
-
-def load(
-    path,
-    model,
-    example_inputs=None,
-    example_kwargs=None,
-    *,
-    cost_model=None,
-    leaf_modules=None,
-    loss_fn=None,
-):
-    """Apply a saved plan to ``model``: capture, profile, check, rewrite; no solving.
-
-    Parameters
-    ----------
-    path : str or path-like
-        A file written by ``save`` (``Plan.save``).
-    model : torch.nn.Module
-        The model the plan was made for (same architecture and sizes), in the mode it was made
-        in (train mode, as a rule: the file records it). It is not modified: the plan's module
-        shares its parameters.
-    example_inputs, example_kwargs : optional
-        Inputs of the shapes the plan was made for. When omitted, inputs are built from the
-        shapes and dtypes recorded in the file (filled with ones).
-    cost_model : planner.CostModel, optional
-        For the recompute overhead reported by the loaded plan (default: ``CostModel()``).
-    leaf_modules : tuple of module classes, optional
-        As given to ``planner.plan``. By default the classes the file records (by qualified
-        name) among the classes of ``model``'s modules; needed only for files of format
-        version 1, which did not record them.
-    loss_fn : callable, optional
-        The loss the plan was made with (``planner.plan(..., loss_fn=)``), needed again to
-        predict the step's memory; plans made without one must be loaded without one.
-
-    Returns
-    -------
-    planner.Plan
-        Its predictions are recomputed by the simulator; ``solver``, ``budget_bytes`` and
-        ``solve_seconds`` are those saved; ``planning_seconds`` is the time ``load`` took.
-
-    Raises
-    ------
-    PlanningError
-        When the file is not a saved plan, was written by a newer format, was saved without
-        input shapes and no inputs are given, when the model is not in the mode (train or eval)
-        the plan was made in, or when the model's graph differs from the one the plan was made
-        for (the message names the first differing node).
-    """
-    from planner.pipeline import assemble, prepare
-    from planner.simulate import Choice, validate_choice
-
-    data = _read(path)
-    start_time = time.perf_counter()
-    recorded = data.get("capture") or {}
-    _check_mode(path, data, model, recorded.get("training"))
-    unmatched: list[str] = []
-    if leaf_modules is None:
-        leaf_modules = _leaf_classes(model, recorded.get("leaf_modules", ()))
-        found = {_qualified_name(cls) for cls in leaf_modules}
-        unmatched = [name for name in recorded.get("leaf_modules", ()) if name not in found]
-    if example_inputs is None:
-        spec = data.get("inputs")
-        if spec is None:
-            raise PlanningError(
-                f"{path} was saved without the shapes of its example inputs: pass them, "
-                "planner.load(path, model, example_inputs, example_kwargs=...), as given to "
-                "planner.plan (or save with plan.save(path, example_inputs))"
-            )
-        example_inputs, example_kwargs = build_inputs(spec, _model_device(model))
-
-    if bool(data.get("loss_fn", False)) != (loss_fn is not None):
-        raise PlanningError(
-            f"the plan in {path} was made "
-            + (
-                "with a loss_fn: pass the same one, planner.load(path, model, loss_fn=...)"
-                if loss_fn is None
-                else "without a loss_fn: load it without one"
-            )
-        )
-    captured, problem = prepare(
-        model,
-        example_inputs,
-        example_kwargs,
-        cost_model=cost_model,
-        optimizer_state_bytes=int(data.get("optimizer_state_bytes", 0)),
-        leaf_modules=leaf_modules,
-        loss_fn=loss_fn,
-    )
-    problem = dataclasses.replace(
-        problem, optimizer_step_bytes=int(data.get("optimizer_step_bytes", 0))
-    )
-    graph = data["graph"]
-    if fingerprint(problem) != graph.get("fingerprint"):
-        raise PlanningError(
-            f"the plan in {path} was made for another graph ({data.get('model', '?')}, "
-            f"{graph.get('nodes', '?')} nodes; this {type(model).__name__} captures to "
-            f"{problem.size} nodes): "
-            + _first_difference(graph.get("signature", []), graph_signature(problem))
-            + ". A plan applies only to the model and input shapes it was made for; "
-            "make a new one with planner.plan(model, example_inputs, budget_gb=...)."
-            + _unrecorded_options_hint(model, recorded)
-            + _unmatched_leaf_hint(unmatched)
-        )
-
-    segments = []
-    for entry in data["segments"]:
-        begin, stop = int(entry["start"]), int(entry["stop"])
-        if not (0 <= begin < stop <= problem.size) or (
-            problem.names[begin],
-            problem.names[stop - 1],
-        ) != (entry.get("first"), entry.get("last")):
-            raise PlanningError(
-                f"segment {entry} of {path} does not name the nodes at its positions; the file "
-                "was edited or corrupted"
-            )
-        segments.append((begin, stop))
-    keep = []
-    for entry in data.get("keep", []):  # versions 1 and 2 keep nothing
-        position = entry.get("position") if isinstance(entry, dict) else None
-        if not (
-            isinstance(position, int)
-            and 0 <= position < problem.size
-            and problem.names[position] == entry.get("name")
-        ):
-            raise PlanningError(
-                f"kept node {entry} of {path} does not name the node at its position; the file "
-                "was edited or corrupted"
-            )
-        keep.append(position)
-    try:
-        choice = validate_choice(problem, Choice(tuple(segments), frozenset(keep)))
-    except ValueError as error:
-        raise PlanningError(f"{path}: {error}") from None
-
-    return assemble(
-        model,
-        captured,
-        problem,
-        choice,
-        solver=data["solver"],
-        budget_bytes=int(data["budget_bytes"]),
-        solve_seconds=float(data.get("timings", {}).get("solve_seconds", 0.0)),
-        started=start_time,
-        input_spec=data.get("inputs"),
-        leaf_modules=leaf_modules,
-    )

@@ -18,8 +18,9 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import planner
 from planner.errors import PlanningError
-from planner.pipeline import lowest_peak, prepare
+from planner.pipeline import prepare
 from planner.simulate import simulate
+from planner.solvers.auto import lowest_peak
 from strategies import ModelSpec, assert_equivalent, assert_same_state, build, inputs, model_state
 
 

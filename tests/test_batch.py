@@ -13,9 +13,10 @@ import torch
 import planner
 from planner import zoo
 from planner.batch import accumulation_problem, plan_batch
-from planner.pipeline import lowest_peak, prepare
+from planner.pipeline import prepare
 from planner.rewrite import rewrite
 from planner.simulate import simulate
+from planner.solvers.auto import lowest_peak
 from planner.step import LiveStorageTracker, state_tensors, training_step
 from planner.training import micro_batches
 

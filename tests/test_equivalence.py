@@ -23,9 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import planner
-from planner.pipeline import choose, lowest_peak, prepare
+from planner.pipeline import prepare
 from planner.rewrite import rewrite
 from planner.simulate import simulate
+from planner.solvers.auto import choose, lowest_peak
 from strategies import (
     assert_equivalent,
     assert_same_state,

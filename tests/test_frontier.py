@@ -10,8 +10,9 @@ import pytest
 import planner
 from planner.errors import PlanningError
 from planner.frontier import Frontier, frontier, frontier_of
-from planner.pipeline import lowest_peak, prepare
+from planner.pipeline import prepare
 from planner.simulate import simulate
+from planner.solvers.auto import lowest_peak
 
 # The module, not the function of the same name that ``planner`` may export.
 frontier_module = importlib.import_module("planner.frontier")

@@ -28,8 +28,9 @@ transformers = pytest.importorskip(
 
 from hf_families import FAMILIES  # noqa: E402
 from planner.errors import PlanningError  # noqa: E402
-from planner.pipeline import lowest_peak, plan, prepare  # noqa: E402
+from planner.pipeline import plan, prepare  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
+from planner.solvers.auto import lowest_peak  # noqa: E402
 from planner.step import peak_memory, training_loss  # noqa: E402
 from strategies import assert_equivalent  # noqa: E402
 

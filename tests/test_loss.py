@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 
 import planner
 from planner.errors import PlanningError
-from planner.pipeline import lowest_peak, prepare
+from planner.pipeline import prepare
 from planner.simulate import simulate
+from planner.solvers.auto import lowest_peak
 from planner.step import peak_memory, training_loss
 from strategies import assert_equivalent, build, inputs, model_specs
 

@@ -110,7 +110,8 @@ ZOO = [
 @pytest.fixture(scope="module", params=ZOO, ids=[name for name, _ in ZOO])
 def zoo_problem(request):
     from planner import zoo
-    from planner.pipeline import lowest_peak, prepare
+    from planner.pipeline import prepare
+    from planner.solvers.auto import lowest_peak
 
     name, sizes = request.param
     problem = prepare(*zoo.build(name, **sizes))[1]

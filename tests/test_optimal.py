@@ -166,7 +166,7 @@ def gpt_problem():
 
 @given(problems())
 def test_budget_zero_gives_the_exhaustive_lowest_peak(problem):
-    # planner.pipeline.lowest_peak asks for the lowest peak this way.
+    # planner.solvers.auto.lowest_peak asks for the lowest peak this way.
     _, lowest = exhaustive(problem, 0)
     assert simulate(problem, SOLVERS["optimal"](problem, 0)).peak_bytes == lowest
 

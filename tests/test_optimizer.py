@@ -19,8 +19,9 @@ from torch import nn
 
 import planner
 from planner.optimizer import optimizer_memory
-from planner.pipeline import lowest_peak, prepare
+from planner.pipeline import prepare
 from planner.simulate import simulate
+from planner.solvers.auto import lowest_peak
 from planner.step import peak_memory, training_step
 
 FLOAT = 4  # bytes per float32 element; each Adam parameter also gets a float32 step counter

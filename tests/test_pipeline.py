@@ -15,8 +15,9 @@ import torch
 import planner
 import planner.pipeline
 from planner import zoo
-from planner.pipeline import lowest_peak, prepare
+from planner.pipeline import prepare
 from planner.simulate import simulate
+from planner.solvers.auto import lowest_peak
 from planner.step import peak_memory, training_step
 
 SMALL = {
@@ -313,9 +314,9 @@ def test_auto_leaves_optimal_out_on_graphs_too_large_for_it(monkeypatch):
         raise AssertionError("auto must not run optimal on a graph this large")
 
     budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
-    monkeypatch.setattr(planner.pipeline, "AUTO_OPTIMAL_MAX_NODES", problem.size - 1)
+    monkeypatch.setattr(planner.solvers.auto, "AUTO_OPTIMAL_MAX_NODES", problem.size - 1)
     monkeypatch.setitem(planner.SOLVERS, "optimal", too_slow)
-    name, _ = planner.pipeline.choose(problem, budget, "auto")
+    name, _ = planner.solvers.auto.choose(problem, budget, "auto")
     assert name in ("auto:greedy", "auto:sqrt_n", "auto:lowest_peak")
 
 
@@ -346,7 +347,7 @@ def test_auto_gives_optimal_a_time_limit_and_still_returns_a_plan_that_fits(monk
         return optimal(problem, budget_bytes, **options)
 
     monkeypatch.setitem(planner.SOLVERS, "optimal", recording)
-    monkeypatch.setattr(planner.pipeline, "AUTO_OPTIMAL_SECONDS", 0.0)
-    _, segments = planner.pipeline.choose(problem, budget, "auto")
+    monkeypatch.setattr(planner.solvers.auto, "AUTO_OPTIMAL_SECONDS", 0.0)
+    _, segments = planner.solvers.auto.choose(problem, budget, "auto")
     assert limits == [0.0]
     assert simulate(problem, segments).peak_bytes <= budget

@@ -26,8 +26,9 @@ from torch.utils._pytree import tree_map_only
 
 import planner
 from planner import zoo
-from planner.pipeline import lowest_peak, prepare
+from planner.pipeline import prepare
 from planner.rewrite import rewrite
+from planner.solvers.auto import lowest_peak
 from strategies import ModelSpec, assert_equivalent, build, inputs, model_specs, random_segments
 
 EXAMPLES = settings.default.max_examples

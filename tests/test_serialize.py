@@ -23,7 +23,7 @@ def small_gpt(**overrides):
 def saved(tmp_path_factory):
     model, inputs = small_gpt()
     base = planner.plan(model, inputs, budget_gb=1)
-    lowest = planner.pipeline.lowest_peak(base.problem).peak_bytes
+    lowest = planner.solvers.auto.lowest_peak(base.problem).peak_bytes
     plan = planner.plan(model, inputs, budget_bytes=(lowest + base.baseline_peak_bytes) // 2)
     assert plan.segments
     path = tmp_path_factory.mktemp("plans") / "gpt.json"
@@ -63,8 +63,9 @@ def test_round_trip_gives_the_same_plan_without_solving(saved, monkeypatch):
     def no_solving(*args, **kwargs):
         raise AssertionError("load must not solve")
 
-    monkeypatch.setattr(planner.pipeline, "choose", no_solving)
-    loaded = serialize.load(path, model)
+    for name in list(planner.solvers.SOLVERS):
+        monkeypatch.setitem(planner.solvers.SOLVERS, name, no_solving)
+    loaded = planner.load(path, model)
     assert loaded.segments == plan.segments
     assert loaded.solver == plan.solver and loaded.budget_bytes == plan.budget_bytes
     assert loaded.predicted_peak_bytes == plan.predicted_peak_bytes
@@ -87,7 +88,7 @@ def test_round_trip_gives_the_same_plan_without_solving(saved, monkeypatch):
 def test_load_with_explicit_inputs(saved):
     plan, path, inputs = saved
     model, _ = small_gpt()
-    assert serialize.load(path, model, inputs).segments == plan.segments
+    assert planner.load(path, model, inputs).segments == plan.segments
 
 
 @pytest.mark.parametrize(
@@ -102,14 +103,14 @@ def test_load_into_another_model_is_a_clear_error(saved, other, expected):
     _, path, _ = saved
     model, inputs = other()
     with pytest.raises(PlanningError, match=expected):
-        serialize.load(path, model, inputs)
+        planner.load(path, model, inputs)
 
 
 def test_load_with_other_input_shapes_is_an_error(saved):
     _, path, _ = saved
     model, inputs = small_gpt(batch=3)
     with pytest.raises(PlanningError, match="input shapes it was made for"):
-        serialize.load(path, model, inputs)
+        planner.load(path, model, inputs)
 
 
 def test_plan_saved_without_inputs_needs_them(saved, tmp_path):
@@ -118,8 +119,8 @@ def test_plan_saved_without_inputs_needs_them(saved, tmp_path):
     model, _ = small_gpt()
     if getattr(plan, "input_spec", None) is None:
         with pytest.raises(PlanningError, match="pass them"):
-            serialize.load(path, model)
-    assert serialize.load(path, model, inputs).segments == plan.segments
+            planner.load(path, model)
+    assert planner.load(path, model, inputs).segments == plan.segments
 
 
 @pytest.mark.parametrize(
@@ -136,13 +137,13 @@ def test_bad_files(tmp_path, content, expected):
     path.write_text(content)
     model, inputs = small_gpt()
     with pytest.raises(PlanningError, match=expected):
-        serialize.load(path, model, inputs)
+        planner.load(path, model, inputs)
 
 
 def test_missing_file(tmp_path):
     model, inputs = small_gpt()
     with pytest.raises(PlanningError, match="no saved plan"):
-        serialize.load(tmp_path / "nothing.json", model, inputs)
+        planner.load(tmp_path / "nothing.json", model, inputs)
 
 
 def test_edited_segment_names_are_caught(saved, tmp_path):
@@ -153,7 +154,7 @@ def test_edited_segment_names_are_caught(saved, tmp_path):
     edited.write_text(json.dumps(data))
     model, _ = small_gpt()
     with pytest.raises(PlanningError, match="does not name the nodes"):
-        serialize.load(edited, model, inputs)
+        planner.load(edited, model, inputs)
 
 
 def test_fingerprint_depends_on_shapes_not_weights():
@@ -214,7 +215,7 @@ def test_aliased_example_inputs_survive_save_and_load(case, tmp_path):
     model = TwoInputs()
     args, kwargs = _aliased_inputs(case)
     plan = planner.plan(model, args, example_kwargs=kwargs, budget_gb=1, solver="sqrt_n")
-    loaded = serialize.load(plan.save(tmp_path / "plan.json"), model)
+    loaded = planner.load(plan.save(tmp_path / "plan.json"), model)
     assert serialize.fingerprint(loaded) == serialize.fingerprint(plan)
     assert loaded.segments == plan.segments
     assert loaded.predicted_peak_bytes == plan.predicted_peak_bytes
@@ -294,14 +295,14 @@ def test_a_plan_made_with_leaf_modules_loads(tmp_path):
     assert json.loads(path.read_text())["capture"]["leaf_modules"] == [
         f"{block.__module__}.{block.__qualname__}"
     ]
-    loaded = serialize.load(path, model)
+    loaded = planner.load(path, model)
     assert loaded.segments == plan.segments and loaded.leaf_modules == (block,)
     assert serialize.fingerprint(loaded) == serialize.fingerprint(plan)
 
     old = _without_capture_record(path)  # a version 1 file: leaf_modules must be given
     with pytest.raises(PlanningError, match=r"pass the same to planner\.load"):
-        serialize.load(old, model)
-    assert serialize.load(old, model, leaf_modules=(block,)).segments == plan.segments
+        planner.load(old, model)
+    assert planner.load(old, model, leaf_modules=(block,)).segments == plan.segments
 
 
 def test_a_recorded_leaf_class_the_model_lacks_is_named_when_the_graph_differs(tmp_path):
@@ -318,7 +319,7 @@ def test_a_recorded_leaf_class_the_model_lacks_is_named_when_the_graph_differs(t
     with pytest.raises(
         PlanningError, match=r"leaf_modules somewhere\.else\.RenamedBlock, which no"
     ):
-        serialize.load(path, model)
+        planner.load(path, model)
 
 
 def test_frontier_takes_leaf_modules():
@@ -326,7 +327,7 @@ def test_frontier_takes_leaf_modules():
     block = type(model.blocks[0])
     whole = planner.frontier(model, inputs, points=2, leaf_modules=(block,))
     _, problem = planner.pipeline.prepare(model, inputs, leaf_modules=(block,))
-    assert whole.lowest_peak_bytes == planner.pipeline.lowest_peak(problem).peak_bytes
+    assert whole.lowest_peak_bytes == planner.solvers.auto.lowest_peak(problem).peak_bytes
     inlined = planner.frontier(model, inputs, points=2)
     assert whole.lowest_peak_bytes > inlined.lowest_peak_bytes  # blocks cannot be cut inside
 
@@ -347,7 +348,7 @@ def test_every_option_that_changes_the_graph_survives_save_and_load(option, tmp_
     model, x = TwoInputs(), torch.randn(4, 8)
     options = GRAPH_OPTIONS[option](model, x)
     plan = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n", **options)
-    loaded = serialize.load(plan.save(tmp_path / "plan.json"), model)
+    loaded = planner.load(plan.save(tmp_path / "plan.json"), model)
     assert serialize.fingerprint(loaded) == serialize.fingerprint(plan)
     assert loaded.segments == plan.segments
     assert loaded.predicted_peak_bytes == plan.predicted_peak_bytes
@@ -364,13 +365,13 @@ def test_eval_mode_is_recorded_and_a_mismatch_says_what_to_do(tmp_path):
         match=r"in train mode, and this GPTWithLoss is in eval "
         r"mode: call model.train\(\)",
     ):
-        serialize.load(path, model)
+        planner.load(path, model)
     assert not model.training  # untouched
     with pytest.raises(PlanningError, match=r"model is in eval mode; .* call model.train\(\)"):
         with pytest.warns(UserWarning, match="eval mode"):  # prepare's, as for plan
-            serialize.load(_without_capture_record(path), model)
+            planner.load(_without_capture_record(path), model)
     model.train()
-    assert serialize.load(path, model).training
+    assert planner.load(path, model).training
 
 
 def test_a_plan_made_in_eval_mode_loads_in_eval_mode(tmp_path):
@@ -380,10 +381,10 @@ def test_a_plan_made_in_eval_mode_loads_in_eval_mode(tmp_path):
         plan = planner.plan(model, inputs, budget_gb=1, solver="sqrt_n")
     path = plan.save(tmp_path / "p.json")
     with pytest.warns(UserWarning, match="eval mode"):
-        assert serialize.load(path, model).segments == plan.segments
+        assert planner.load(path, model).segments == plan.segments
     model.train()
     with pytest.raises(PlanningError, match=r"call model.eval\(\)"):
-        serialize.load(path, model)
+        planner.load(path, model)
 
 
 def test_save_to_a_directory_or_a_missing_folder_is_a_clear_error(saved, tmp_path):
@@ -421,7 +422,7 @@ def test_kept_nodes_round_trip_by_position_and_name(saved, tmp_path):
     assert data["keep"] == [
         {"position": k, "name": selective.problem.names[k]} for k in sorted(selective.keep)
     ]
-    loaded = serialize.load(path, small_gpt(seed=3)[0])
+    loaded = planner.load(path, small_gpt(seed=3)[0])
     assert (loaded.segments, loaded.keep) == (selective.segments, selective.keep)
     assert loaded.predicted_peak_bytes == selective.predicted_peak_bytes
 
@@ -434,7 +435,7 @@ def test_an_older_file_loads_as_a_plan_that_keeps_nothing(saved, tmp_path, versi
     del data["keep"]
     old = tmp_path / "v1.json"
     old.write_text(json.dumps(data))
-    loaded = serialize.load(old, small_gpt(seed=3)[0])
+    loaded = planner.load(old, small_gpt(seed=3)[0])
     assert loaded.segments == plan.segments and loaded.keep == frozenset()
 
 
@@ -446,4 +447,4 @@ def test_a_kept_node_that_does_not_match_the_graph_is_refused(saved, tmp_path):
     edited = tmp_path / "edited.json"
     edited.write_text(json.dumps(data))
     with pytest.raises(PlanningError, match=r"kept node .* does not name the node"):
-        serialize.load(edited, small_gpt(seed=3)[0])
+        planner.load(edited, small_gpt(seed=3)[0])

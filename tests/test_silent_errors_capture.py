@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import planner
-from planner.pipeline import lowest_peak, prepare
+from planner.pipeline import prepare
 from planner.rewrite import rewrite
+from planner.solvers.auto import lowest_peak
 from strategies import (
     RegionSpec,
     assert_equivalent,

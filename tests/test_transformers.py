@@ -20,9 +20,10 @@ transformers = pytest.importorskip(
 )
 
 from planner.errors import PlanningError  # noqa: E402
-from planner.pipeline import choose, lowest_peak, plan, prepare  # noqa: E402
+from planner.pipeline import plan, prepare  # noqa: E402
 from planner.rewrite import rewrite  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
+from planner.solvers.auto import choose, lowest_peak  # noqa: E402
 from strategies import assert_equivalent, assert_same_state, model_state  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")

@@ -15,7 +15,7 @@ pytest.importorskip("matplotlib")
 def gpt_plan():
     model, inputs = planner.zoo.gpt(layers=2, d_model=64, seq=32, batch=2, vocab=128)
     base = planner.plan(model, inputs, budget_gb=1)
-    lowest = planner.pipeline.lowest_peak(base.problem).peak_bytes
+    lowest = planner.solvers.auto.lowest_peak(base.problem).peak_bytes
     budget = (lowest + base.baseline_peak_bytes) // 2
     return planner.plan(model, inputs, budget_bytes=budget), model, inputs
 

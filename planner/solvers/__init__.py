@@ -49,4 +49,4 @@ def get_solver(solver: str | Solver) -> tuple[str, Solver]:
         ) from None
 
 
-from planner.solvers import greedy, milp, optimal, sqrt_n  # noqa: E402,F401  (registration side effect)
+from planner.solvers import auto, greedy, milp, optimal, sqrt_n  # noqa: E402,F401  (registration side effect)

@@ -13,7 +13,7 @@ import numpy as np
 from planner.problem import Problem
 from planner.simulate import Segments, simulate
 from planner.solvers import register
-from planner.solvers.sqrt_n import segments_between
+from planner.solvers.common import rank, segments_between
 
 
 def greedy_cuts(problem: Problem, threshold: float) -> list[int]:
@@ -41,9 +41,7 @@ def solve(problem: Problem, budget_bytes: int, *, thresholds: int = 24, **option
     best: Segments = ()
     best_key = None
     for segments in dict.fromkeys(candidates):
-        result = simulate(problem, segments)
-        fits = result.peak_bytes <= budget_bytes
-        key = (not fits, result.recompute_seconds if fits else result.peak_bytes)
+        key = rank(simulate(problem, segments), budget_bytes)
         if best_key is None or key < best_key:
             best, best_key = segments, key
     return best

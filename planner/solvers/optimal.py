@@ -637,7 +637,7 @@ def solve(
     budget_bytes
         Memory of the whole step, as ``simulate`` counts it (fixed memory included). A budget
         no plan fits (``0`` included) asks for the plan of lowest peak, which
-        ``planner.pipeline.lowest_peak`` uses to report the minimum.
+        ``planner.solvers.auto.lowest_peak`` uses to report the minimum.
     candidate_cuts
         Cuts of the first coarse-to-fine pass on graphs with more allowed cuts than this. More
         can find cheaper plans on large graphs, in more time (docs/solvers.md has figures).
@@ -730,7 +730,7 @@ def _best_prefix(problem: Problem, budget: int, segments: Segments, value: np.nd
 def _block_groups(problem: Problem) -> list[Segments]:
     """Segments between articulation cuts (one per residual block on residual networks), and
     between every second and every fourth of them: the coverings keeps are tried on."""
-    from planner.solvers.sqrt_n import segments_between
+    from planner.solvers.common import segments_between
 
     cuts = [c for c in problem.articulation_cuts if problem.cut_allowed[c]]
     return [segments_between(problem, cuts[k - 1 :: k]) for k in GROUPS if k <= max(len(cuts), 1)]

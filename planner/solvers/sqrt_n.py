@@ -13,12 +13,7 @@ import numpy as np
 from planner.problem import Problem
 from planner.simulate import Segments
 from planner.solvers import register
-
-
-def segments_between(problem: Problem, cuts) -> Segments:
-    """Checkpoint every valid segment between consecutive ``cuts`` (0 and n are added)."""
-    bounds = sorted({0, problem.size, *cuts})
-    return tuple((a, b) for a, b in zip(bounds, bounds[1:]) if problem.is_valid_segment(a, b))
+from planner.solvers.common import segments_between
 
 
 @register("sqrt_n")

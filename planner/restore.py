@@ -1,0 +1,240 @@
+"""``load``: apply a saved plan to a model again, without solving.
+
+``load`` captures and profiles the model again (cheap: fake tensors), checks the mode and the
+fingerprint, recomputes the predictions with the simulator and rebuilds the module with
+``planner.rewrite.rewrite``; it never runs a solver. A plan applied to another model, or to the
+same model with inputs of other shapes, is a ``PlanningError`` naming the first difference. The
+file format itself is ``planner.serialize``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from torch import nn
+
+from planner.errors import PlanningError
+from planner.pipeline import assemble, prepare
+from planner.serialize import (
+    build_inputs,
+    fingerprint,
+    graph_signature,
+    model_device,
+    qualified_name,
+    read,
+)
+from planner.simulate import Choice, validate_choice
+
+__all__ = ["load"]
+
+
+def _first_difference(saved: list, now: list) -> str:
+    for i, (a, b) in enumerate(zip(saved, now)):
+        if list(a) != list(b):
+            return (
+                f"first difference at node {i}: the plan has {a[0]!r} ({a[1]}, {a[2]} bytes), "
+                f"the model has {b[0]!r} ({b[1]}, {b[2]} bytes)"
+            )
+    if len(saved) != len(now):
+        return f"the plan has {len(saved)} nodes, the model {len(now)}"
+    return "the nodes match by name and operation but differ in FLOPs, bytes moved or parameters"
+
+
+def _mode(training: bool) -> str:
+    return "train" if training else "eval"
+
+
+def _check_mode(path, data: dict, model, training) -> None:
+    """A plan applies to the mode it was captured in (dropout, BatchNorm statistics)."""
+    if training is None or bool(training) == model.training:
+        return
+    raise PlanningError(
+        f"the plan in {path} was made for {data.get('model', 'a model')} in "
+        f"{_mode(training)} mode, and this {type(model).__name__} is in "
+        f"{_mode(model.training)} mode: call model.{'train' if training else 'eval'}() before "
+        "planner.load (the mode changes the captured graph: dropout, BatchNorm statistics)."
+    )
+
+
+def _unrecorded_options_hint(model, recorded: dict) -> str:
+    """For files of version 1, which recorded neither the mode nor ``leaf_modules``."""
+    if "training" in recorded:
+        return ""
+    hint = " This file does not record how the model was captured:"
+    if not model.training:
+        hint += (
+            " the model is in eval mode; if the plan was made in train mode, call model.train();"
+        )
+    return hint + " if it was made with leaf_modules=..., pass the same to planner.load."
+
+
+def _unmatched_leaf_hint(unmatched) -> str:
+    """For recorded ``leaf_modules`` names that no class of the model has (renamed, moved)."""
+    if not unmatched:
+        return ""
+    return (
+        f" The plan was made with leaf_modules {', '.join(unmatched)}, which no module of this "
+        "model is an instance of (a class renamed or moved?): pass leaf_modules=... to "
+        "planner.load."
+    )
+
+
+def _leaf_classes(model: nn.Module, names) -> tuple[type, ...]:
+    """The classes among ``model``'s modules (and their bases) with these qualified names.
+
+    A recorded class that no module of ``model`` is an instance of kept nothing whole, so
+    leaving it out captures the same graph.
+    """
+    wanted = set(names)
+    found = {
+        cls
+        for module in model.modules()
+        for cls in type(module).__mro__
+        if qualified_name(cls) in wanted
+    }
+    return tuple(sorted(found, key=qualified_name))
+
+
+def load(
+    path,
+    model,
+    example_inputs=None,
+    example_kwargs=None,
+    *,
+    cost_model=None,
+    leaf_modules=None,
+    loss_fn=None,
+):
+    """Apply a saved plan to ``model``: capture, profile, check, rewrite; no solving.
+
+    Parameters
+    ----------
+    path : str or path-like
+        A file written by ``save`` (``Plan.save``).
+    model : torch.nn.Module
+        The model the plan was made for (same architecture and sizes), in the mode it was made
+        in (train mode, as a rule: the file records it). It is not modified: the plan's module
+        shares its parameters.
+    example_inputs, example_kwargs : optional
+        Inputs of the shapes the plan was made for. When omitted, inputs are built from the
+        shapes and dtypes recorded in the file (filled with ones).
+    cost_model : planner.CostModel, optional
+        For the recompute overhead reported by the loaded plan (default: ``CostModel()``).
+    leaf_modules : tuple of module classes, optional
+        As given to ``planner.plan``. By default the classes the file records (by qualified
+        name) among the classes of ``model``'s modules; needed only for files of format
+        version 1, which did not record them.
+    loss_fn : callable, optional
+        The loss the plan was made with (``planner.plan(..., loss_fn=)``), needed again to
+        predict the step's memory; plans made without one must be loaded without one.
+
+    Returns
+    -------
+    planner.Plan
+        Its predictions are recomputed by the simulator; ``solver``, ``budget_bytes`` and
+        ``solve_seconds`` are those saved; ``planning_seconds`` is the time ``load`` took.
+
+    Raises
+    ------
+    PlanningError
+        When the file is not a saved plan, was written by a newer format, was saved without
+        input shapes and no inputs are given, when the model is not in the mode (train or eval)
+        the plan was made in, or when the model's graph differs from the one the plan was made
+        for (the message names the first differing node).
+    """
+    data = read(path)
+    start_time = time.perf_counter()
+    recorded = data.get("capture") or {}
+    _check_mode(path, data, model, recorded.get("training"))
+    unmatched: list[str] = []
+    if leaf_modules is None:
+        leaf_modules = _leaf_classes(model, recorded.get("leaf_modules", ()))
+        found = {qualified_name(cls) for cls in leaf_modules}
+        unmatched = [name for name in recorded.get("leaf_modules", ()) if name not in found]
+    if example_inputs is None:
+        spec = data.get("inputs")
+        if spec is None:
+            raise PlanningError(
+                f"{path} was saved without the shapes of its example inputs: pass them, "
+                "planner.load(path, model, example_inputs, example_kwargs=...), as given to "
+                "planner.plan (or save with plan.save(path, example_inputs))"
+            )
+        example_inputs, example_kwargs = build_inputs(spec, model_device(model))
+
+    if bool(data.get("loss_fn", False)) != (loss_fn is not None):
+        raise PlanningError(
+            f"the plan in {path} was made "
+            + (
+                "with a loss_fn: pass the same one, planner.load(path, model, loss_fn=...)"
+                if loss_fn is None
+                else "without a loss_fn: load it without one"
+            )
+        )
+    captured, problem = prepare(
+        model,
+        example_inputs,
+        example_kwargs,
+        cost_model=cost_model,
+        optimizer_state_bytes=int(data.get("optimizer_state_bytes", 0)),
+        leaf_modules=leaf_modules,
+        loss_fn=loss_fn,
+    )
+    problem = dataclasses.replace(
+        problem, optimizer_step_bytes=int(data.get("optimizer_step_bytes", 0))
+    )
+    graph = data["graph"]
+    if fingerprint(problem) != graph.get("fingerprint"):
+        raise PlanningError(
+            f"the plan in {path} was made for another graph ({data.get('model', '?')}, "
+            f"{graph.get('nodes', '?')} nodes; this {type(model).__name__} captures to "
+            f"{problem.size} nodes): "
+            + _first_difference(graph.get("signature", []), graph_signature(problem))
+            + ". A plan applies only to the model and input shapes it was made for; "
+            "make a new one with planner.plan(model, example_inputs, budget_gb=...)."
+            + _unrecorded_options_hint(model, recorded)
+            + _unmatched_leaf_hint(unmatched)
+        )
+
+    segments = []
+    for entry in data["segments"]:
+        begin, stop = int(entry["start"]), int(entry["stop"])
+        if not (0 <= begin < stop <= problem.size) or (
+            problem.names[begin],
+            problem.names[stop - 1],
+        ) != (entry.get("first"), entry.get("last")):
+            raise PlanningError(
+                f"segment {entry} of {path} does not name the nodes at its positions; the file "
+                "was edited or corrupted"
+            )
+        segments.append((begin, stop))
+    keep = []
+    for entry in data.get("keep", []):  # versions 1 and 2 keep nothing
+        position = entry.get("position") if isinstance(entry, dict) else None
+        if not (
+            isinstance(position, int)
+            and 0 <= position < problem.size
+            and problem.names[position] == entry.get("name")
+        ):
+            raise PlanningError(
+                f"kept node {entry} of {path} does not name the node at its position; the file "
+                "was edited or corrupted"
+            )
+        keep.append(position)
+    try:
+        choice = validate_choice(problem, Choice(tuple(segments), frozenset(keep)))
+    except ValueError as error:
+        raise PlanningError(f"{path}: {error}") from None
+
+    return assemble(
+        model,
+        captured,
+        problem,
+        choice,
+        solver=data["solver"],
+        budget_bytes=int(data["budget_bytes"]),
+        solve_seconds=float(data.get("timings", {}).get("solve_seconds", 0.0)),
+        started=start_time,
+        input_spec=data.get("inputs"),
+        leaf_modules=leaf_modules,
+    )

@@ -1,0 +1,52 @@
+"""What several solvers share: segments between cuts, and the one order of candidate plans."""
+
+from __future__ import annotations
+
+import numbers
+
+from planner.errors import short_repr
+from planner.problem import Problem
+from planner.simulate import Choice, Segments, Simulation, validate_choice, validate_segments
+
+
+def segments_between(problem: Problem, cuts) -> Segments:
+    """Checkpoint every valid segment between consecutive ``cuts`` (0 and n are added)."""
+    bounds = sorted({0, problem.size, *cuts})
+    return tuple((a, b) for a, b in zip(bounds, bounds[1:]) if problem.is_valid_segment(a, b))
+
+
+def rank(result: Simulation, budget_bytes: int) -> tuple[bool, float]:
+    """Sort key of candidate plans: those that fit first, by recompute time; then the rest,
+    by peak (so that, when nothing fits, the first is the one that comes closest)."""
+    fits = result.peak_bytes <= budget_bytes
+    return (not fits, result.recompute_seconds if fits else result.peak_bytes)
+
+
+def checked_result(name: str, result, problem: Problem) -> Segments | Choice:
+    """A solver's segments, sorted, as ints (or its ``Choice``, when it keeps nodes inside
+    them); a clear error naming the solver when they are not the ``(start, stop)`` pairs of int
+    positions every solver must return."""
+    if isinstance(result, Choice):
+        try:
+            choice = validate_choice(problem, result)
+        except ValueError as error:
+            raise ValueError(f"solver {name!r} returned an invalid plan: {error}") from None
+        return choice if choice.keep else choice.segments
+    try:
+        pairs = None if isinstance(result, (str, bytes)) else [tuple(pair) for pair in result]
+    except TypeError:  # not iterable, or items that are not
+        pairs = None
+    if pairs is None or not all(
+        len(pair) == 2
+        and all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in pair)
+        for pair in pairs
+    ):
+        raise TypeError(
+            f"solver {name!r} returned {short_repr(result)}; a solver must return a tuple of "
+            "(start, stop) pairs of int positions, the half-open segments to checkpoint "
+            "(() for none)"
+        )
+    try:
+        return validate_segments(problem, pairs)
+    except ValueError as error:
+        raise ValueError(f"solver {name!r} returned an invalid plan: {error}") from None
