@@ -251,7 +251,7 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
                 segments=len(choice.segments),
                 kept=len(choice.keep),
                 predicted_peak_bytes=int(sim.peak_bytes),
-                predicted_overhead=sim.recompute_seconds / (3 * float(problem.seconds.sum())),
+                predicted_overhead=sim.recompute_seconds / problem.step_seconds,
             )
             if sim.peak_bytes > budget:
                 row["status"] = "infeasible"

@@ -121,7 +121,7 @@ def run_family(family: str, sizes: list[int], fraction: float, cap: float) -> li
                 continue
             last[name] = (problem.size, seconds)
             result = simulate(problem, segments)
-            step = 3 * float(problem.seconds.sum())
+            step = problem.step_seconds
             rows.append(
                 {
                     **row,

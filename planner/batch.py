@@ -15,7 +15,6 @@ are planned and simulated on a problem that says so (:func:`accumulation_problem
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -25,12 +24,13 @@ from torch.utils._pytree import tree_leaves
 
 from planner.capture import Captured
 from planner.costs import CostModel
-from planner.errors import PlanningError
+from planner.errors import PlanningError, positive_int
 from planner.pipeline import assemble, budget_in_bytes, prepare
 from planner.plans import Plan
 from planner.problem import Problem
 from planner.simulate import Choice, Segments, Simulation, as_choice, simulate
 from planner.solvers.auto import choose, lowest_peak
+from planner.units import mib
 
 __all__ = ["BatchOption", "BatchPlan", "accumulation_problem", "plan_batch"]
 
@@ -94,8 +94,8 @@ class BatchPlan:
             f"BatchPlan: global batch {self.global_batch}{ranks} = {self.steps} x micro-batch "
             f"{self.micro_batch}, {len(self.plan.segments)} checkpointed segments "
             f"(solver {self.plan.solver})",
-            f"  budget          {_mib(self.budget_bytes):>12}",
-            f"  predicted peak  {_mib(self.predicted_peak_bytes):>12}",
+            f"  budget          {mib(self.budget_bytes):>12}",
+            f"  predicted peak  {mib(self.predicted_peak_bytes):>12}",
             f"  predicted time  {_seconds(self.predicted_seconds):>12}   per global batch "
             "(cost model)",
             f"  planning time   {self.planning_seconds:>10.2f} s",
@@ -104,7 +104,7 @@ class BatchPlan:
         ]
         for o in self.alternatives:
             evaluated = o.predicted_peak_bytes is not None
-            peak = _mib(o.predicted_peak_bytes) if o.predicted_peak_bytes is not None else "-"
+            peak = mib(o.predicted_peak_bytes) if o.predicted_peak_bytes is not None else "-"
             seconds = _seconds(o.predicted_seconds) if o.predicted_seconds is not None else "-"
             recompute = f"{o.recompute_fraction:.1%}" if evaluated else "-"
             lines.append(
@@ -116,10 +116,6 @@ class BatchPlan:
         return "\n".join(lines)
 
     __repr__ = __str__
-
-
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def _seconds(seconds: float) -> str:
@@ -140,16 +136,10 @@ def accumulation_problem(problem: Problem) -> Problem:
     )
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def _candidates(per_rank: int, micro_batches) -> list[int]:
     if micro_batches is None:
         return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
-    sizes = sorted({_positive_int("each of micro_batches", m) for m in micro_batches})
+    sizes = sorted({positive_int("each of micro_batches", m) for m in micro_batches})
     if not sizes:
         raise ValueError("micro_batches is empty: give at least one micro-batch size")
     bad = [m for m in sizes if per_rank % m]
@@ -282,8 +272,8 @@ def plan_batch(
     """
     start = time.perf_counter()
     budget = budget_in_bytes(budget_gb, budget_bytes)
-    global_batch = _positive_int("global_batch", global_batch)
-    world_size = _positive_int("world_size", world_size)
+    global_batch = positive_int("global_batch", global_batch)
+    world_size = positive_int("world_size", world_size)
     if not callable(make_inputs):
         raise ValueError(
             f"make_inputs must be a function of the batch size returning example inputs, got "
@@ -349,7 +339,7 @@ def plan_batch(
         name, segments = choose(problem, budget, solver)
         solve_seconds = time.perf_counter() - solve_start
         result = simulate(problem, segments)
-        step_seconds = 3 * float(problem.seconds.sum())
+        step_seconds = problem.step_seconds
         fits = result.peak_bytes <= budget
         note = ""
         if not fits:
@@ -357,11 +347,11 @@ def plan_batch(
             if smallest_minimum is None:
                 smallest_minimum = (m, steps, minimum.peak_bytes)
             if minimum.peak_bytes > budget:
-                note = f"needs at least {_mib(minimum.peak_bytes)}"
+                note = f"needs at least {mib(minimum.peak_bytes)}"
                 if steps > 1:
                     too_big = m
             else:
-                note = f"solver {name} found no fit (lowest {_mib(minimum.peak_bytes)})"
+                note = f"solver {name} found no fit (lowest {mib(minimum.peak_bytes)})"
         seconds = steps * (step_seconds + result.recompute_seconds)
         option = BatchOption(
             micro_batch=m,
@@ -384,9 +374,9 @@ def plan_batch(
         assert smallest_minimum is not None
         m, steps, needed = smallest_minimum
         raise PlanningError(
-            f"no micro-batch size fits a budget of {_mib(budget)} ({budget} bytes): the "
+            f"no micro-batch size fits a budget of {mib(budget)} ({budget} bytes): the "
             f"smallest, micro-batch {m} ({steps} accumulation steps), needs at least "
-            f"{_mib(needed)} ({needed} bytes) even with maximal recompute. Raise the budget to "
+            f"{mib(needed)} ({needed} bytes) even with maximal recompute. Raise the budget to "
             f"at least budget_bytes={needed}"
             + (", or try smaller micro-batches." if m > 1 else ", or shard the model (FSDP).")
         )

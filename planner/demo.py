@@ -17,10 +17,7 @@ import planner
 from planner.pipeline import prepare
 from planner.simulate import simulate
 from planner.step import peak_memory, training_step
-
-
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:8.2f} MiB"
+from planner.units import mib
 
 
 def main(argv=None) -> int:
@@ -72,22 +69,21 @@ def main(argv=None) -> int:
     measured_plan = peak_memory(plan.module, inputs)
     print("\npeak memory of one training step (CPU live-storage tracker):")
     print(
-        f"  baseline  predicted {_mib(plan.baseline_peak_bytes)}  "
-        f"measured {_mib(measured_baseline)}"
+        f"  baseline  predicted {mib(plan.baseline_peak_bytes)}  measured {mib(measured_baseline)}"
     )
     print(
-        f"  planned   predicted {_mib(plan.predicted_peak_bytes)}  measured "
-        f"{_mib(measured_plan.peak_bytes)}  "
+        f"  planned   predicted {mib(plan.predicted_peak_bytes)}  measured "
+        f"{mib(measured_plan.peak_bytes)}  "
         f"(prediction error {plan.predicted_peak_bytes / measured_plan.peak_bytes - 1:+.1%})"
     )
     print(
-        f"  activation peak     {_mib(measured_baseline - unavoidable)} -> "
-        f"{_mib(measured_plan.peak_bytes - unavoidable)} "
+        f"  activation peak     {mib(measured_baseline - unavoidable)} -> "
+        f"{mib(measured_plan.peak_bytes - unavoidable)} "
         f"({1 - (measured_plan.peak_bytes - unavoidable) / (measured_baseline - unavoidable):.0%}"
         " lower)"
     )
     fits = measured_plan.peak_bytes <= budget
-    print(f"  budget    {_mib(budget)}  ({'fits' if fits else 'EXCEEDED'})")
+    print(f"  budget    {mib(budget)}  ({'fits' if fits else 'EXCEEDED'})")
     return 0 if identical and fits else 1
 
 

@@ -1,4 +1,7 @@
-"""The one exception type the planner raises for problems a user can act on."""
+"""The one exception type the planner raises for problems a user can act on, and the helpers
+that word its checks of bad input."""
+
+import numbers
 
 
 class PlanningError(RuntimeError):
@@ -11,3 +14,10 @@ def short_repr(value) -> str:
     if len(text) <= 60:
         return f"{kind} {text}"
     return f"a {kind}" + (f" of {len(value)} items" if hasattr(value, "__len__") else "")
+
+
+def positive_int(name: str, value) -> int:
+    """``value`` as an int, or a ValueError naming ``name`` when it is not a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)

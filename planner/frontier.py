@@ -31,10 +31,10 @@ from planner.problem import Problem
 from planner.progress import bar
 from planner.simulate import as_choice, simulate
 from planner.solvers.auto import choose, lowest_peak
+from planner.units import MIB
+from planner.viz import plot_frontier
 
 __all__ = ["Frontier", "FrontierPoint", "frontier", "frontier_of"]
-
-MIB = 2**20
 
 
 def _decimals(nbytes) -> int:
@@ -75,7 +75,8 @@ class Frontier:
         """One plain dict per point (for ``pandas.DataFrame``, CSV or JSON)."""
         return [asdict(point) for point in self.points]
 
-    def _mib(self, nbytes: int) -> str:
+    def in_mib(self, nbytes: int) -> str:
+        """``nbytes`` in MiB, with as many decimals as tell this frontier's points apart."""
         sizes = [self.baseline_peak_bytes, self.lowest_peak_bytes]
         sizes += [b for p in self.points for b in (p.budget_bytes, p.peak_bytes)]
         return f"{nbytes / MIB:,.{_decimals(sizes)}f}"
@@ -83,14 +84,14 @@ class Frontier:
     def __str__(self) -> str:
         lines = [
             f"Frontier: {len(self.points)} budgets from the lowest peak "
-            f"{self._mib(self.lowest_peak_bytes)} MiB to the baseline "
-            f"{self._mib(self.baseline_peak_bytes)} MiB",
+            f"{self.in_mib(self.lowest_peak_bytes)} MiB to the baseline "
+            f"{self.in_mib(self.baseline_peak_bytes)} MiB",
             f"  {'budget MiB':>12} {'peak MiB':>12} {'recompute':>10} {'FLOPs':>10} "
             f"{'segments':>8}  solver",
         ]
         for p in self.points:
             lines.append(
-                f"  {self._mib(p.budget_bytes):>12} {self._mib(p.peak_bytes):>12} "
+                f"  {self.in_mib(p.budget_bytes):>12} {self.in_mib(p.peak_bytes):>12} "
                 f"{p.recompute_overhead:>10.1%} {p.recompute_flops:>10.3g} {p.segments:>8}  "
                 f"{p.solver}"
             )
@@ -99,84 +100,9 @@ class Frontier:
     __repr__ = __str__
 
     def plot(self, ax=None, path=None):
-        """Recompute overhead against peak memory, one marker per budget.
-
-        Each plan is drawn at its simulated peak, joined to the budget it was asked for (a
-        hollow tick) by a thin line: the gap is memory the budget allowed and the plan left
-        unused. The baseline (no checkpointing) and the lowest reachable peak are marked.
-
-        Parameters
-        ----------
-        ax : matplotlib Axes, optional
-            Draw into it instead of a new figure.
-        path : str or path-like, optional
-            Also write the figure there (PNG, SVG, PDF: by the extension).
-
-        Returns
-        -------
-        matplotlib.figure.Figure
-        """
-        from planner.viz import _BASELINE_COLOUR, _BUDGET_COLOUR, _PLAN_COLOUR, _axes, _finish
-
-        figure, ax, own_figure = _axes(ax, (8.0, 4.6))
-        peaks = np.array([p.peak_bytes for p in self.points]) / MIB
-        asked = np.array([p.budget_bytes for p in self.points]) / MIB
-        overhead = np.array([p.recompute_overhead for p in self.points]) * 100
-        for x0, x1, y in zip(peaks, asked, overhead):
-            ax.plot([x0, x1], [y, y], color=_BUDGET_COLOUR, lw=0.8, alpha=0.5)
-        ax.plot(
-            asked,
-            overhead,
-            ls="none",
-            marker="|",
-            ms=12,
-            mew=1.5,
-            color=_BUDGET_COLOUR,
-            label="budget asked",
-        )
-        ax.plot(
-            peaks,
-            overhead,
-            marker="o",
-            ms=6,
-            lw=1.8,
-            color=_PLAN_COLOUR,
-            label="plan (simulated peak)",
-        )
-        ax.axvline(self.lowest_peak_bytes / MIB, color=_BASELINE_COLOUR, ls=":", lw=1.0)
-        ax.annotate(
-            f"lowest peak\n{self._mib(self.lowest_peak_bytes)} MiB",
-            (self.lowest_peak_bytes / MIB, 1.0),
-            xycoords=("data", "axes fraction"),
-            xytext=(4, -4),
-            textcoords="offset points",
-            ha="left",
-            va="top",
-            fontsize=8,
-            color="#555555",
-        )
-        ax.plot(
-            [self.baseline_peak_bytes / MIB],
-            [0.0],
-            marker="*",
-            ms=15,
-            ls="none",
-            color=_BASELINE_COLOUR,
-            zorder=5,
-            label=f"no checkpointing ({self._mib(self.baseline_peak_bytes)} MiB)",
-        )
-        span = self.baseline_peak_bytes - self.lowest_peak_bytes
-        margin = max(span * 0.06, self.baseline_peak_bytes * 0.005) / MIB
-        ax.set_xlim(self.lowest_peak_bytes / MIB - margin, self.baseline_peak_bytes / MIB + margin)
-        ax.set_ylim(
-            -max(overhead.max(initial=0.0), 1.0) * 0.06, max(overhead.max(initial=0.0), 1.0) * 1.15
-        )
-        ax.set_xlabel("peak memory of a training step (MiB, parameters and gradients included)")
-        ax.set_ylabel("recompute overhead (% of a step)")
-        ax.set_title("Memory against recompute: the best plan at each budget", fontsize=10)
-        ax.grid(True, alpha=0.3)
-        ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
-        return _finish(figure, own_figure, path)
+        """Recompute overhead against peak memory, one marker per budget; see
+        ``planner.viz.plot_frontier``."""
+        return plot_frontier(self, ax=ax, path=path)
 
 
 def _budgets(lowest: int, baseline: int, points: int) -> list[int]:
@@ -221,7 +147,7 @@ def frontier_of(
         start = simulate(problem, choose(problem, lowest, solver, **options)[1]).peak_bytes
         budgets = _budgets(min(max(lowest, start), baseline), baseline, points)
     budgets = sorted(map(int, budgets))
-    step_seconds = 3 * float(problem.seconds.sum())
+    step_seconds = problem.step_seconds
     found: list[FrontierPoint] = []
     previous = None  # (simulation, segment count, solver) of the last point
     for budget in bar(budgets, total=len(budgets), desc="budgets"):

@@ -306,7 +306,7 @@ def assemble(
     choice = as_choice(segments)
     baseline = simulate(problem, ())
     result = simulate(problem, choice)
-    step_seconds = 3 * float(problem.seconds.sum())
+    step_seconds = problem.step_seconds
     return Plan(
         segments=choice.segments,
         keep=choice.keep,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch import fx
 
-from planner import serialize
+from planner import serialize, viz
 from planner.problem import Problem
 from planner.simulate import Choice, Segments, simulate
 from planner.units import mib
@@ -143,20 +143,14 @@ class Plan:
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        from planner import viz
-
         return viz.plan_html(self)
 
     def draw(self, path=None, ax=None, **options):
         """Draw the graph, segments coloured, boundaries highlighted; see planner.viz.draw."""
-        from planner import viz
-
         return viz.draw(self, path=path, ax=ax, **options)
 
     def plot_memory(self, measured=None, ax=None, **options):
         """Predicted memory over the step, baseline vs plan vs budget; see viz.plot_memory."""
-        from planner import viz
-
         return viz.plot_memory(self, measured, ax=ax, **options)
 
     def save(self, path, example_inputs=None, example_kwargs=None):

@@ -8,6 +8,7 @@ before ``c`` and read at or after it; the sum of those is the cut's boundary byt
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -124,10 +125,18 @@ class Problem:
     # What optimizer.step() holds at once beyond parameters, gradients and state (temporaries).
     optimizer_step_bytes: int = 0
     has_loss: bool = False  # the last position is the user's loss_fn, outside the module
+    # The module (``"blocks.3.attn"``) each node belongs to, for drawings; () when not known.
+    module_paths: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:
         return len(self.names)
+
+    @property
+    def step_seconds(self) -> float:
+        """A training step without checkpointing under the cost model: forward + backward,
+        taken as three forwards. Recompute overheads are fractions of it."""
+        return 3 * float(self.seconds.sum())
 
     @cached_property
     def storage_arrays(self) -> StorageArrays:
@@ -342,4 +351,70 @@ def build_problem(
         keepable=_keepable(created, writes, kept_bytes) & ~pinned,
         optimizer_step_bytes=optimizer_step_bytes,
         has_loss=profile.loss is not None,
+        module_paths=module_paths(nodes),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Module paths, recorded for the drawings
+
+
+def _normalise_path(path: str) -> str:
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"^L__self___?", "", path)
+    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    return path.strip(".")
+
+
+def _own_path(node) -> str | None:
+    stack = node.meta.get("nn_module_stack") if node is not None else None
+    if stack:
+        entry = list(stack.values())[-1]
+        path = entry[0] if isinstance(entry, tuple) else str(entry)
+        return _normalise_path(str(path))
+    if node is not None and node.op == "call_module":
+        return str(node.target)
+    return None
+
+
+def _common_prefix(a: str, b: str) -> str:
+    parts = []
+    for x, y in zip(a.split("."), b.split(".")):
+        if x != y:
+            break
+        parts.append(x)
+    return ".".join(parts)
+
+
+def module_paths(nodes: list[fx.Node]) -> tuple[str, ...]:
+    """The module path (``"blocks.3.attn"``; ``""`` for the top level) of every node.
+
+    Read from ``node.meta["nn_module_stack"]`` (``torch.export`` records it for every node,
+    ``symbolic_trace`` for calls of leaf modules) or a ``call_module`` target. A function node
+    without one (``symbolic_trace``) gets the common prefix of the modules called just before and
+    just after it: the ``matmul`` between ``attn.qkv`` and ``attn.proj`` belongs to ``attn``.
+    """
+    own = [_own_path(node) for node in nodes]
+    n = len(own)
+    before: list[str | None] = [None] * n
+    after: list[str | None] = [None] * n
+    last = None
+    for i in range(n):
+        last = own[i] if own[i] is not None else last
+        before[i] = last
+    last = None
+    for i in range(n - 1, -1, -1):
+        last = own[i] if own[i] is not None else last
+        after[i] = last
+    paths: list[str] = []
+    for i, path in enumerate(own):
+        if path is None:
+            a, b = before[i], after[i]
+            if a is not None and b is not None:
+                path = _common_prefix(a, b)
+            else:
+                path = ""
+        paths.append(path)
+    return tuple(paths)

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import numbers
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from planner.errors import positive_int
 
 __all__ = ["MicroBatch", "accumulation_windows", "micro_batches"]
 
@@ -119,12 +120,6 @@ def _check_reduction(reduction: str) -> None:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def batch_size(batch) -> int:
     """Samples in ``batch``: the common length of dimension 0 of its tensors (0-dim ones aside)."""
     sizes = {t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim()}
@@ -180,7 +175,7 @@ def _sync_control(model):
 def _averaging_ranks(model, data_parallel_size) -> int:
     """Ranks whose gradients the wrapper averages; a sum loss is scaled back up by this many."""
     if data_parallel_size is not None:
-        return _positive_int("data_parallel_size", data_parallel_size)
+        return positive_int("data_parallel_size", data_parallel_size)
     if _sync_control(model) is None or not torch.distributed.is_initialized():
         return 1
     return torch.distributed.get_world_size(getattr(model, "process_group", None))
@@ -248,7 +243,7 @@ def micro_batches(
     True
     """
     _check_reduction(reduction)
-    micro_batch = _positive_int("micro_batch", micro_batch)
+    micro_batch = positive_int("micro_batch", micro_batch)
     sync = _sync_control(model)
     return _window(
         _split(batch, micro_batch), sync, reduction, _averaging_ranks(model, data_parallel_size)
@@ -276,7 +271,7 @@ def accumulation_windows(
     Parameters are as in :func:`micro_batches`; ``steps`` is the number of micro-batches per window.
     """
     _check_reduction(reduction)
-    steps = _positive_int("steps", steps)
+    steps = positive_int("steps", steps)
     sync = _sync_control(model)
     sum_scale = _averaging_ranks(model, data_parallel_size)
     return _windows(iter(loader), steps, sync, reduction, sum_scale)

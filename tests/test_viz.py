@@ -7,6 +7,7 @@ import pytest
 
 import planner
 from planner import progress, viz
+from planner.units import mib
 
 pytest.importorskip("matplotlib")
 
@@ -54,7 +55,7 @@ def test_print_and_html_show_the_same_segment_rows():
             len(kept),
             sum(s.nbytes for s in kept),
         )
-        assert f"{row['input_tensors']} &middot; {viz._mib(row['input_bytes'])}" in page
+        assert f"{row['input_tensors']} &middot; {mib(row['input_bytes'])}" in page
         line = next(
             r
             for r in text.splitlines()
