@@ -4,41 +4,49 @@
 >>> model, inputs = planner.zoo.gpt()
 >>> p = planner.plan(model, inputs, budget_gb=0.05)   # doctest: +SKIP
 >>> loss = p.module(*inputs); loss.backward()          # doctest: +SKIP
+
+``__all__`` is what a user plans with, then the advanced tier for planning by hand, one capture
+for many solves: ``prepare``, ``Problem``, ``frontier_of`` and ``Simulation`` (with
+``planner.simulate.simulate``, which keeps its module's name). The example models
+(``planner.zoo``) and the solver registry (``planner.solvers``) are submodules.
 """
 
-from planner import zoo
+# Submodules reachable as attributes after `import planner` (planner.zoo.gpt()).
+from planner import solvers as solvers
+from planner import zoo as zoo
 from planner.batch import BatchOption, BatchPlan, plan_batch
 from planner.costs import CostModel
 from planner.errors import PlanningError
 from planner.frontier import Frontier, frontier, frontier_of
-from planner.pipeline import plan
+from planner.options import CaptureOptions
+from planner.pipeline import plan, prepare
 from planner.plans import Plan
 from planner.problem import Problem
 from planner.restore import load
 from planner.simulate import Simulation
-from planner.solvers import SOLVERS, register
 from planner.training import MicroBatch, accumulation_windows, micro_batches
 
 __version__ = "0.1.0"  # the one source of the version: pyproject.toml reads it
 
 __all__ = [
-    "accumulation_windows",
-    "BatchOption",
-    "BatchPlan",
-    "CostModel",
-    "Frontier",
-    "frontier",
-    "frontier_of",
-    "load",
-    "micro_batches",
-    "MicroBatch",
-    "Plan",
+    # Planning
     "plan",
-    "plan_batch",
+    "Plan",
     "PlanningError",
-    "Problem",
-    "register",
+    "load",
+    "CaptureOptions",
+    "CostModel",
+    "frontier",
+    "Frontier",
+    "plan_batch",
+    "BatchPlan",
+    "BatchOption",
+    "micro_batches",
+    "accumulation_windows",
+    "MicroBatch",
+    # Advanced: planning by hand
+    "prepare",
     "Simulation",
-    "SOLVERS",
-    "zoo",
+    "Problem",
+    "frontier_of",
 ]

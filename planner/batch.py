@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 from planner.capture import Captured
 from planner.costs import CostModel
 from planner.errors import PlanningError, positive_int
+from planner.options import CaptureOptions
 from planner.pipeline import assemble, budget_in_bytes, prepare
 from planner.plans import Plan
 from planner.problem import Problem
@@ -205,6 +206,7 @@ def plan_batch(
     optimizer_state_bytes: int | None = None,
     cost_model: CostModel | None = None,
     leaf_modules: tuple = (),
+    dynamic_shapes: bool = False,
     make_loss_fn=None,
     optimizer=None,
 ) -> BatchPlan:
@@ -239,7 +241,7 @@ def plan_batch(
         prediction is per rank and leaves out communication.
     micro_batches
         Candidate micro-batch sizes, each dividing the per-rank batch (default: all divisors).
-    solver, optimizer_state_bytes, cost_model, leaf_modules, optimizer
+    solver, optimizer_state_bytes, cost_model, leaf_modules, dynamic_shapes, optimizer
         As in :func:`planner.plan`.
     make_loss_fn
         ``make_loss_fn(batch_size)`` returns the ``loss_fn`` (see :func:`planner.plan`) for a
@@ -274,6 +276,7 @@ def plan_batch(
     budget = budget_in_bytes(budget_gb, budget_bytes)
     global_batch = positive_int("global_batch", global_batch)
     world_size = positive_int("world_size", world_size)
+    capture_options = CaptureOptions(leaf_modules, dynamic_shapes)
     if not callable(make_inputs):
         raise ValueError(
             f"make_inputs must be a function of the batch size returning example inputs, got "
@@ -329,7 +332,7 @@ def plan_batch(
             inputs,
             cost_model=cost_model,
             optimizer_state_bytes=optimizer_state_bytes,
-            leaf_modules=leaf_modules,
+            capture_options=capture_options,
             loss_fn=None if make_loss_fn is None else make_loss_fn(m),
             optimizer=optimizer,
         )
@@ -390,7 +393,7 @@ def plan_batch(
         budget_bytes=budget,
         solve_seconds=solve_seconds,
         started=start,
-        leaf_modules=leaf_modules,
+        capture_options=capture_options,
     )
     options = [
         dataclasses.replace(o, note="chosen" + (f"; {o.note}" if o.note else ""))

@@ -26,6 +26,7 @@ import numpy as np
 
 from planner.costs import CostModel
 from planner.errors import PlanningError
+from planner.options import CaptureOptions
 from planner.pipeline import prepare
 from planner.problem import Problem
 from planner.progress import bar
@@ -189,6 +190,7 @@ def frontier(
     optimizer_state_bytes: int | None = None,
     cost_model: CostModel | None = None,
     leaf_modules: tuple = (),
+    dynamic_shapes: bool = False,
     loss_fn=None,
     optimizer=None,
 ) -> Frontier:
@@ -201,7 +203,7 @@ def frontier(
     Parameters
     ----------
     model, example_inputs, example_kwargs, optimizer_state_bytes, cost_model, leaf_modules,
-    loss_fn, optimizer
+    dynamic_shapes, loss_fn, optimizer
         As for ``planner.plan``.
     budgets
         Budgets in bytes; default: ``points`` budgets evenly spaced from the lowest peak found
@@ -230,7 +232,7 @@ def frontier(
         example_kwargs,
         cost_model=cost_model,
         optimizer_state_bytes=optimizer_state_bytes,
-        leaf_modules=leaf_modules,
+        capture_options=CaptureOptions(leaf_modules, dynamic_shapes),
         loss_fn=loss_fn,
         optimizer=optimizer,
     )

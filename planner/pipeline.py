@@ -12,10 +12,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from planner.capture import capture, module_classes
+from planner.capture import capture
 from planner.costs import CostModel
 from planner.errors import PlanningError, short_repr
 from planner.optimizer import optimizer_memory
+from planner.options import CaptureOptions
 from planner.plans import Plan
 from planner.problem import Problem, build_problem
 from planner.profile import profile
@@ -135,17 +136,25 @@ def prepare(
     *,
     cost_model: CostModel | None = None,
     optimizer_state_bytes: int | None = None,
-    leaf_modules: tuple = (),
-    dynamic_shapes: bool = False,
+    capture_options: CaptureOptions | None = None,
     loss_fn=None,
     optimizer=None,
 ):
-    """Capture, profile and analyse once: (captured, Problem). Reused by sweeps over budgets."""
+    """Capture, profile and analyse once: (captured, Problem). Reused by sweeps over budgets.
+
+    ``capture_options`` (default ``CaptureOptions()``) decide the captured graph; the other
+    arguments are as for ``plan``.
+    """
+    options = capture_options or CaptureOptions()
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = _keyword_arguments(example_kwargs)
     _check_model(model, args, kwargs)
     captured = capture(
-        model, args, kwargs, leaf_modules=leaf_modules, dynamic_shapes=dynamic_shapes
+        model,
+        args,
+        kwargs,
+        leaf_modules=options.leaf_modules,
+        dynamic_shapes=options.dynamic_shapes,
     )
     # The planned module checks that calls pass these again (see planner.rewrite).
     captured.graph_module.meta["planner.tensor_arguments"] = tensor_arguments(model, args, kwargs)
@@ -240,6 +249,7 @@ def plan(
     True
     """
     budget = budget_in_bytes(budget_gb, budget_bytes)
+    options = CaptureOptions(leaf_modules, dynamic_shapes)
     start = time.perf_counter()
     captured, problem = prepare(
         model,
@@ -247,8 +257,7 @@ def plan(
         example_kwargs,
         cost_model=cost_model,
         optimizer_state_bytes=optimizer_state_bytes,
-        leaf_modules=leaf_modules,
-        dynamic_shapes=dynamic_shapes,
+        capture_options=options,
         loss_fn=loss_fn,
         optimizer=optimizer,
     )
@@ -284,7 +293,7 @@ def plan(
         solve_seconds=solve_seconds,
         started=start,
         input_spec=input_spec(example_inputs, example_kwargs),
-        leaf_modules=leaf_modules,
+        capture_options=options,
     )
 
 
@@ -299,7 +308,7 @@ def assemble(
     solve_seconds: float,
     started: float,
     input_spec: dict | None = None,
-    leaf_modules: tuple = (),
+    capture_options: CaptureOptions | None = None,
 ) -> Plan:
     """Simulate, rewrite and package a choice (segments, or a ``Choice``; shared by plan, load
     and plan_batch)."""
@@ -322,6 +331,6 @@ def assemble(
         module=rewrite(captured.graph_module, model, choice),
         problem=problem,
         input_spec=input_spec,
-        leaf_modules=module_classes(leaf_modules),
+        capture_options=capture_options or CaptureOptions(),
         training=model.training,
     )

@@ -8,6 +8,7 @@ import numpy as np
 from torch import fx
 
 from planner import serialize, viz
+from planner.options import CaptureOptions
 from planner.problem import Problem
 from planner.simulate import Choice, Segments, simulate
 from planner.units import mib
@@ -21,7 +22,7 @@ class Plan:
     and ``state_dict`` keys). Peaks are bytes of the whole training step (parameters, gradients,
     optimizer state when given, activations, working memory); ``predicted_overhead`` is the
     recompute time as a fraction of a step without checkpointing (forward + backward, taken as
-    three forwards), under the cost model. ``leaf_modules`` and ``training`` record how the
+    three forwards), under the cost model. ``capture_options`` and ``training`` record how the
     model was captured (``save`` writes them, so that ``load`` captures it the same way).
     """
 
@@ -38,7 +39,7 @@ class Plan:
     module: fx.GraphModule = field(repr=False, compare=False)
     problem: Problem = field(repr=False, compare=False)
     input_spec: dict | None = field(default=None, repr=False, compare=False)
-    leaf_modules: tuple = field(default=(), repr=False, compare=False)
+    capture_options: CaptureOptions = field(default=CaptureOptions(), repr=False, compare=False)
     training: bool = field(default=True, repr=False, compare=False)
 
     keep: frozenset[int] = frozenset()  # positions of kept nodes inside segments

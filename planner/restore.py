@@ -15,6 +15,7 @@ import time
 from torch import nn
 
 from planner.errors import PlanningError
+from planner.options import CaptureOptions
 from planner.pipeline import assemble, prepare
 from planner.serialize import (
     build_inputs,
@@ -104,6 +105,7 @@ def load(
     *,
     cost_model=None,
     leaf_modules=None,
+    dynamic_shapes=None,
     loss_fn=None,
 ):
     """Apply a saved plan to ``model``: capture, profile, check, rewrite; no solving.
@@ -125,6 +127,9 @@ def load(
         As given to ``planner.plan``. By default the classes the file records (by qualified
         name) among the classes of ``model``'s modules; needed only for files of format
         version 1, which did not record them.
+    dynamic_shapes : bool, optional
+        As given to ``planner.plan``; by default what the file records (false when it records
+        nothing). With ``leaf_modules``, the ``CaptureOptions`` the model is captured with.
     loss_fn : callable, optional
         The loss the plan was made with (``planner.plan(..., loss_fn=)``), needed again to
         predict the step's memory; plans made without one must be loaded without one.
@@ -152,6 +157,9 @@ def load(
         leaf_modules = _leaf_classes(model, recorded.get("leaf_modules", ()))
         found = {qualified_name(cls) for cls in leaf_modules}
         unmatched = [name for name in recorded.get("leaf_modules", ()) if name not in found]
+    if dynamic_shapes is None:
+        dynamic_shapes = bool(recorded.get("dynamic_shapes", False))
+    options = CaptureOptions(leaf_modules, dynamic_shapes)
     if example_inputs is None:
         spec = data.get("inputs")
         if spec is None:
@@ -177,7 +185,7 @@ def load(
         example_kwargs,
         cost_model=cost_model,
         optimizer_state_bytes=int(data.get("optimizer_state_bytes", 0)),
-        leaf_modules=leaf_modules,
+        capture_options=options,
         loss_fn=loss_fn,
     )
     problem = dataclasses.replace(
@@ -236,5 +244,5 @@ def load(
         solve_seconds=float(data.get("timings", {}).get("solve_seconds", 0.0)),
         started=start_time,
         input_spec=data.get("inputs"),
-        leaf_modules=leaf_modules,
+        capture_options=options,
     )

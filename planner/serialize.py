@@ -6,7 +6,8 @@ A saved plan is a small JSON document (format ``"planner.plan"``, ``"version": 3
       "format": "planner.plan", "version": 3,
       "planner_version": "0.1.0", "torch_version": "2.13.0", "model": "GPTWithLoss",
       "solver": "auto:greedy", "capture_method": "symbolic_trace",
-      "capture": {"training": true, "leaf_modules": ["planner.zoo._GPTBlock"]},
+      "capture": {"training": true, "leaf_modules": ["planner.zoo._GPTBlock"],
+                  "dynamic_shapes": false},
       "budget_bytes": 12582912, "optimizer_state_bytes": 0,
       "segments": [{"start": 12, "stop": 24, "first": "blocks_0_attn_qkv", "last": "softmax"}],
       "keep": [{"position": 12, "name": "blocks_0_attn_qkv"}],
@@ -27,7 +28,8 @@ load, as plans that keep nothing. The fingerprint hashes, for every compute node
 name, its operation (``call_module`` target, method or function) and the sizes the
 profile derived from its tensor shapes (bytes created, bytes moved, FLOPs), plus the fixed and
 parameter bytes. ``capture`` records what else decides the captured graph: the model's mode
-(train or eval) and ``leaf_modules`` (qualified class names). ``inputs`` records how the example
+(train or eval) and the ``CaptureOptions``: ``leaf_modules`` (qualified class names) and
+``dynamic_shapes`` (absent in older files: false). ``inputs`` records how the example
 inputs alias: a tensor given again is ``"same"`` as its first occurrence, and a tensor that shares
 its storage with another input, or does not fill its own (a slice, an expanded view), also
 records ``storage`` (a number shared by the tensors of one storage), ``storage_bytes``,
@@ -304,7 +306,8 @@ def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
         "capture_method": plan.capture_method,
         "capture": {
             "training": bool(plan.training),
-            "leaf_modules": [qualified_name(c) for c in plan.leaf_modules],
+            "leaf_modules": [qualified_name(c) for c in plan.capture_options.leaf_modules],
+            "dynamic_shapes": plan.capture_options.dynamic_shapes,
         },
         "budget_bytes": int(plan.budget_bytes),
         "optimizer_state_bytes": int(problem.optimizer_state_bytes),

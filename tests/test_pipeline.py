@@ -315,7 +315,7 @@ def test_auto_leaves_optimal_out_on_graphs_too_large_for_it(monkeypatch):
 
     budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
     monkeypatch.setattr(planner.solvers.auto, "AUTO_OPTIMAL_MAX_NODES", problem.size - 1)
-    monkeypatch.setitem(planner.SOLVERS, "optimal", too_slow)
+    monkeypatch.setitem(planner.solvers.SOLVERS, "optimal", too_slow)
     name, _ = planner.solvers.auto.choose(problem, budget, "auto")
     assert name in ("auto:greedy", "auto:sqrt_n", "auto:lowest_peak")
 
@@ -340,13 +340,13 @@ def test_auto_gives_optimal_a_time_limit_and_still_returns_a_plan_that_fits(monk
     _, problem = prepare(model, inputs)
     budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
     limits = []
-    optimal = planner.SOLVERS["optimal"]
+    optimal = planner.solvers.SOLVERS["optimal"]
 
     def recording(problem, budget_bytes, **options):
         limits.append(options.get("time_limit"))
         return optimal(problem, budget_bytes, **options)
 
-    monkeypatch.setitem(planner.SOLVERS, "optimal", recording)
+    monkeypatch.setitem(planner.solvers.SOLVERS, "optimal", recording)
     monkeypatch.setattr(planner.solvers.auto, "AUTO_OPTIMAL_SECONDS", 0.0)
     _, segments = planner.solvers.auto.choose(problem, budget, "auto")
     assert limits == [0.0]

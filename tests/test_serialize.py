@@ -1,5 +1,6 @@
 """Saved plans: JSON round trip, fingerprint checks, no re-solving."""
 
+import dataclasses
 import json
 
 import pytest
@@ -296,7 +297,7 @@ def test_a_plan_made_with_leaf_modules_loads(tmp_path):
         f"{block.__module__}.{block.__qualname__}"
     ]
     loaded = planner.load(path, model)
-    assert loaded.segments == plan.segments and loaded.leaf_modules == (block,)
+    assert loaded.segments == plan.segments and loaded.capture_options.leaf_modules == (block,)
     assert serialize.fingerprint(loaded) == serialize.fingerprint(plan)
 
     old = _without_capture_record(path)  # a version 1 file: leaf_modules must be given
@@ -326,7 +327,9 @@ def test_frontier_takes_leaf_modules():
     model, inputs = small_gpt()
     block = type(model.blocks[0])
     whole = planner.frontier(model, inputs, points=2, leaf_modules=(block,))
-    _, problem = planner.pipeline.prepare(model, inputs, leaf_modules=(block,))
+    _, problem = planner.pipeline.prepare(
+        model, inputs, capture_options=planner.CaptureOptions(leaf_modules=(block,))
+    )
     assert whole.lowest_peak_bytes == planner.solvers.auto.lowest_peak(problem).peak_bytes
     inlined = planner.frontier(model, inputs, points=2)
     assert whole.lowest_peak_bytes > inlined.lowest_peak_bytes  # blocks cannot be cut inside
@@ -352,7 +355,7 @@ def test_every_option_that_changes_the_graph_survives_save_and_load(option, tmp_
     assert serialize.fingerprint(loaded) == serialize.fingerprint(plan)
     assert loaded.segments == plan.segments
     assert loaded.predicted_peak_bytes == plan.predicted_peak_bytes
-    assert loaded.leaf_modules == plan.leaf_modules
+    assert loaded.capture_options == plan.capture_options
 
 
 def test_eval_mode_is_recorded_and_a_mismatch_says_what_to_do(tmp_path):
@@ -448,3 +451,42 @@ def test_a_kept_node_that_does_not_match_the_graph_is_refused(saved, tmp_path):
     edited.write_text(json.dumps(data))
     with pytest.raises(PlanningError, match=r"kept node .* does not name the node"):
         planner.load(edited, small_gpt(seed=3)[0])
+
+
+CAPTURE_OPTIONS = {
+    "leaf_modules": lambda model: planner.CaptureOptions(leaf_modules=(type(model.blocks[0]),)),
+    "dynamic_shapes": lambda model: planner.CaptureOptions(dynamic_shapes=True),
+}
+CAPTURE_MODELS = {
+    "leaf_modules": lambda: small_gpt(),
+    "dynamic_shapes": lambda: planner.zoo.untraceable_mlp(),  # captured by torch.export
+}
+
+
+def test_every_capture_option_has_a_save_and_load_test():
+    assert {f.name for f in dataclasses.fields(planner.CaptureOptions)} == set(CAPTURE_OPTIONS)
+
+
+@pytest.mark.parametrize("option", sorted(CAPTURE_OPTIONS))
+def test_every_capture_option_changes_the_graph_and_survives_save_and_load(option, tmp_path):
+    model, inputs = CAPTURE_MODELS[option]()
+    options = CAPTURE_OPTIONS[option](model)
+    plain = planner.plan(model, inputs, budget_gb=1, solver="sqrt_n")
+    plan = planner.plan(model, inputs, budget_gb=1, solver="sqrt_n", **dataclasses.asdict(options))
+    assert serialize.fingerprint(plan) != serialize.fingerprint(plain)  # the option matters
+    assert plan.capture_options == options
+    loaded = planner.load(plan.save(tmp_path / "plan.json"), model)  # no option repeated
+    assert loaded.capture_options == options
+    assert serialize.fingerprint(loaded) == serialize.fingerprint(plan)
+    assert loaded.segments == plan.segments
+
+
+def test_a_file_from_before_dynamic_shapes_was_recorded_loads(saved, tmp_path):
+    plan, path, _ = saved
+    data = json.loads(path.read_text())
+    del data["capture"]["dynamic_shapes"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    loaded = planner.load(old, small_gpt(seed=3)[0])
+    assert loaded.segments == plan.segments
+    assert loaded.capture_options == planner.CaptureOptions()
