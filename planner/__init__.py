@@ -25,8 +25,7 @@ from planner.problem import Problem
 from planner.restore import load
 from planner.simulate import Simulation
 from planner.training import MicroBatch, accumulation_windows, micro_batches
-
-__version__ = "0.1.0"  # the one source of the version: pyproject.toml reads it
+from planner.version import __version__ as __version__
 
 __all__ = [
     # Planning

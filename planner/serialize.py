@@ -46,6 +46,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from planner.errors import PlanningError
+from planner.version import __version__
 
 __all__ = [
     "FORMAT",
@@ -299,7 +300,7 @@ def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
     return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
-        "planner_version": _planner_version(),
+        "planner_version": __version__,
         "torch_version": torch.__version__.split("+")[0],
         "model": model_name(plan),
         "solver": str(plan.solver),
@@ -337,14 +338,6 @@ def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
 
 def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _planner_version() -> str:
-    # Imported here: planner/__init__.py imports this module. Not the installed metadata: a
-    # source checkout has none, and the index's unrelated "planner" distribution may be there.
-    from planner import __version__
-
-    return __version__
 
 
 def save(plan, path, example_inputs=None, example_kwargs=None) -> Path:

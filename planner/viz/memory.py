@@ -239,7 +239,7 @@ def plot_frontier(frontier, ax=None, path=None):
     )
     ax.axvline(frontier.lowest_peak_bytes / MIB, color=BASELINE_COLOUR, ls=":", lw=1.0)
     ax.annotate(
-        f"lowest peak\n{frontier._mib(frontier.lowest_peak_bytes)} MiB",
+        f"lowest peak\n{frontier.in_mib(frontier.lowest_peak_bytes)} MiB",
         (frontier.lowest_peak_bytes / MIB, 1.0),
         xycoords=("data", "axes fraction"),
         xytext=(4, -4),
@@ -257,7 +257,7 @@ def plot_frontier(frontier, ax=None, path=None):
         ls="none",
         color=BASELINE_COLOUR,
         zorder=5,
-        label=f"no checkpointing ({frontier._mib(frontier.baseline_peak_bytes)} MiB)",
+        label=f"no checkpointing ({frontier.in_mib(frontier.baseline_peak_bytes)} MiB)",
     )
     span = frontier.baseline_peak_bytes - frontier.lowest_peak_bytes
     margin = max(span * 0.06, frontier.baseline_peak_bytes * 0.005) / MIB
