@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # One capture at a time; every patch acts only in the capturing thread (``_capturing``) and
 # behaves as the original in every other thread.
 _CAPTURE_LOCK = threading.RLock()
-# Per thread: .active (capturing), .tracer (the _Tracer while fx traces), .exporting (the
+# Per thread: .active (capturing), .tracer (the LeafTracer while fx traces), .exporting (the
 # _ExportedRegions while torch.export captures), .depth (inside a patched context manager).
 _capturing = threading.local()
 
@@ -566,7 +566,7 @@ def _recording_regions():
             setattr(cls, name, original)
 
 
-class _Tracer(fx.Tracer):
+class LeafTracer(fx.Tracer):
     """``symbolic_trace``'s tracer, also keeping instances of ``leaf_modules`` as single nodes."""
 
     def __init__(self, leaf_modules: tuple[type, ...]):
@@ -628,7 +628,7 @@ class _Tracer(fx.Tracer):
 
 def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> fx.GraphModule:
     concrete = _non_tensor_arguments(model, args, kwargs)
-    tracer = _Tracer(leaf_modules)
+    tracer = LeafTracer(leaf_modules)
     grad_enabled = torch.is_grad_enabled()
     _capturing.tracer = tracer
     try:

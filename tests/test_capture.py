@@ -12,7 +12,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
 import planner
-from planner.capture import _Tracer
+from planner.capture import LeafTracer
 
 
 class ReplacesItsBuffer(nn.Module):
@@ -43,7 +43,7 @@ def traced(tracer: fx.Tracer) -> tuple[list, list]:
 
 def test_the_graph_is_the_one_fx_makes_even_when_forward_replaces_a_buffer():
     fx_attributes, fx_output = traced(fx.Tracer())
-    attributes, output = traced(_Tracer(()))
+    attributes, output = traced(LeafTracer(()))
     assert attributes == fx_attributes
     assert output == fx_output
     assert "b" in attributes and any(a.startswith("_tensor_constant") for a in attributes)

@@ -53,6 +53,7 @@ def test_runs_from_the_lowest_peak_to_the_baseline(swept, problem):
 
 def test_overhead_is_recompute_over_three_forwards(swept, problem):
     step = 3 * float(problem.seconds.sum())
+    assert problem.step_seconds == pytest.approx(step)
     for point in swept.points:
         assert point.recompute_overhead == pytest.approx(point.recompute_seconds / step)
 

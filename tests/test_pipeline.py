@@ -351,3 +351,27 @@ def test_auto_gives_optimal_a_time_limit_and_still_returns_a_plan_that_fits(monk
     _, segments = planner.solvers.auto.choose(problem, budget, "auto")
     assert limits == [0.0]
     assert simulate(problem, segments).peak_bytes <= budget
+
+
+def test_auto_is_a_registered_solver_like_any_other():
+    model, inputs = SMALL["gpt"]()
+    _, problem = prepare(model, inputs)
+    budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
+    name, solve = planner.solvers.get_solver("auto")
+    assert name == "auto" and solve is planner.solvers.SOLVERS["auto"]
+    segments = solve(problem, budget)
+    assert simulate(problem, segments).peak_bytes <= budget
+    ran, chosen = planner.solvers.auto.choose(problem, budget, "auto")
+    assert ran.startswith("auto:") and chosen == segments  # choose names the strategy that won
+
+
+def test_plan_with_solver_auto_goes_through_the_registry(monkeypatch):
+    calls = []
+
+    def replacement(problem, budget_bytes, **options):
+        calls.append(budget_bytes)
+        return ()
+
+    monkeypatch.setitem(planner.solvers.SOLVERS, "auto", replacement)
+    p = planner.plan(*SMALL["mlp"](), budget_gb=1)
+    assert calls == [2**30] and p.solver == "auto" and p.segments == ()

@@ -197,3 +197,14 @@ def test_progress_bar_without_tqdm(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_tqdm)
     items = (x for x in range(2))
     assert progress.bar(items) is items
+
+
+def test_layout_places_every_position_in_one_box_in_reading_order(gpt_plan):
+    plan, _, _ = gpt_plan
+    placed = viz.layout(plan, max_groups=12)
+    boxes = placed.boxes
+    assert boxes[0].start == 0 and boxes[-1].stop == plan.problem.size
+    assert all(a.stop == b.start for a, b in zip(boxes, boxes[1:]))
+    assert 1 <= len(boxes) <= 12 + len(plan.segments)
+    assert len(placed.position) == len(boxes)
+    assert any(data["boundary"] for _, _, data in placed.edges)  # segments have inputs
