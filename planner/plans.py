@@ -10,7 +10,7 @@ from torch import fx
 from planner import serialize, viz
 from planner.options import CaptureOptions
 from planner.problem import Problem
-from planner.simulate import Choice, Segments, simulate
+from planner.simulate import Choice, Segments, recomputed_nodes, simulate
 from planner.units import mib
 
 
@@ -66,8 +66,8 @@ class Plan:
         forward to the recompute.
         """
         saved = self.problem.saved_bytes_per_node()
-        seconds = self.problem.seconds.copy()
-        saved[list(self.keep)], seconds[list(self.keep)] = 0, 0.0
+        saved[list(self.keep)] = 0
+        seconds = np.where(recomputed_nodes(self.problem, self.choice), self.problem.seconds, 0.0)
         rows = []
         for k, (start, stop) in enumerate(self.segments):
             tensors, nbytes = _segment_inputs(self.problem, start, stop)

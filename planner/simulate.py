@@ -22,11 +22,16 @@ A choice may also *keep* nodes inside segments (``Choice.keep``), as
 their ops: a kept node's storages, outputs and temporaries alike (``Problem.kept_bytes``), stay
 live from its forward until the segment's recompute, which takes them from the cache instead of
 running the node (no time, no new memory); from there they are freed as recomputed copies are.
-A kept node must come before its segment's recompute stops (a cache entry the recompute never
-reaches would stay live until the segment's backward ends), and among the random nodes the
-recompute runs, the kept ones must come after all recomputed ones: the recompute restores the
-random state of the segment's start, and a kept node draws nothing, so a random node after it
-would draw different numbers.
+A kept node must be one the recompute runs (``recompute_stop``: a cache entry the recompute
+never reaches would stay live until the segment's backward ends, and would save nothing), and
+among the random nodes the recompute runs, the kept ones must come after all recomputed ones:
+the recompute restores the random state of the segment's start, and a kept node draws nothing,
+so a random node after it would draw different numbers.
+
+What a recompute costs is the time (``Problem.seconds``) and FLOPs of the nodes it runs and
+does not take from the cache (``recomputed_nodes``), one definition that the solvers, the
+segment table and the plots share. The node where the early stop happens runs only when it
+saves something it creates: a matmul that saves only its inputs is never run again.
 """
 
 from __future__ import annotations
@@ -88,9 +93,9 @@ def validate_segments(problem: Problem, segments) -> Segments:
 def validate_choice(problem: Problem, choice) -> Choice:
     """A valid ``Choice`` with sorted segments, or a ValueError naming what is wrong.
 
-    Kept nodes must be keepable (``Problem.keepable``), lie inside a segment before the last
-    node its recompute runs, and not change the random numbers the recompute draws (see the
-    module docstring).
+    Kept nodes must be keepable (``Problem.keepable``), lie inside a segment among the nodes its
+    recompute runs (``recompute_stop``), and not change the random numbers the recompute draws
+    (see the module docstring).
     """
     choice = as_choice(choice)
     segments = validate_segments(problem, choice.segments)
@@ -108,15 +113,16 @@ def validate_choice(problem: Problem, choice) -> Choice:
                 "tensor in place, or what it creates is mutated later"
             )
     for start, stop in segments:
-        end = last_recomputed(problem, start, stop)
+        runs_to = recompute_stop(problem, start, stop)
         inside = sorted(k for k in keep if start <= k < stop)
-        late = [k for k in inside if k >= end]
+        late = [k for k in inside if k >= runs_to]
         if late:
             raise ValueError(
                 f"node {late[0]} ({problem.names[late[0]]}) is kept but the recompute of segment "
-                f"({start}, {stop}) stops at node {end}: keep only nodes before it"
+                f"({start}, {stop}) never runs it (it runs nodes {start} to {runs_to - 1}): keep "
+                "only nodes the recompute runs"
             )
-        random = np.flatnonzero(problem.random[start : end + 1]) + start
+        random = np.flatnonzero(problem.random[start:runs_to]) + start
         kept_random = [k for k in random.tolist() if k in keep]
         recomputed_random = [k for k in random.tolist() if k not in keep]
         if kept_random and recomputed_random and kept_random[0] < recomputed_random[-1]:
@@ -137,6 +143,31 @@ def last_recomputed(problem: Problem, start: int, stop: int) -> int:
     """The last position a recompute of ``(start, stop)`` runs to (early stop), or start - 1."""
     saving = np.flatnonzero(problem.saves[start:stop])
     return start + int(saving[-1]) if saving.size else start - 1
+
+
+def recompute_stop(problem: Problem, start: int, stop: int) -> int:
+    """One past the last node the recompute of ``(start, stop)`` runs.
+
+    The recompute stops once autograd has saved again everything the segment saved: at the
+    last saving node (``last_recomputed``), which runs only when it saves something it creates
+    (autograd saves an op's inputs before the op runs, its outputs after).
+    """
+    end = last_recomputed(problem, start, stop)
+    if end < start:
+        return start
+    return end + 1 if problem.saves_own[end] else end
+
+
+def recomputed_nodes(problem: Problem, choice) -> np.ndarray:
+    """Per node, whether backward runs it again under ``choice``: the nodes each segment's
+    recompute runs (``recompute_stop``) that are not kept. What a recompute costs is their
+    ``Problem.seconds`` and ``Problem.flops``."""
+    choice = as_choice(choice)
+    runs = np.zeros(problem.size, dtype=bool)
+    for start, stop in choice.segments:
+        runs[start : recompute_stop(problem, start, stop)] = True
+    runs[list(choice.keep)] = False
+    return runs
 
 
 def _total_at(positions: np.ndarray, nbytes: np.ndarray, n: int) -> np.ndarray:
@@ -250,10 +281,12 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
         [forward_free[position], (recompute_free + held)[position]],
         (problem.activation_grad_free + backward_free)[position],
     )
-    # A kept node's forward holds its temporaries (no transient on top); its recompute runs none.
+    # A kept node's forward holds its temporaries (no transient on top); its recompute runs none,
+    # nor does the early stop's node when it saves only inputs.
+    runs = recomputed_nodes(problem, choice)
     forward_transient = np.where(kept, np.maximum(problem.workspace - held, 0), problem.workspace)
     transient = np.select(
-        [phase == 0, recompute & ~kept[position]],
+        [phase == 0, recompute & runs[position]],
         [forward_transient[position], problem.workspace[position]],
         0,
     )
@@ -264,9 +297,9 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     step = int(after[-1]) + problem.optimizer_step_bytes if n else problem.optimizer_step_bytes
     peak = max(peak, step)
 
-    # Summed in the order backward meets them (last segment first); kept nodes cost nothing.
-    recomputed = [slice(start, end + 1) for (start, _), end in zip(segments, ends.tolist())][::-1]
-    seconds, flops = np.where(kept, 0.0, problem.seconds), np.where(kept, 0.0, problem.flops)
+    # Summed in the order backward meets them (last segment first).
+    recomputed = [slice(start, stop) for start, stop in segments][::-1]
+    seconds, flops = np.where(runs, problem.seconds, 0.0), np.where(runs, problem.flops, 0.0)
     timeline = None
     if record:
         names = ("forward", "recompute", "backward")

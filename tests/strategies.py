@@ -23,7 +23,7 @@ import torch
 from hypothesis import strategies as st
 from torch import nn
 
-from planner.simulate import Choice, last_recomputed
+from planner.simulate import Choice, recompute_stop
 
 # Operations, each a tuple whose first item names it:
 #   ("layer", inplace_relu)  the next Linear/Conv2d, optionally followed by nn.ReLU(inplace=True)
@@ -238,8 +238,8 @@ def random_segments(draw, problem) -> tuple[tuple[int, int], ...]:
 @st.composite
 def random_choices(draw, problem) -> Choice:
     """Random segments (``random_segments``, or every valid interval between random allowed
-    cuts) with a random subset of the nodes each may keep: keepable nodes before the last node
-    its recompute runs, minus kept random nodes that come before a recomputed random one
+    cuts) with a random subset of the nodes each may keep: keepable nodes its recompute runs
+    (``recompute_stop``), minus kept random nodes that come before a recomputed random one
     (``validate_choice``'s rules)."""
     if draw(st.booleans()):
         segments = draw(random_segments(problem))
@@ -252,11 +252,11 @@ def random_choices(draw, problem) -> Choice:
         )
     keep = set()
     for start, stop in segments:
-        end = last_recomputed(problem, start, stop)
-        candidates = [k for k in range(start, end) if problem.keepable[k]]
+        runs_to = recompute_stop(problem, start, stop)
+        candidates = [k for k in range(start, runs_to) if problem.keepable[k]]
         chosen = {k for k in candidates if draw(st.booleans())}
         recomputed_random = [
-            k for k in range(start, end + 1) if problem.random[k] and k not in chosen
+            k for k in range(start, runs_to) if problem.random[k] and k not in chosen
         ]
         if recomputed_random:
             chosen -= {k for k in chosen if problem.random[k] and k < recomputed_random[-1]}

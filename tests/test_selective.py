@@ -17,7 +17,7 @@ from torch import nn
 
 from planner.pipeline import assemble, prepare
 from planner.rewrite import rewrite
-from planner.simulate import Choice, last_recomputed, simulate, validate_choice
+from planner.simulate import Choice, recompute_stop, simulate, validate_choice
 from planner.step import peak_memory
 from strategies import assert_equivalent
 
@@ -128,18 +128,22 @@ def _chain():
 def test_simulated_peak_moves_exactly_as_the_measured_peak_when_nodes_are_kept(every):
     """Against the CPU live-storage tracker: keeping nodes changes the predicted peak by
     exactly what it changes the measured one (the simulator's fixed offset on this model,
-    a few bytes, is that of the plain plan)."""
+    a few bytes, is that of the plain plan). Each segment ends at a LayerNorm, the node where
+    its recompute stops, which runs since it saves its own statistics: keeping it is allowed."""
     model, args = _chain()
     captured, problem = prepare(model, args)
     segments = ((0, 6), (6, problem.size))
-    errors = set()
+    stops = {recompute_stop(problem, start, stop) - 1 for start, stop in segments}
+    assert stops == {5, problem.size - 1} and problem.keepable[list(stops)].all()
+    errors, kept = set(), set()
     for offset in range(every):
         keep = frozenset(
             k
             for start, stop in segments
-            for k in range(start, last_recomputed(problem, start, stop))
+            for k in range(start, recompute_stop(problem, start, stop))
             if (k - offset) % every == 0 and problem.keepable[k]
         )
+        kept |= keep
         plan = assemble(
             model,
             captured,
@@ -156,6 +160,58 @@ def test_simulated_peak_moves_exactly_as_the_measured_peak_when_nodes_are_kept(e
     peak_memory(flat.module, args)
     assert errors == {flat.predicted_peak_bytes - peak_memory(flat.module, args).peak_bytes}
     assert max(abs(e) for e in errors) < 64
+    assert stops <= kept
+
+
+def _three_linears():
+    """Linear, ReLU, Linear, Tanh, Linear: each Linear saves only its input (early stops end
+    there without running it); ReLU and Tanh save their own outputs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)
+    )
+    return model, (torch.randn(32, 64),)
+
+
+def _step_flops(module, args) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        module(*args).sum().backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize(
+    "choice, linears",
+    [
+        (Choice(((0, 3),)), 1),  # ends at a Linear: the recompute stops before running it
+        (Choice(((0, 4),)), 2),  # ends at Tanh, which saves its output: both Linears rerun
+        (Choice(((0, 2), (2, 4))), 2),
+        (Choice(((0, 4),), frozenset({0})), 1),  # the first Linear comes from the cache
+        (Choice(((0, 5),), frozenset({2})), 1),  # a kept Linear, then a stop at a Linear
+        (Choice(((0, 4),), frozenset({3})), 2),  # the stop node itself kept
+    ],
+)
+def test_predicted_recompute_flops_equal_what_backward_really_runs(choice, linears):
+    """FlopCounterMode over a real step, planned against unplanned: the extra FLOPs are the
+    simulator's recompute FLOPs (matmuls only, as both count)."""
+    model, args = _three_linears()
+    captured, problem = prepare(model, args)
+    assert problem.labels == ("0", "1", "2", "3", "4")
+    extra = _step_flops(rewrite(captured.graph_module, model, choice), args) - _step_flops(
+        model, args
+    )
+    assert extra == linears * 2 * 32 * 64 * 64
+    assert simulate(problem, choice).recompute_flops == extra
+
+
+def test_a_node_the_recompute_never_runs_cannot_be_kept():
+    """A Linear saves only its input, so the recompute stops before running it: a cache entry
+    for it would never be used."""
+    model, args = _three_linears()
+    _, problem = prepare(model, args)
+    with pytest.raises(ValueError, match="never runs it"):
+        validate_choice(problem, Choice(((0, 3),), frozenset({2})))
 
 
 def test_keeping_costs_memory_and_saves_recompute():

@@ -2,7 +2,8 @@
 
 ``simulate`` computes the replay with array operations (it runs inside every solver's loop);
 ``replay`` below walks the same rules one node and one storage at a time, as a reader would.
-They must agree exactly, peak, recompute cost and timeline, on random problems and real models.
+They must agree on random problems and real models: peak and timeline exactly, recompute cost
+up to the rounding of a sum taken in another order.
 """
 
 from __future__ import annotations
@@ -94,13 +95,13 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
             for j in range(start, end + 1):
                 if j in keep:  # taken from the cache: nothing runs, its temporaries go
                     step("recompute", j, 0, 0, recompute_free[j] + held[j])
+                elif j == end and not problem.saves_own[j]:  # stops as it saves the inputs
+                    step("recompute", j, recompute_alloc[j], 0, recompute_free[j])
                 else:
                     step(
                         "recompute", j, recompute_alloc[j], problem.workspace[j], recompute_free[j]
                     )
-            seconds += float(
-                np.where([j in keep for j in range(n)], 0.0, problem.seconds)[start : end + 1].sum()
-            )
+                    seconds += float(problem.seconds[j])
         step(
             "backward",
             i,
@@ -115,7 +116,7 @@ def assert_agree(problem: Problem, choice) -> None:
     result = simulate(problem, choice, record=True)
     peak, seconds, timeline = replay(problem, choice)
     assert result.peak_bytes == peak
-    assert result.recompute_seconds == seconds
+    assert result.recompute_seconds == pytest.approx(seconds, rel=1e-12)  # summed in other order
     assert list(result.timeline) == timeline
 
 

@@ -167,7 +167,7 @@ def _recompute_peak(problem: Problem, storages: list[_Storage], made_at, c: int,
     As in the simulator: each recomputed storage is allocated by its producer; one saved inside
     the segment stays (its saver is at or before ``end``, the last saving node), the others are
     freed after their last reader that is recomputed. The outputs of ``end`` itself are made
-    again only when ``end`` saves one of them (early stop).
+    again only when ``end`` saves one of them (early stop), and only then does it run.
     """
     width = end - c + 1
     allocated = np.zeros(width, dtype=np.int64)
@@ -182,7 +182,9 @@ def _recompute_peak(problem: Problem, storages: list[_Storage], made_at, c: int,
                 after = max((j for j in s.touches if j <= end), default=p)
                 freed[after - c] += s.nbytes
     live = np.cumsum(allocated) - np.concatenate(([0], np.cumsum(freed)[:-1]))
-    return int((live + problem.workspace[c : end + 1]).max())
+    work = problem.workspace[c : end + 1].copy()
+    work[-1] *= bool(problem.saves_own[end])  # nor does ``end`` run then: no workspace
+    return int((live + work).max())
 
 
 def _formulate(problem: Problem) -> _Formulation:
@@ -260,7 +262,8 @@ def _formulate(problem: Problem) -> _Formulation:
             end = int(last_saving[b - 1])
             if end < c:
                 continue  # saves nothing: no recompute, nothing to pay
-            for column, value in segment_terms(c, b, prefix_seconds[end + 1] - prefix_seconds[c]):
+            runs_to = end + 1 if problem.saves_own[end] else end  # simulate.recompute_stop
+            for column, value in segment_terms(c, b, prefix_seconds[runs_to] - prefix_seconds[c]):
                 seconds[column] += value / time_scale
             if (c, end) not in recompute_peaks:
                 recompute_peaks[c, end] = _recompute_peak(problem, storages, made_at, c, end)

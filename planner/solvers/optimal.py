@@ -76,7 +76,7 @@ from planner.problem import Problem
 from planner.simulate import (
     Choice,
     Segments,
-    last_recomputed,
+    recompute_stop,
     simulate,
     validate_choice,
 )
@@ -231,7 +231,9 @@ def _recompute_peaks(problem: Problem, t: _Tables, c: int, stop: int) -> np.ndar
             end = x
             span = end - c + 1
             live = np.cumsum(kept_from[:span]) + np.cumsum(transient[:span])
-            peak = int((live + problem.workspace[c : end + 1]).max())
+            work = problem.workspace[c : end + 1].copy()
+            work[-1] *= bool(problem.saves_own[end])  # the early stop's node may not run
+            peak = int((live + work).max())
         peaks[x - c] = peak
     return peaks
 
@@ -264,13 +266,16 @@ def _segment_costs(problem: Problem, t: _Tables, c: int, stop: int, exact: bool)
     """Mask-independent parts of the segments ``[c, b)`` for every ``b`` in ``(c, stop]``.
 
     Returns the recompute peak plus the gradients alive then, and the recompute cost: the
-    forward time up to the last saving node (the early stop), as ``simulate`` charges it.
+    forward time of the nodes the recompute runs (``recompute_stop``), as ``simulate`` charges
+    it.
     """
     bound = _recompute_peaks if exact else _recompute_bound
     peaks = bound(problem, t, c, stop)
     last = _last_saving(problem, c, stop)
-    seconds = np.cumsum(problem.seconds[c:stop])
-    cost = np.where(last >= 0, seconds[np.maximum(last, 0)], 0.0)
+    before = np.concatenate(([0.0], np.cumsum(problem.seconds[c:stop])))
+    at_stop = c + np.maximum(last, 0)
+    runs_to = np.where(problem.saves_own[at_stop], last + 1, last)  # recompute_stop - c
+    cost = np.where(last >= 0, before[np.maximum(runs_to, 0)], 0.0)
     return peaks + t.after_backward[c + 1 : stop + 1], cost
 
 
@@ -682,11 +687,11 @@ def _keep_value(problem: Problem) -> np.ndarray:
 
 def _eligible(problem: Problem, segments: Segments, value: np.ndarray) -> np.ndarray:
     """Positions that may be kept under ``segments``, most valuable first: inside a segment,
-    before the last node its recompute runs, and worth keeping (``_keep_value``)."""
+    run by its recompute, and worth keeping (``_keep_value``)."""
     positions = [
         x
         for start, stop in segments
-        for x in range(start, last_recomputed(problem, start, stop))
+        for x in range(start, recompute_stop(problem, start, stop))
         if value[x] > 0
     ]
     order = np.array(positions, dtype=np.int64)
@@ -790,7 +795,7 @@ def _exhaustive(problem: Problem, budget: int) -> Segments | Choice | None:
         nodes = [
             x
             for start, stop in segments
-            for x in range(start, last_recomputed(problem, start, stop))
+            for x in range(start, recompute_stop(problem, start, stop))
             if problem.keepable[x]
         ]
         for mask in range(1 << len(nodes)):

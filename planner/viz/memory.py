@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.serialize import model_name
-from planner.simulate import as_choice, simulate
+from planner.simulate import as_choice, recomputed_nodes, simulate
 from planner.units import MIB, mib
 from planner.viz.style import (
     BASELINE_COLOUR,
@@ -44,14 +44,13 @@ def _curve(problem, choice, step_seconds: float) -> MemoryCurve:
     result = simulate(problem, choice, record=True)
     assert result.timeline is not None  # record=True keeps it
     seconds = problem.seconds if step_seconds > 0 else np.ones(problem.size)
-    kept = np.zeros(problem.size, dtype=bool)
-    kept[list(choice.keep)] = True
+    runs = recomputed_nodes(problem, choice)
     scale = step_seconds if step_seconds > 0 else 3.0 * problem.size
     xs, ys, phases = [0.0], [problem.fixed_bytes], ["start"]
     t = 0.0
     forward_end = 0.0
     for phase, position, live in result.timeline:
-        if not (phase == "recompute" and kept[position]):  # a kept node's recompute is free
+        if phase != "recompute" or runs[position]:  # kept nodes and the early stop cost nothing
             t += float(seconds[position]) * (2.0 if phase == "backward" else 1.0)
         xs.append(t / scale)
         ys.append(problem.fixed_bytes + live)
