@@ -58,7 +58,8 @@ Exactness and approximations
   ``greedy`` or ``sqrt_n`` when they fit.
 * Nodes kept inside segments (``Choice.keep``) are chosen after the segments: exhaustively on
   tiny graphs, else by the longest fitting prefix of nodes ordered by recompute seconds per
-  kept byte, on a few segmentations (``_with_keeps``; docs/solvers.md).
+  kept byte, then each further node that still fits, on a few segmentations
+  (``_with_keeps``; docs/solvers.md).
 * Segments stop growing from a cut as soon as their forward and backward peaks (which only
   grow with the segment) overflow the budget: no longer segment from there can fit.
 """
@@ -699,9 +700,9 @@ def _eligible(problem: Problem, segments: Segments, value: np.ndarray) -> np.nda
 
 
 def _best_prefix(problem: Problem, budget: int, segments: Segments, value: np.ndarray):
-    """(simulation, choice) keeping the most valuable eligible nodes of ``segments`` that fit:
-    a binary search over how many, in ``_keep_value`` order; None when ``segments`` alone does
-    not fit.
+    """(simulation, choice, the eligible nodes left out) keeping the most valuable eligible
+    nodes of ``segments`` that fit: a binary search over how many, in ``_keep_value`` order;
+    None when ``segments`` alone does not fit.
 
     More kept nodes hold more memory and cost less to recompute, so the search looks for the
     longest prefix that fits, among ``PREFIXES + 1`` evenly spaced lengths (every length when
@@ -729,6 +730,20 @@ def _best_prefix(problem: Problem, budget: int, segments: Segments, value: np.nd
             low, best = middle, result
         else:
             high = middle - 1
+    return (*best, order[int(lengths[low]) :])
+
+
+def _fill(problem: Problem, budget: int, best, candidates: np.ndarray, deadline: float):
+    """``best`` (simulation, choice) with each of ``candidates`` kept too, in order, when the
+    plan still fits: a node that does not fit is skipped, not the end of the search (a later,
+    smaller one may fit). One replay per candidate, until ``deadline``."""
+    for x in candidates.tolist():
+        if time.perf_counter() > deadline:
+            break
+        choice = Choice(best[1].segments, best[1].keep | {x})
+        result = simulate(problem, choice)
+        if result.peak_bytes <= budget:
+            best = result, choice
     return best
 
 
@@ -748,10 +763,11 @@ def _with_keeps(
 
     Tiny problems are searched exhaustively. Otherwise each of a few segmentations (the
     segments-only answer, and ``_block_groups``) gets the longest fitting prefix of its
-    eligible nodes by ``_keep_value``, and the cheapest fitting plan wins. Keeping never lowers
-    a peak (a kept node's memory is held from its forward to the recompute that would
+    eligible nodes by ``_keep_value``; then, cheapest first, each such plan keeps every further
+    eligible node that still fits (``_fill``), and the cheapest fitting plan wins. Keeping never
+    lowers a peak (a kept node's memory is held from its forward to the recompute that would
     re-create it), so when ``segments`` does not fit nothing kept can help and ``segments`` is
-    returned. Past ``deadline`` no further segmentation is tried.
+    returned. Past ``deadline`` the search stops with the best plan so far.
     """
     base = simulate(problem, segments)
     if base.peak_bytes > budget or time.perf_counter() > deadline:
@@ -759,16 +775,21 @@ def _with_keeps(
     if problem.size <= EXACT_KEEP_NODES:
         return _exhaustive(problem, budget) or segments
     value = _keep_value(problem)
-    best = (base.recompute_seconds, base.peak_bytes, 0), Choice(segments)
+
+    def key(result, choice):
+        return result.recompute_seconds, result.peak_bytes, len(choice.keep)
+
+    best = key(base, Choice(segments)), Choice(segments)
+    prefixes = []
     for candidate in dict.fromkeys([segments, *_block_groups(problem)]):
         if time.perf_counter() > deadline:
             break
         found = _best_prefix(problem, budget, candidate, value)
         if found is not None:
-            result, choice = found
-            key = (result.recompute_seconds, result.peak_bytes, len(choice.keep))
-            if key < best[0]:
-                best = key, choice
+            prefixes.append((key(*found[:2]), found))
+    for _, (result, choice, rest) in sorted(prefixes, key=lambda entry: entry[0]):
+        result, choice = _fill(problem, budget, (result, choice), rest, deadline)
+        best = min(best, (key(result, choice), choice), key=lambda entry: entry[0])
     choice = best[1]
     return choice if choice.keep else choice.segments
 
