@@ -23,7 +23,7 @@ from planner.solvers import (
     SOLVERS,
     optimal,  # registers "optimal"
 )
-from problems import all_plans, budgets, problem_of
+from problems import all_plans, budgets, problem_of, random_problem
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -294,3 +294,14 @@ def test_keeps_fit_and_never_cost_more_than_segments_alone(seed):
         alone = simulate(problem, SOLVERS["optimal"](problem, budget, keep=False))
         assert joint.peak_bytes <= budget
         assert joint.recompute_seconds <= alone.recompute_seconds * (1 + 1e-9)
+
+
+def test_on_tiny_graphs_a_keep_can_fit_where_no_segments_fit():
+    """A kept node's recompute runs nothing, so keeping it spares the recompute a workspace
+    its cache does not hold (``Problem.kept_bytes`` below created bytes plus workspace): the
+    exhaustive search on tiny graphs finds such a plan below every segments-only peak."""
+    problem = random_problem(36, 6)
+    budget = min(simulate(problem, plan).peak_bytes for plan in all_plans(problem)) - 1
+    choice = as_choice(SOLVERS["optimal"](problem, budget))
+    assert choice.keep
+    assert simulate(problem, choice).peak_bytes <= budget

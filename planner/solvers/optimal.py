@@ -764,16 +764,17 @@ def _with_keeps(
     Tiny problems are searched exhaustively. Otherwise each of a few segmentations (the
     segments-only answer, and ``_block_groups``) gets the longest fitting prefix of its
     eligible nodes by ``_keep_value``; then, cheapest first, each such plan keeps every further
-    eligible node that still fits (``_fill``), and the cheapest fitting plan wins. Keeping never
-    lowers a peak (a kept node's memory is held from its forward to the recompute that would
-    re-create it), so when ``segments`` does not fit nothing kept can help and ``segments`` is
-    returned. Past ``deadline`` the search stops with the best plan so far.
+    eligible node that still fits (``_fill``), and the cheapest fitting plan wins. Keeping
+    lowers a peak only by sparing the recompute a node's workspace that its cache does not hold
+    (``Problem.kept_bytes`` below created bytes plus workspace), so on larger problems, when
+    ``segments`` does not fit, ``segments`` is returned. Past ``deadline`` the search stops
+    with the best plan so far.
     """
+    if problem.size <= EXACT_KEEP_NODES:
+        return _exhaustive(problem, budget)
     base = simulate(problem, segments)
     if base.peak_bytes > budget or time.perf_counter() > deadline:
         return segments
-    if problem.size <= EXACT_KEEP_NODES:
-        return _exhaustive(problem, budget) or segments
     value = _keep_value(problem)
 
     def key(result, choice):
@@ -809,9 +810,11 @@ def _all_segments(problem: Problem):
     return dict.fromkeys(from_position(0))
 
 
-def _exhaustive(problem: Problem, budget: int) -> Segments | Choice | None:
-    """The least recompute over every valid (segments, keep set) that fits, or None."""
+def _exhaustive(problem: Problem, budget: int) -> Segments | Choice:
+    """The least recompute over every valid (segments, keep set) that fits; when none fits,
+    the lowest peak."""
     best = None
+    lowest = None
     for segments in _all_segments(problem):
         nodes = [
             x
@@ -829,6 +832,9 @@ def _exhaustive(problem: Problem, budget: int) -> Segments | Choice | None:
             key = (result.recompute_seconds, result.peak_bytes, len(keep), len(segments))
             if result.peak_bytes <= budget and (best is None or key < best[0]):
                 best = key, choice
-    if best is None:
-        return None
-    return best[1] if best[1].keep else best[1].segments
+            low = (result.peak_bytes, *key)
+            if lowest is None or low < lowest[0]:
+                lowest = low, choice
+    assert lowest is not None  # no segments at all is always a valid choice
+    choice = (best or lowest)[1]
+    return choice if choice.keep else choice.segments
