@@ -17,7 +17,8 @@ from planner.pipeline import prepare
 from planner.rewrite import rewrite
 from planner.simulate import simulate
 from planner.solvers.auto import lowest_peak
-from planner.step import LiveStorageTracker, state_tensors, training_step
+from planner.step import state_tensors, training_step
+from planner.tracker import LiveStorageTracker
 from planner.training import micro_batches
 
 GLOBAL_BATCH = 8

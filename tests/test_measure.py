@@ -17,13 +17,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from planner.step import (
-    MemoryReport,
     peak_memory,
     step_flops,
     step_time,
     training_loss,
     training_step,
 )
+from planner.tracker import MemoryReport
 
 F32 = 4  # bytes per float32 element
 

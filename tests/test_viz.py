@@ -134,7 +134,7 @@ def test_plot_memory_with_measured_traces(gpt_plan, tmp_path):
 
 
 def test_plot_memory_needs_a_recorded_timeline(gpt_plan):
-    from planner.step import MemoryReport
+    from planner.tracker import MemoryReport
 
     plan, _, _ = gpt_plan
     with pytest.raises(ValueError, match="record_timeline=True"):
