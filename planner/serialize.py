@@ -6,7 +6,7 @@ A saved plan is a small JSON document (format ``"planner.plan"``, ``"version": 3
       "format": "planner.plan", "version": 3,
       "planner_version": "0.1.0", "torch_version": "2.13.0", "model": "GPTWithLoss",
       "solver": "auto:greedy", "capture_method": "symbolic_trace",
-      "capture": {"training": true, "leaf_modules": ["planner.zoo._GPTBlock"],
+      "capture": {"training": true, "leaf_modules": ["planner.zoo.transformers._GPTBlock"],
                   "dynamic_shapes": false},
       "budget_bytes": 12582912, "optimizer_state_bytes": 0,
       "segments": [{"start": 12, "stop": 24, "first": "blocks_0_attn_qkv", "last": "softmax"}],
