@@ -44,6 +44,7 @@ from torch.utils.checkpoint import (
 
 from planner.capture import CALL_KEY, closing_regions, updates_in_place
 from planner.errors import PlanningError
+from planner.nested import Nest, NestedChoice
 from planner.problem import compute_nodes
 from planner.simulate import as_choice
 
@@ -562,14 +563,17 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
     ``choice`` is a ``planner.simulate.Choice`` or plain segments: ``(start, stop)`` positions
     over ``planner.problem.compute_nodes(captured)``, and positions of kept nodes.
     """
-    choice = as_choice(choice)
     holder = _holder(captured, model)
     nodes = compute_nodes(captured)
-    kept = {nodes[k] for k in choice.keep}
-    first = {
-        nodes[start]: (k, nodes[start:stop]) for k, (start, stop) in enumerate(choice.segments)
-    }
-    inside = {node for _, members in first.values() for node in members}
+    if isinstance(choice, NestedChoice):  # segments holding segments: see planner.nested
+        kept: set[fx.Node] = set()
+        nests = choice.segments
+    else:
+        choice = as_choice(choice)
+        kept = {nodes[k] for k in choice.keep}
+        nests = tuple(Nest(start, stop) for start, stop in choice.segments)
+    first = {nodes[s.start]: (k, s) for k, s in enumerate(nests)}
+    inside = {node for s in nests for node in nodes[s.start : s.stop]}
 
     graph = fx.Graph()
     graph._codegen = captured.graph._codegen  # keeps torch.export's input/output pytree handling
@@ -577,8 +581,8 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
     built: list[Segment] = []
     for node in captured.graph.nodes:
         if node in first:
-            k, members = first[node]
-            built.append(_checkpoint_segment(graph, env, holder, f"segment_{k}", members, kept))
+            k, nest = first[node]
+            _checkpoint_segment(graph, env, holder, f"segment_{k}", nodes, nest, kept, built)
         elif node not in inside and node not in env:
             env[node] = graph.node_copy(node, lambda n: env[n])
 
@@ -602,10 +606,14 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
 
 
 def _checkpoint_segment(
-    graph, env, holder, name: str, members: list[fx.Node], kept: set[fx.Node]
-) -> Segment:
-    """Append to ``graph`` a checkpoint call of ``members`` as a ``Segment`` named ``name``,
-    keeping the members in ``kept``; return the segment."""
+    graph, env, holder, name: str, nodes: list[fx.Node], nest: Nest, kept: set[fx.Node], built
+) -> None:
+    """Append to ``graph`` a checkpoint call of ``nodes[nest.start:nest.stop]`` as a ``Segment``
+    named ``name``, keeping the members in ``kept``; its inner segments (``nest.inner``) become
+    checkpoint calls inside its body. Every segment built is appended to ``built``."""
+    members = nodes[nest.start : nest.stop]
+    inner = {nodes[child.start]: child for child in nest.inner}
+    inner_members = {m for child in nest.inner for m in nodes[child.start : child.stop]}
     member_set = set(members)
     inputs = list(
         dict.fromkeys(a for m in members for a in m.all_input_nodes if a not in member_set)
@@ -621,6 +629,13 @@ def _checkpoint_segment(
     if selective:  # a kept node that raised leaves the flag on: a new call starts without it
         body.call_function(_keep_off)
     for m in members:
+        if m in inner:
+            child = inner[m]
+            child_name = f"{name}_{nest.inner.index(child)}"
+            _checkpoint_segment(body, body_env, holder, child_name, nodes, child, kept, built)
+            continue
+        if m in inner_members:
+            continue
         if m in kept:
             body.call_function(_keep_on)
         body_env[m] = body.node_copy(m, lambda n: body_env[n])
@@ -645,4 +660,4 @@ def _checkpoint_segment(
     call = graph.create_node("call_function", checkpoint, args, kwargs, name=f"{name}_outputs")
     for index, m in enumerate(outputs):
         env[m] = graph.create_node("call_function", operator.getitem, (call, index), name=m.name)
-    return segment
+    built.append(segment)

@@ -244,6 +244,12 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     recompute before its last node's backward), each allocating, peaking and freeing; the live
     bytes are a running sum over that sequence.
     """
+    from planner.nested import NestedChoice, simulate_nested  # nested imports this module
+
+    if isinstance(choice, NestedChoice):  # nested plans replay step by step; flat ones here
+        if choice.flat() is None:
+            return simulate_nested(problem, choice, record=record)
+        choice = choice.flat()
     choice = validate_choice(problem, choice)
     segments = choice.segments
     n = problem.size

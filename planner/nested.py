@@ -1,0 +1,291 @@
+"""Nested checkpointing: checkpointed segments that hold checkpointed segments of their own.
+
+A flat plan (``planner.simulate.Choice``) must hold every tensor crossing its segments'
+boundaries plus the largest segment's recompute. Nesting lowers that floor: a segment's
+recompute may itself keep only the inputs of its inner segments, which are recomputed again,
+one at a time, when backward reaches them (Chen et al. 2016, section 4.3; Revolve; Rotor).
+
+``NestedChoice`` describes such a plan as a tree of ``Nest`` segments. A plan without inner
+segments is a flat plan and simulates through ``planner.simulate``'s vectorised replay;
+``simulate_nested`` replays the others step by step, following what non-reentrant
+``torch.utils.checkpoint`` does when checkpoints nest (read from torch 2.13's
+``torch/utils/checkpoint.py`` and checked against measured peaks in ``tests/test_nested.py``):
+
+* forward: a segment's inner checkpoints save their inputs through the *outer* segment's
+  saved-tensor hooks, so the forward holds only the top-level segments' inputs, exactly as a
+  flat plan does;
+* the recompute of a segment runs its own nodes and its inner segments (whose nodes save
+  nothing: they run under the inner segments' hooks), and stops early after the last thing it
+  saves: a node of its own level that saves, or an inner segment's inputs (an inner segment
+  starting there does not run at all);
+* what a recompute re-creates lives until the backward of the first node of its level that
+  saves it; an inner segment's input lives until that inner segment's own recompute ends, or
+  longer when nodes of the inner level (or deeper segments) save it in turn;
+* backward reaches a segment's last node: the segments ending there recompute, outermost first
+  (an inner segment's inputs come from its parent's recompute); each segment recomputes once;
+* the random state: each checkpoint restores the state of its own start, so inner recomputes
+  draw what the forward drew, at any depth (tests check it bit for bit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.problem import Problem
+from planner.simulate import Choice, Simulation, validate_segments
+
+
+@dataclass(frozen=True)
+class Nest:
+    """A checkpointed segment ``[start, stop)`` and the checkpointed segments inside it."""
+
+    start: int
+    stop: int
+    inner: tuple[Nest, ...] = ()
+
+    def walk(self) -> Iterable[Nest]:
+        """This segment, then every segment inside it, parents before children."""
+        yield self
+        for child in self.inner:
+            yield from child.walk()
+
+    @property
+    def depth(self) -> int:
+        return 1 + max((child.depth for child in self.inner), default=0)
+
+
+@dataclass(frozen=True)
+class NestedChoice:
+    """A plan of checkpointed segments that may nest: the top-level segments, in order."""
+
+    segments: tuple[Nest, ...]
+
+    def walk(self) -> Iterable[Nest]:
+        for segment in self.segments:
+            yield from segment.walk()
+
+    @property
+    def depth(self) -> int:
+        return max((s.depth for s in self.segments), default=0)
+
+    def flat(self) -> Choice | None:
+        """The same plan as a flat ``Choice`` when nothing nests, else None."""
+        if any(s.inner for s in self.segments):
+            return None
+        return Choice(tuple((s.start, s.stop) for s in self.segments))
+
+
+def nested_choice(spec) -> NestedChoice:
+    """A ``NestedChoice`` from plain tuples: ``(start, stop)`` or ``(start, stop, inner)``
+    items, ``inner`` a list of the same form.
+
+    Examples
+    --------
+    >>> nested_choice([(0, 8, [(0, 4), (4, 8)])]).depth
+    2
+    """
+    if isinstance(spec, NestedChoice):
+        return spec
+
+    def nest(item) -> Nest:
+        if isinstance(item, Nest):
+            return item
+        start, stop, *rest = item
+        inner = tuple(nest(child) for child in (rest[0] if rest else ()))
+        return Nest(int(start), int(stop), inner)
+
+    return NestedChoice(tuple(nest(item) for item in spec))
+
+
+def validate_nested(problem: Problem, choice) -> NestedChoice:
+    """A valid ``NestedChoice`` (children sorted), or a ValueError naming the bad segment.
+
+    Every segment must be a valid segment of the graph (``Problem.is_valid_segment``); the
+    segments at one level are disjoint; an inner segment lies inside its parent and is smaller.
+    """
+    choice = nested_choice(choice)
+
+    def check(nests: tuple[Nest, ...], parent: Nest | None) -> tuple[Nest, ...]:
+        ordered = sorted(nests, key=lambda s: (s.start, s.stop))
+        validate_segments(problem, [(s.start, s.stop) for s in ordered])
+        for s in ordered:
+            if parent is not None and not (
+                parent.start <= s.start < s.stop <= parent.stop
+                and (s.start, s.stop) != (parent.start, parent.stop)
+            ):
+                raise ValueError(
+                    f"inner segment ({s.start}, {s.stop}) does not lie strictly inside its parent "
+                    f"({parent.start}, {parent.stop}): an inner segment must be smaller than, "
+                    "and contained in, the segment holding it"
+                )
+        return tuple(Nest(s.start, s.stop, check(s.inner, s)) for s in ordered)
+
+    return NestedChoice(check(choice.segments, None))
+
+
+def recompute_end(problem: Problem, segment: Nest) -> int:
+    """The last position the recompute of ``segment`` reaches (early stop), or start - 1.
+
+    That is the last node of the segment's own level that saves something, or the start of an
+    inner segment (which saves its inputs there), whichever comes later.
+    """
+    end = segment.start - 1
+    inside = np.zeros(segment.stop - segment.start, dtype=bool)
+    for child in segment.inner:
+        inside[child.start - segment.start : child.stop - segment.start] = True
+        end = max(end, child.start)
+    own = np.flatnonzero(problem.saves[segment.start : segment.stop] & ~inside)
+    if own.size:
+        end = max(end, segment.start + int(own[-1]))
+    return end
+
+
+class _Replay:
+    """The step-by-step replay of one nested plan (see the module docstring)."""
+
+    def __init__(self, problem: Problem, choice: NestedChoice):
+        self.problem = problem
+        self.top = choice.segments
+        self.phases: list[str] = []
+        self.positions: list[int] = []
+        self.backward_step: dict[int, int] = {}
+        self.runs: dict[Nest, list[tuple[int, int]]] = {}  # (position, step) of each recompute
+        self.run_end: dict[Nest, int] = {}  # the last step of each recompute
+        self.end: dict[Nest, int] = {s: recompute_end(problem, s) for s in choice.walk()}
+        self._schedule()
+
+    # -- the order of steps --------------------------------------------------------------------
+    def _add(self, phase: str, position: int) -> int:
+        self.phases.append(phase)
+        self.positions.append(position)
+        return len(self.phases) - 1
+
+    def _executed(self, segment: Nest) -> list[int]:
+        """Positions the recompute of ``segment`` runs, in order (inner segments whole)."""
+        end = self.end[segment]
+        children = {child.start: child for child in segment.inner}
+        result, q = [], segment.start
+        while q <= end:
+            child = children.get(q)
+            if child is None:
+                result.append(q)
+                q += 1
+            elif child.start == end:
+                break  # its inputs are the last thing saved: it does not run
+            else:
+                result.extend(range(child.start, child.stop))
+                q = child.stop
+        return result
+
+    def _schedule(self) -> None:
+        n = self.problem.size
+        for p in range(n):
+            self._add("forward", p)
+        ending: dict[int, list[Nest]] = {}
+        for segment in (s for top in self.top for s in top.walk()):  # parents first
+            ending.setdefault(segment.stop - 1, []).append(segment)
+        for p in range(n - 1, -1, -1):
+            for segment in ending.get(p, ()):
+                self.runs[segment] = [
+                    (q, self._add("recompute", q)) for q in self._executed(segment)
+                ]
+                self.run_end[segment] = len(self.phases) - 1
+            self.backward_step[p] = self._add("backward", p)
+
+    # -- what holds each copy of a storage -----------------------------------------------------
+    @staticmethod
+    def _child_at(children: tuple[Nest, ...], position: int) -> Nest | None:
+        for child in children:
+            if child.start <= position < child.stop:
+                return child
+        return None
+
+    def _holds(self, segment: Nest | None, storage, home: Nest | None, children) -> list[int]:
+        """Steps until which the level of ``segment`` (None: the forward) holds ``storage``."""
+        steps = []
+        span = (0, self.problem.size) if segment is None else (segment.start, segment.stop)
+        for j in storage.savers:
+            if span[0] <= j < span[1] and self._child_at(children, j) is None:
+                steps.append(self.backward_step[j])
+        users = set(storage.readers) | set(storage.savers)
+        for child in children:
+            if child is home or not any(child.start <= j < child.stop for j in users):
+                continue
+            if segment is None:  # a top-level segment holds its inputs until its backward ends
+                steps.append(self.backward_step[child.start])
+            else:
+                steps.append(self._input_hold(child, storage))
+        return steps
+
+    def _input_hold(self, segment: Nest, storage) -> int:
+        """The last step an input of ``segment``'s recompute stays alive through its level."""
+        return max([self.run_end[segment], *self._holds(segment, storage, None, segment.inner)])
+
+    def _release(self, segment, storage, created_at: int, executed: dict[int, int], last) -> int:
+        children = self.top if segment is None else segment.inner
+        home = self._child_at(children, storage.producer)
+        holds = self._holds(segment, storage, home, children)
+        if holds:
+            return max(holds)
+        reads = [executed[j] for j in storage.readers if j in executed]
+        if storage.is_output and segment is None:
+            reads.append(last)
+        return max(reads, default=created_at)
+
+    # -- the replay ----------------------------------------------------------------------------
+    def run(self, record: bool) -> Simulation:
+        problem, steps = self.problem, len(self.phases)
+        n = problem.size
+        alloc = np.zeros(steps, dtype=np.int64)
+        free = np.zeros(steps, dtype=np.int64)
+        transient = np.zeros(steps, dtype=np.int64)
+        by_producer: dict[int, list] = {}
+        for s in problem.storages:
+            by_producer.setdefault(s.producer, []).append(s)
+
+        forward = {p: p for p in range(n)}
+        for p in range(n):
+            transient[p] = problem.workspace[p]
+            alloc[p] += problem.created_bytes[p]
+            for s in by_producer.get(p, ()):
+                free[self._release(None, s, p, forward, n - 1)] += s.nbytes
+        seconds = flops = 0.0
+        for segment, executed in self.runs.items():
+            at = dict(executed)
+            end = self.end[segment]
+            for q, step in executed:
+                transient[step] = problem.workspace[q]
+                seconds += float(problem.seconds[q])
+                flops += float(problem.flops[q])
+                if q == end and not problem.saves_own[q]:
+                    continue  # stopped after saving its inputs: its outputs are not re-created
+                for s in by_producer.get(q, ()):
+                    alloc[step] += s.nbytes
+                    free[self._release(segment, s, step, at, -1)] += s.nbytes
+        for p, step in self.backward_step.items():
+            alloc[step] += problem.activation_grad_alloc[p] + problem.grad_bytes_at[p]
+            free[step] += problem.activation_grad_free[p]
+
+        after = np.cumsum(alloc - free)
+        live = after + free + transient
+        step_bytes = int(after[-1]) if steps else 0
+        step_bytes += problem.optimizer_step_bytes
+        peak = max(int(live.max(initial=0)), step_bytes)
+        timeline = None
+        if record:
+            timeline = tuple(zip(self.phases, self.positions, live.tolist()))
+        return Simulation(
+            peak_bytes=int(problem.fixed_bytes + peak),
+            recompute_seconds=seconds,
+            recompute_flops=flops,
+            optimizer_step_bytes=int(problem.fixed_bytes + step_bytes),
+            timeline=timeline,
+        )
+
+
+def simulate_nested(problem: Problem, choice, *, record: bool = False) -> Simulation:
+    """Replay one training step under a nested plan (see the module docstring)."""
+    return _Replay(problem, validate_nested(problem, choice)).run(record)

@@ -1,0 +1,197 @@
+"""Nested checkpointing (``planner.nested``): segments that hold segments of their own.
+
+The replay is checked three ways: on flat plans it equals ``planner.simulate``'s vectorised
+replay step for step; on real models its peak equals the peak the CPU live-storage tracker
+measures; and the rewritten module trains exactly like the model (outputs, gradients, RNG,
+buffers), at any depth.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.measure import peak_memory
+from planner.nested import Nest, NestedChoice, nested_choice, simulate_nested, validate_nested
+from planner.pipeline import prepare
+from planner.rewrite import rewrite
+from planner.simulate import simulate
+from problems import random_problem
+from strategies import assert_equivalent, build, inputs, model_specs, random_segments
+
+EXAMPLES = settings.default.max_examples
+
+
+@st.composite
+def nested_choices(draw, problem, max_depth: int = 4) -> NestedChoice:
+    """Random nested plans: random valid segments between random allowed cuts, each holding
+    random valid segments between random allowed cuts inside it, down to ``max_depth``."""
+
+    def inside(start: int, stop: int, depth: int) -> tuple[Nest, ...]:
+        if depth == 0:
+            return ()
+        allowed = [c for c in range(start + 1, stop) if problem.cut_allowed[c]]
+        cuts = [c for c in allowed if draw(st.booleans())]
+        bounds = sorted({start, stop, *cuts})
+        valid = [
+            (a, b)
+            for a, b in zip(bounds, bounds[1:])
+            if problem.is_valid_segment(a, b) and (a, b) != (start, stop)
+        ]
+        chosen = [s for s in valid if draw(st.booleans())]
+        return tuple(Nest(a, b, inside(a, b, depth - 1)) for a, b in chosen)
+
+    top = draw(random_segments(problem))
+    return NestedChoice(tuple(Nest(a, b, inside(a, b, max_depth - 1)) for a, b in top))
+
+
+# -- the representation ------------------------------------------------------------------------
+
+
+def test_plain_tuples_describe_a_nested_plan():
+    choice = nested_choice([(0, 8, [(0, 4, [(2, 4)]), (4, 8)])])
+    assert choice.depth == 3
+    assert [(s.start, s.stop) for s in choice.walk()] == [(0, 8), (0, 4), (2, 4), (4, 8)]
+    assert choice.flat() is None
+    assert nested_choice([(0, 4), (4, 8)]).flat().segments == ((0, 4), (4, 8))
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ([(0, 4, [(2, 6)])], "strictly inside"),
+        ([(0, 4, [(0, 4)])], "strictly inside"),
+        ([(0, 4, [(0, 2), (1, 3)])], "overlaps"),
+        ([(0, 40)], "not valid"),
+    ],
+)
+def test_bad_nesting_is_refused_with_a_reason(spec, message):
+    problem = random_problem(0, 8)
+    problem.cut_allowed[:] = True
+    problem.checkpointable[:] = True
+    with pytest.raises(ValueError, match=message):
+        validate_nested(problem, spec)
+
+
+# -- the replay --------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10**6), st.integers(3, 30), st.data())
+def test_a_flat_nested_plan_replays_exactly_like_the_flat_simulator(seed, nodes, data):
+    problem = random_problem(seed, nodes)
+    segments = data.draw(random_segments(problem))
+    nested = simulate_nested(problem, nested_choice(segments), record=True)
+    flat = simulate(problem, segments, record=True)
+    assert nested.peak_bytes == flat.peak_bytes
+    assert nested.timeline == flat.timeline
+    assert nested.recompute_seconds == pytest.approx(flat.recompute_seconds)
+
+
+def test_simulate_dispatches_nested_plans_to_the_step_by_step_replay():
+    problem = random_problem(3, 10)
+    problem.cut_allowed[:] = True
+    problem.checkpointable[:] = True
+    choice = nested_choice([(0, 10, [(0, 5), (5, 10)])])
+    assert simulate(problem, choice) == simulate_nested(problem, choice)
+
+
+def test_an_inner_segment_recomputes_its_nodes_once_more():
+    problem = random_problem(5, 6)
+    problem.cut_allowed[:] = True
+    problem.checkpointable[:] = True
+    problem.saves[:] = True
+    problem.saves_own[:] = True
+    outer = simulate(problem, nested_choice([(0, 6)]))
+    both = simulate(problem, nested_choice([(0, 6, [(0, 3)])]))
+    # The outer recompute still runs nodes 0..5 (the inner ones without saving); the inner
+    # recompute runs 0..2 again.
+    assert both.recompute_seconds == pytest.approx(
+        outer.recompute_seconds + problem.seconds[:3].sum()
+    )
+
+
+# -- real models: measured peak and exact training ---------------------------------------------
+
+
+def _prepared(spec):
+    model = build(spec)
+    args, kwargs = inputs(spec)
+    reference = copy.deepcopy(model)
+    captured, problem = prepare(model, args, kwargs)
+    return model, reference, args, kwargs, captured, problem
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(spec=model_specs(untraceable=None), data=st.data())
+def test_nested_plans_train_exactly_like_the_original(spec, data):
+    """Outputs, loss, gradients (backward and autograd.grad), RNG after the step, buffers
+    (BatchNorm statistics updated once) and state_dict, at random depths."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model, reference, args, kwargs, captured, problem = _prepared(spec)
+        choice = data.draw(nested_choices(problem), label="choice")
+        planned = rewrite(captured.graph_module, model, choice)
+        assert_equivalent(reference, model, planned, args, kwargs, seed=spec.seed)
+
+
+def _measured_and_simulated(spec, choice_of):
+    model, _, args, kwargs, captured, problem = _prepared(spec)
+    choice = choice_of(problem)
+    planned = rewrite(captured.graph_module, model, choice)
+    return peak_memory(planned, args, kwargs).peak_bytes, simulate(problem, choice).peak_bytes
+
+
+def _offset(model, args, problem) -> int:
+    """What the tracker measures beyond the replay with nothing checkpointed (the loss's
+    scalars): the same for every plan when the replay is exact."""
+    return peak_memory(model, args).peak_bytes - simulate(problem, ()).peak_bytes
+
+
+@settings(max_examples=max(5, EXAMPLES // 2), deadline=None)
+@given(depth=st.integers(2, 16), data=st.data())
+def test_simulated_peak_equals_the_measured_peak_on_chains(depth, data):
+    from planner import zoo
+
+    model, args = zoo.build("mlp", depth=depth, width=16, batch=64)
+    captured, problem = prepare(model, args)
+    offset = _offset(model, args, problem)
+    choice = data.draw(nested_choices(problem), label="choice")
+    planned = rewrite(captured.graph_module, model, choice)
+    assert peak_memory(planned, args).peak_bytes - offset == simulate(problem, choice).peak_bytes
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        [(3, 10, [(8, 9)])],
+        [(0, 39, [(0, 4)])],
+        [(0, 39, [(6, 9)])],
+        [(0, 39, [(0, 3), (6, 9)])],
+        [(0, 39, [(4, 6), (11, 14)])],
+        pytest.param(
+            [(0, 39, [(0, 4), (6, 9)])],
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="known gap: measured 1 MiB (one activation) above the replay; the "
+                "block input made by the first inner segment and read by the second's "
+                "shortcut lives longer than modelled",
+            ),
+        ),
+    ],
+)
+def test_simulated_peak_is_within_two_kib_of_the_measured_peak_on_a_resnet(spec):
+    """A DAG with BatchNorm and residual shortcuts (12 MiB peaks): the flat replay is within a
+    few hundred bytes here too (views and BatchNorm's small tensors)."""
+    from planner import zoo
+
+    model, args = zoo.build("resnet")
+    captured, problem = prepare(model, args)
+    offset = _offset(model, args, problem)
+    planned = rewrite(captured.graph_module, model, nested_choice(spec))
+    measured = peak_memory(planned, args).peak_bytes - offset
+    assert abs(measured - simulate(problem, nested_choice(spec)).peak_bytes) <= 2048
