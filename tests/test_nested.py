@@ -195,3 +195,54 @@ def test_simulated_peak_is_within_two_kib_of_the_measured_peak_on_a_resnet(spec)
     planned = rewrite(captured.graph_module, model, nested_choice(spec))
     measured = peak_memory(planned, args).peak_bytes - offset
     assert abs(measured - simulate(problem, nested_choice(spec)).peak_bytes) <= 2048
+
+
+# -- the rotor solver --------------------------------------------------------------------------
+
+
+def all_nested_plans(problem) -> list[NestedChoice]:
+    """Every nested plan of ``problem``: each level a set of disjoint valid segments, each
+    segment holding any such set strictly inside it."""
+
+    def level(start: int, stop: int, parent) -> list[tuple[Nest, ...]]:
+        def from_position(p: int):
+            yield ()
+            for a in range(p, stop):
+                for b in range(a + 1, stop + 1):
+                    if problem.is_valid_segment(a, b) and (a, b) != parent:
+                        for inner in level(a, b, (a, b)):
+                            for rest in from_position(b):
+                                yield (Nest(a, b, inner), *rest)
+
+        return list(from_position(start))
+
+    return [NestedChoice(plan) for plan in level(0, problem.size, None)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10**6))
+def test_rotor_never_costs_more_than_the_flat_optimum_where_it_fits(seed):
+    """Flat plans are a special case: at every budget the flat ``optimal`` plan meets,
+    ``rotor``'s plan fits too and recomputes no more; where none fits it goes no higher."""
+    from planner.solvers import SOLVERS
+
+    problem = random_problem(seed, 5)
+    peaks = sorted({simulate(problem, plan).peak_bytes for plan in all_nested_plans(problem)})
+    for budget in peaks:
+        flat = simulate(problem, SOLVERS["optimal"](problem, budget))
+        nested = simulate(problem, SOLVERS["rotor"](problem, budget))
+        if flat.peak_bytes <= budget:
+            assert nested.peak_bytes <= budget
+            assert nested.recompute_seconds <= flat.recompute_seconds + 1e-12
+        else:
+            assert nested.peak_bytes <= flat.peak_bytes
+
+
+def test_rotor_reaches_below_the_lowest_flat_peak_on_a_resnet():
+    from planner import zoo
+    from planner.pipeline import lowest_peak
+    from planner.solvers import SOLVERS
+
+    _, problem = prepare(*zoo.build("resnet"))
+    nested = simulate(problem, SOLVERS["rotor"](problem, 0)).peak_bytes
+    assert nested < lowest_peak(problem).peak_bytes

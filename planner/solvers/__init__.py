@@ -12,12 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
+from planner.nested import NestedChoice
 from planner.problem import Problem
 from planner.simulate import Choice, Segments
 
 
 class Solver(Protocol):
-    def __call__(self, problem: Problem, budget_bytes: int, **options) -> Segments | Choice: ...
+    def __call__(
+        self, problem: Problem, budget_bytes: int, **options
+    ) -> Segments | Choice | NestedChoice: ...
 
 
 SOLVERS: dict[str, Solver] = {}
@@ -49,4 +52,4 @@ def get_solver(solver: str | Solver) -> tuple[str, Solver]:
         ) from None
 
 
-from planner.solvers import auto, greedy, milp, optimal, sqrt_n  # noqa: E402,F401  (registration side effect)
+from planner.solvers import auto, greedy, milp, optimal, rotor, sqrt_n  # noqa: E402,F401  (registration side effect)
