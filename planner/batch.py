@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 from planner.capture import Captured
 from planner.costs import CostModel
 from planner.errors import PlanningError, positive_int
+from planner.nested import NestedChoice
 from planner.options import CaptureOptions
 from planner.pipeline import assemble, budget_in_bytes, prepare
 from planner.plans import Plan
@@ -298,7 +299,7 @@ def plan_batch(
             BatchOption,
             Captured,
             Problem,
-            Segments | Choice,
+            Segments | Choice | NestedChoice,
             Simulation,
             float,
             str,
@@ -362,7 +363,11 @@ def plan_batch(
             predicted_peak_bytes=result.peak_bytes,
             predicted_seconds=seconds,
             recompute_fraction=result.recompute_seconds / step_seconds if step_seconds else 0.0,
-            segments=len(as_choice(segments).segments),
+            segments=len(
+                segments.segments
+                if isinstance(segments, NestedChoice)
+                else as_choice(segments).segments
+            ),
             solver=name,
             fits=fits,
             note=note,

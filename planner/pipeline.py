@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 from planner.capture import capture
 from planner.costs import CostModel
 from planner.errors import PlanningError, short_repr
+from planner.nested import NestedChoice
 from planner.optimizer import optimizer_memory
 from planner.options import CaptureOptions
 from planner.plans import Plan
@@ -22,7 +23,7 @@ from planner.problem import Problem, build_problem
 from planner.profile import profile
 from planner.rewrite import rewrite, tensor_arguments
 from planner.serialize import input_spec
-from planner.simulate import as_choice, simulate
+from planner.simulate import Choice, as_choice, simulate
 from planner.solvers.auto import choose, lowest_peak
 from planner.units import GIB, mib
 
@@ -312,13 +313,19 @@ def assemble(
 ) -> Plan:
     """Simulate, rewrite and package a choice (segments, or a ``Choice``; shared by plan, load
     and plan_batch)."""
-    choice = as_choice(segments)
+    nesting = segments if isinstance(segments, NestedChoice) and segments.flat() is None else None
+    if nesting is not None:
+        flat = Choice(tuple((s.start, s.stop) for s in nesting.segments))
+    else:
+        flat = as_choice(segments.flat() if isinstance(segments, NestedChoice) else segments)
+    choice = nesting or flat
     baseline = simulate(problem, ())
     result = simulate(problem, choice)
     step_seconds = problem.step_seconds
     return Plan(
-        segments=choice.segments,
-        keep=choice.keep,
+        segments=flat.segments,
+        keep=flat.keep,
+        nesting=nesting,
         solver=solver,
         budget_bytes=budget_bytes,
         predicted_peak_bytes=result.peak_bytes,

@@ -8,6 +8,7 @@ import numpy as np
 from torch import fx
 
 from planner import serialize, viz
+from planner.nested import NestedChoice
 from planner.options import CaptureOptions
 from planner.problem import Problem
 from planner.simulate import Choice, Segments, recomputed_nodes, simulate
@@ -43,11 +44,13 @@ class Plan:
     training: bool = field(default=True, repr=False, compare=False)
 
     keep: frozenset[int] = frozenset()  # positions of kept nodes inside segments
+    # The whole tree when segments hold segments (planner.nested); ``segments`` is its top level.
+    nesting: NestedChoice | None = field(default=None, repr=False)
 
     @property
-    def choice(self) -> Choice:
-        """The segments and kept nodes, as solvers and ``simulate`` take them."""
-        return Choice(self.segments, self.keep)
+    def choice(self) -> Choice | NestedChoice:
+        """The segments and kept nodes (or the nested segments), as ``simulate`` takes them."""
+        return self.nesting if self.nesting is not None else Choice(self.segments, self.keep)
 
     @property
     def baseline_fixed_bytes(self) -> int:
@@ -93,6 +96,9 @@ class Plan:
 
     def __str__(self) -> str:
         kept = f", {len(self.keep)} nodes kept inside them" if self.keep else ""
+        if self.nesting is not None:
+            inner = sum(1 for _ in self.nesting.walk()) - len(self.segments)
+            kept += f", holding {inner} nested segments ({self.nesting.depth} levels)"
         lines = [
             f"Plan: {len(self.segments)} checkpointed segments{kept} over {self.problem.size} "
             f"nodes (solver {self.solver}, captured by {self.capture_method})",

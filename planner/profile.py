@@ -454,7 +454,10 @@ class _Recorder(fx.Interpreter):
         if node.op not in COMPUTE_OPS:
             return super().run_node(node)
         try:
-            return self.record(node, lambda: super(_Recorder, self).run_node(node))
+            # The tensors passed in count as read even when no operation touches them
+            # (``nn.Identity``): a checkpoint starting at a later node still takes them.
+            passed = [t for n in node.all_input_nodes for t in tree_leaves(self.env.get(n))]
+            return self.record(node, lambda: super(_Recorder, self).run_node(node), passed)
         except Exception as error:
             raise PlanningError(
                 f"the model's forward failed on the example inputs at node {node.name!r} "
@@ -462,8 +465,9 @@ class _Recorder(fx.Interpreter):
                 "example inputs' shapes and dtypes against what the model expects."
             ) from error
 
-    def record(self, node: fx.Node, run: Callable):
-        """Run ``run()`` as the computation of ``node`` and write its annotations."""
+    def record(self, node: fx.Node, run: Callable, passed=()):
+        """Run ``run()`` as the computation of ``node`` and write its annotations; ``passed``
+        holds the values given to it (their tensors count as read)."""
         self.cost.reset()
         self.saved_by_current = set()
         with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
@@ -473,7 +477,9 @@ class _Recorder(fx.Interpreter):
         kept = (self.cost.new & out_keys) | (self.cost.new & self.saved_by_current)
         nbytes = self.storages.nbytes
         node.meta["planner.created"] = {k: nbytes[k] for k in sorted(kept)}
-        node.meta["planner.reads"] = frozenset(self.cost.reads - self.cost.new - {None})
+        given = {self.storages.key(t) for t in passed if isinstance(t, torch.Tensor)}
+        reads = (self.cost.reads | given) - self.cost.new - {None}
+        node.meta["planner.reads"] = frozenset(reads)
         node.meta["planner.saved"] = frozenset(self.saved_by_current)
         node.meta["planner.writes"] = frozenset(self.cost.writes)
         node.meta["planner.workspace"] = sum(nbytes[k] for k in self.cost.new - kept)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 
 from planner.errors import short_repr
+from planner.nested import NestedChoice, validate_nested
 from planner.problem import Problem
 from planner.simulate import Choice, Segments, Simulation, validate_choice, validate_segments
 
@@ -22,10 +23,17 @@ def rank(result: Simulation, budget_bytes: int) -> tuple[bool, float]:
     return (not fits, result.recompute_seconds if fits else result.peak_bytes)
 
 
-def checked_result(name: str, result, problem: Problem) -> Segments | Choice:
+def checked_result(name: str, result, problem: Problem) -> Segments | Choice | NestedChoice:
     """A solver's segments, sorted, as ints (or its ``Choice``, when it keeps nodes inside
     them); a clear error naming the solver when they are not the ``(start, stop)`` pairs of int
     positions every solver must return."""
+    if isinstance(result, NestedChoice):
+        try:
+            nested = validate_nested(problem, result)
+        except ValueError as error:
+            raise ValueError(f"solver {name!r} returned an invalid plan: {error}") from None
+        flat = nested.flat()
+        return nested if flat is None else flat.segments
     if isinstance(result, Choice):
         try:
             choice = validate_choice(problem, result)

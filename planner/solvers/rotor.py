@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.problem import Problem
 from planner.nested import Nest, NestedChoice
+from planner.problem import Problem
 from planner.simulate import Choice, Segments, simulate
 from planner.solvers import SOLVERS, register
 
