@@ -20,7 +20,9 @@ segments is a flat plan and simulates through ``planner.simulate``'s vectorised 
   starting there does not run at all);
 * what a recompute re-creates lives until the backward of the first node of its level that
   saves it; an inner segment's input lives until that inner segment's own recompute ends, or
-  longer when nodes of the inner level (or deeper segments) save it in turn;
+  longer when nodes of the inner level (or deeper segments) save it in turn; an inner
+  segment's output that some node the recompute does not reach reads lives until the
+  recompute stops (the segment body's variable holds it);
 * backward reaches a segment's last node: the segments ending there recompute, outermost first
   (an inner segment's inputs come from its parent's recompute); each segment recomputes once;
 * the random state: each checkpoint restores the state of its own start, so inner recomputes
@@ -233,6 +235,10 @@ class _Replay:
         reads = [executed[j] for j in storage.readers if j in executed]
         if storage.is_output and segment is None:
             reads.append(last)
+        if home is not None and len(reads) < len(storage.readers):
+            # An inner segment's output that a node the recompute never reaches reads: the
+            # segment body's variable lives until the recompute stops (or returns).
+            reads.append(self.run_end[segment])
         return max(reads, default=created_at)
 
     # -- the replay ----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import time
 from torch import nn
 
 from planner.errors import PlanningError
+from planner.nested import Nest, NestedChoice, validate_nested
 from planner.options import CaptureOptions
 from planner.pipeline import assemble, prepare
 from planner.serialize import (
@@ -204,8 +205,7 @@ def load(
             + _unmatched_leaf_hint(unmatched)
         )
 
-    segments = []
-    for entry in data["segments"]:
+    def read_segment(entry) -> Nest:
         begin, stop = int(entry["start"]), int(entry["stop"])
         if not (0 <= begin < stop <= problem.size) or (
             problem.names[begin],
@@ -215,7 +215,10 @@ def load(
                 f"segment {entry} of {path} does not name the nodes at its positions; the file "
                 "was edited or corrupted"
             )
-        segments.append((begin, stop))
+        return Nest(begin, stop, tuple(read_segment(e) for e in entry.get("inner", ())))
+
+    nests = tuple(read_segment(entry) for entry in data["segments"])
+    segments = [(s.start, s.stop) for s in nests]
     keep = []
     for entry in data.get("keep", []):  # versions 1 and 2 keep nothing
         position = entry.get("position") if isinstance(entry, dict) else None
@@ -230,7 +233,10 @@ def load(
             )
         keep.append(position)
     try:
-        choice = validate_choice(problem, Choice(tuple(segments), frozenset(keep)))
+        if any(s.inner for s in nests):  # version 4: nested segments, nothing kept inside
+            choice: Choice | NestedChoice = validate_nested(problem, NestedChoice(nests))
+        else:
+            choice = validate_choice(problem, Choice(tuple(segments), frozenset(keep)))
     except ValueError as error:
         raise PlanningError(f"{path}: {error}") from None
 

@@ -1,9 +1,9 @@
 """The saved plan's file format: plans as JSON, without pickle (``planner.restore`` loads them).
 
-A saved plan is a small JSON document (format ``"planner.plan"``, ``"version": 3``)::
+A saved plan is a small JSON document (format ``"planner.plan"``, ``"version": 4``)::
 
     {
-      "format": "planner.plan", "version": 3,
+      "format": "planner.plan", "version": 4,
       "planner_version": "0.1.0", "torch_version": "2.13.0", "model": "GPTWithLoss",
       "solver": "auto:greedy", "capture_method": "symbolic_trace",
       "capture": {"training": true, "leaf_modules": ["planner.zoo.transformers._GPTBlock"],
@@ -24,17 +24,17 @@ A saved plan is a small JSON document (format ``"planner.plan"``, ``"version": 3
 Segments are half-open ``(start, stop)`` positions over the captured graph's compute nodes, and
 also the names of their first and last nodes; ``keep`` lists the nodes kept inside segments
 (selective checkpointing) by position and name; files of versions 1 and 2 (no ``keep``) still
-load, as plans that keep nothing. The fingerprint hashes, for every compute node in order, its
-name, its operation (``call_module`` target, method or function) and the sizes the
-profile derived from its tensor shapes (bytes created, bytes moved, FLOPs), plus the fixed and
-parameter bytes. ``capture`` records what else decides the captured graph: the model's mode
-(train or eval) and the ``CaptureOptions``: ``leaf_modules`` (qualified class names) and
-``dynamic_shapes`` (absent in older files: false). ``inputs`` records how the example
-inputs alias: a tensor given again is ``"same"`` as its first occurrence, and a tensor that shares
-its storage with another input, or does not fill its own (a slice, an expanded view), also
-records ``storage`` (a number shared by the tensors of one storage), ``storage_bytes``,
-``offset`` and ``stride``. Version 1 files (no ``capture``, no aliasing) still load.
-"""
+load, as plans that keep nothing. A segment holding nested segments (``planner.nested``) lists
+them under ``"inner"``, in the same form (version 4). The fingerprint hashes, for every compute
+node in order, its name, its operation (``call_module`` target, method or function) and the
+sizes the profile derived from its tensor shapes (bytes created, bytes moved, FLOPs), plus the
+fixed and parameter bytes. ``capture`` records what else decides the captured graph: the model's
+mode (train or eval) and the ``CaptureOptions``: ``leaf_modules`` (qualified class names) and
+``dynamic_shapes`` (absent in older files: false). ``inputs`` records how the example inputs
+alias: a tensor given again is ``"same"`` as its first occurrence, and a tensor that shares its
+storage with another input, or does not fill its own (a slice, an expanded view), also records
+``storage`` (a number shared by the tensors of one storage), ``storage_bytes``, ``offset`` and
+``stride``. Version 1 files (no ``capture``, no aliasing) still load."""
 
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ __all__ = [
 ]
 
 FORMAT = "planner.plan"
-FORMAT_VERSION = 3  # 2 adds "capture" and input aliasing; 3 "keep", the nodes kept inside
-# segments; files of versions 1 and 2 still load
+FORMAT_VERSION = 4  # 2 adds "capture" and input aliasing; 3 "keep", the nodes kept inside
+# segments; 4 "inner", the segments nested in a segment; files of earlier versions still load
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,15 +285,23 @@ def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
         inputs = input_spec(example_inputs, example_kwargs)
     else:
         inputs = getattr(plan, "input_spec", None)
-    segments = [
-        {
+
+    def entry(start: int, stop: int, inner=()) -> dict:
+        described = {
             "start": int(start),
             "stop": int(stop),
             "first": problem.names[start],
             "last": problem.names[stop - 1],
         }
-        for start, stop in plan.segments
-    ]
+        if inner:  # nested segments (version 4)
+            described["inner"] = [entry(s.start, s.stop, s.inner) for s in inner]
+        return described
+
+    nesting = getattr(plan, "nesting", None)
+    if nesting is not None:
+        segments = [entry(s.start, s.stop, s.inner) for s in nesting.segments]
+    else:
+        segments = [entry(start, stop) for start, stop in plan.segments]
     keep = [
         {"position": int(k), "name": problem.names[k]} for k in sorted(getattr(plan, "keep", ()))
     ]
