@@ -26,6 +26,7 @@ import numpy as np
 
 from planner.costs import CostModel
 from planner.errors import PlanningError
+from planner.nested import NestedChoice
 from planner.options import CaptureOptions
 from planner.pipeline import prepare
 from planner.problem import Problem
@@ -160,7 +161,8 @@ def frontier_of(
                 f"{name} reaches {result.peak_bytes / MIB:,.1f} MiB and the lowest peak found "
                 f"is {lowest / MIB:,.1f} MiB (budget_bytes={lowest}); drop the smaller budgets."
             )
-        chosen = (result, len(as_choice(segments).segments), name)
+        top = segments if isinstance(segments, NestedChoice) else as_choice(segments)
+        chosen = (result, len(top.segments), name)
         if previous is not None and previous[0].recompute_seconds < result.recompute_seconds:
             chosen = previous  # it fits this larger budget too, and costs less
         previous = chosen
