@@ -27,9 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from planner.pipeline import lowest_peak, prepare  # noqa: E402
+from planner.pipeline import prepare  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
 from planner.solvers import SOLVERS  # noqa: E402
+from planner.solvers.auto import lowest_peak  # noqa: E402
 
 
 class Block(nn.Module):

@@ -16,8 +16,9 @@ segments is a flat plan and simulates through ``planner.simulate``'s vectorised 
   flat plan does;
 * the recompute of a segment runs its own nodes and its inner segments (whose nodes save
   nothing: they run under the inner segments' hooks), and stops early after the last thing it
-  saves: a node of its own level that saves, or an inner segment's inputs (an inner segment
-  starting there does not run at all);
+  saves: a node of its own level that saves (which runs only when it saves something it
+  creates, as in ``planner.simulate.recompute_stop``), or an inner segment's inputs (an inner
+  segment starting there does not run at all);
 * what a recompute re-creates lives until the backward of the first node of its level that
   saves it; an inner segment's input lives until that inner segment's own recompute ends, or
   longer when nodes of the inner level (or deeper segments) save it in turn; an inner
@@ -263,11 +264,11 @@ class _Replay:
             at = dict(executed)
             end = self.end[segment]
             for q, step in executed:
+                if q == end and not problem.saves_own[q]:
+                    continue  # it saved its inputs and the recompute stopped: it never ran
                 transient[step] = problem.workspace[q]
                 seconds += float(problem.seconds[q])
                 flops += float(problem.flops[q])
-                if q == end and not problem.saves_own[q]:
-                    continue  # stopped after saving its inputs: its outputs are not re-created
                 for s in by_producer.get(q, ()):
                     alloc[step] += s.nbytes
                     free[self._release(segment, s, step, at, -1)] += s.nbytes

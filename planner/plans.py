@@ -70,10 +70,16 @@ class Plan:
         """
         saved = self.problem.saved_bytes_per_node()
         saved[list(self.keep)] = 0
-        seconds = np.where(recomputed_nodes(self.problem, self.choice), self.problem.seconds, 0.0)
+        top = Choice(self.segments, self.keep)  # a nested plan's top level
+        seconds = np.where(recomputed_nodes(self.problem, top), self.problem.seconds, 0.0)
+        nests = self.nesting.segments if self.nesting is not None else (None,) * len(self.segments)
         rows = []
-        for k, (start, stop) in enumerate(self.segments):
+        for k, ((start, stop), nest) in enumerate(zip(self.segments, nests)):
             tensors, nbytes = _segment_inputs(self.problem, start, stop)
+            if nest is not None and nest.inner:  # every recompute inside it, nested ones too
+                recompute = simulate(self.problem, NestedChoice((nest,))).recompute_seconds
+            else:
+                recompute = float(seconds[start:stop].sum())
             rows.append(
                 {
                     "segment": k,
@@ -85,7 +91,8 @@ class Plan:
                     "input_tensors": tensors,
                     "input_bytes": nbytes,
                     "dropped_bytes": int(saved[start:stop].sum()),
-                    "recompute_seconds": float(seconds[start:stop].sum()),
+                    "recompute_seconds": recompute,
+                    "nested": 0 if nest is None else sum(1 for _ in nest.walk()) - 1,
                     "kept": [self.problem.names[i] for i in sorted(self.keep) if start <= i < stop],
                     "kept_bytes": int(
                         sum(int(self.problem.kept_bytes[i]) for i in self.keep if start <= i < stop)

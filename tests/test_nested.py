@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.measure import peak_memory
 from planner.nested import Nest, NestedChoice, nested_choice, simulate_nested, validate_nested
 from planner.pipeline import prepare
 from planner.rewrite import rewrite
 from planner.simulate import simulate
+from planner.step import peak_memory
 from problems import random_problem
 from strategies import assert_equivalent, build, inputs, model_specs, random_segments
 
@@ -240,8 +240,8 @@ def test_plan_below_every_flat_plan_is_nested_exact_and_saved(tmp_path):
     (format version 4)."""
     import planner
     from planner import zoo
-    from planner.pipeline import lowest_peak_plan
     from planner.solvers import SOLVERS
+    from planner.solvers.auto import lowest_peak_plan
 
     model, args = zoo.build("resnet")
     reference = copy.deepcopy(model)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.nested import NestedChoice
 from planner.serialize import model_name
 from planner.simulate import as_choice, recomputed_nodes, simulate
 from planner.units import MIB, mib
@@ -40,11 +41,12 @@ class MemoryCurve:
 
 
 def _curve(problem, choice, step_seconds: float) -> MemoryCurve:
-    choice = as_choice(choice)
+    nested = isinstance(choice, NestedChoice)  # its recompute steps all count as run
+    choice = choice if nested else as_choice(choice)
     result = simulate(problem, choice, record=True)
     assert result.timeline is not None  # record=True keeps it
     seconds = problem.seconds if step_seconds > 0 else np.ones(problem.size)
-    runs = recomputed_nodes(problem, choice)
+    runs = np.ones(problem.size, bool) if nested else recomputed_nodes(problem, choice)
     scale = step_seconds if step_seconds > 0 else 3.0 * problem.size
     xs, ys, phases = [0.0], [problem.fixed_bytes], ["start"]
     t = 0.0
