@@ -124,7 +124,8 @@ class Plan:
             header = (
                 f"  {'seg':>4} {'nodes':>6} {'from':<24} {'to':<24} {'inputs':>10} {'dropped':>10}"
             )
-            lines.append(header + (f" {'kept':>5} {'kept bytes':>10}" if self.keep else ""))
+            header += f" {'kept':>5} {'kept bytes':>10}" if self.keep else ""
+            lines.append(header + (f" {'nested':>6}" if self.nesting is not None else ""))
             for r in rows:
                 line = (
                     f"  {r['segment']:>4} {r['nodes']:>6} {r['first']:<24.24} "
@@ -133,6 +134,8 @@ class Plan:
                 )
                 if self.keep:
                     line += f" {len(r['kept']):>5} {mib(r['kept_bytes']):>10}"
+                if self.nesting is not None:
+                    line += f" {r['nested']:>6}"
                 lines.append(line)
         return "\n".join(lines)
 

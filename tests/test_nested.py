@@ -254,7 +254,10 @@ def test_plan_below_every_flat_plan_is_nested_exact_and_saved(tmp_path):
     p = planner.plan(model, args, budget_bytes=budget)
     assert p.solver == "auto:rotor" and p.nesting is not None
     assert p.predicted_peak_bytes <= budget
-    assert "nested segments" in str(p)
+    assert "nested segments" in str(p) and "nested segments" in p._repr_html_()
+    assert sum(row["nested"] for row in p.segment_table()) == sum(
+        1 for _ in p.nesting.walk()
+    ) - len(p.segments)
     assert_equivalent(reference, model, p.module, args, {})
     # Measured within 1% of the prediction (found: 0.5% above it, 39 KB of 8.7 MB).
     measured = peak_memory(p.module, args).peak_bytes

@@ -24,6 +24,7 @@ class _Row:
     recompute_share: float
     kept_nodes: int = 0  # nodes kept inside the segment (selective checkpointing)
     kept_bytes: int = 0
+    nested: int = 0  # checkpointed segments nested inside it (planner.nested)
 
 
 def _segment_rows(plan) -> list[_Row]:
@@ -42,6 +43,7 @@ def _segment_rows(plan) -> list[_Row]:
             recompute_share=row["recompute_seconds"] / step_seconds,
             kept_nodes=len(row["kept"]),
             kept_bytes=row["kept_bytes"],
+            nested=row.get("nested", 0),
         )
         for row in plan.segment_table()
     ]
@@ -131,10 +133,13 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
             shown = [*rows[: max_rows - tail], None, *rows[-tail:]]
         open_attr = " open" if len(rows) <= 12 else ""
         selective = bool(getattr(plan, "keep", ()))
+        nested = getattr(plan, "nesting", None) is not None
         titles = [
             ("seg", "right"), ("nodes", "right"), ("from", "left"), ("to", "left"),
             ("boundary tensors", "right"), ("recomputed", "right"), ("recompute cost", "right"),
-        ] + ([("kept nodes", "right")] if selective else [])  # fmt: skip
+        ] + ([("kept nodes", "right")] if selective else []) + (
+            [("nested segments", "right")] if nested else []
+        )  # fmt: skip
         head = "".join(
             f'<th style="text-align:{align};padding:2px 8px;border-bottom:1px solid #ccc">'
             f"{title}</th>"
@@ -166,7 +171,8 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
                 (mib(r.dropped_bytes), "right"),
                 (f"{r.recompute_share:.1%}", "right"),
             ] + ([(f"{r.kept_nodes} &middot; {mib(r.kept_bytes)}", "right")]
-                 if selective else [])  # fmt: skip
+                 if selective else []) + ([(str(r.nested), "right")]
+                 if nested else [])  # fmt: skip
             out.append(
                 "<tr>"
                 + "".join(
