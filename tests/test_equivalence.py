@@ -130,7 +130,7 @@ def test_plan_fits_its_budget_and_trains_exactly_like_the_original(spec, fractio
         warnings.simplefilter("ignore", FutureWarning)
         p = planner.plan(model, args, budget_bytes=budget, example_kwargs=kwargs)
     assert p.predicted_peak_bytes <= budget
-    assert simulate(p.problem, p.segments).peak_bytes == p.predicted_peak_bytes
+    assert simulate(p.problem, p.choice).peak_bytes == p.predicted_peak_bytes
     assert_equivalent(reference, model, p.module, args, kwargs, seed=spec.seed)
 
 

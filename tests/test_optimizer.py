@@ -84,7 +84,7 @@ def test_when_optimizer_step_is_the_peak_the_plan_says_so_and_counts_it():
     inputs = (torch.randn(2, 512),)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
     p = planner.plan(model, inputs, budget_gb=1, optimizer=optimizer)
-    assert simulate(p.problem, p.segments).optimizer_step_bytes == p.predicted_peak_bytes
+    assert simulate(p.problem, p.choice).optimizer_step_bytes == p.predicted_peak_bytes
     assert "the step's peak" in str(p)
     training_step(p.module, inputs, optimizer=optimizer)
     measured = peak_memory(p.module, inputs, optimizer=optimizer).peak_bytes

@@ -30,9 +30,11 @@ def lowest_peak_plan(problem: Problem) -> tuple[Segments | Choice | NestedChoice
     ]
     if "optimal" in SOLVERS and problem.size <= AUTO_OPTIMAL_MAX_NODES:
         candidates.append(SOLVERS["optimal"](problem, 0, time_limit=AUTO_OPTIMAL_SECONDS))
+    lowest = min(((c, simulate(problem, c)) for c in candidates), key=lambda r: r[1].peak_bytes)
     if "rotor" in SOLVERS and problem.size <= AUTO_ROTOR_MAX_NODES:  # nested: a lower floor
-        candidates.append(SOLVERS["rotor"](problem, 0))
-    return min(((c, simulate(problem, c)) for c in candidates), key=lambda r: r[1].peak_bytes)
+        nested = SOLVERS["rotor"](problem, 0, flat=lowest[0])
+        lowest = min(lowest, (nested, simulate(problem, nested)), key=lambda r: r[1].peak_bytes)
+    return lowest
 
 
 def lowest_peak(problem: Problem) -> Simulation:
@@ -65,7 +67,8 @@ def auto(problem: Problem, budget: int, **options) -> tuple[str, Segments | Choi
             "planner.solvers.SOLVERS: name a registered solver with solver="
         )
     if best[0][0] and "rotor" in SOLVERS and problem.size <= AUTO_ROTOR_MAX_NODES:
-        nested = checked_result("rotor", SOLVERS["rotor"](problem, budget, **options), problem)
+        found = SOLVERS["rotor"](problem, budget, flat=best[2], **options)
+        nested = checked_result("rotor", found, problem)
         if simulate(problem, nested).peak_bytes <= budget:  # no flat plan fits; a nested one
             return "auto:rotor", nested
     if best[0][0]:  # nothing fits: the plan with the lowest peak may still (the stated minimum)

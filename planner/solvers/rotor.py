@@ -132,11 +132,15 @@ def bisections(problem: Problem, cuts: list[int]) -> list[NestedChoice]:
 
 
 @register("rotor")
-def solve(problem: Problem, budget_bytes: int, **options) -> NestedChoice | Choice | Segments:
-    """The cheapest plan that fits among the table's, ``optimal``'s and the bisections; the
-    lowest peak among them when none fits (see the module docstring)."""
+def solve(
+    problem: Problem, budget_bytes: int, *, flat=None, **options
+) -> NestedChoice | Choice | Segments:
+    """The cheapest plan that fits among the table's, the bisections and ``flat`` (a flat plan
+    already found; ``optimal``'s when not given, run with ``options``); the lowest peak among
+    them when none fits (see the module docstring)."""
     cuts = _candidate_cuts(problem)
-    flat = SOLVERS["optimal"](problem, budget_bytes, **options)
+    if flat is None:
+        flat = SOLVERS["optimal"](problem, budget_bytes, **options)
     every_cut = [0, *(int(c) for c in np.flatnonzero(problem.cut_allowed)[1:-1]), problem.size]
     candidates = [flat, *table_plans(problem, cuts), *bisections(problem, every_cut)]
     best: NestedChoice | Choice | Segments = flat
