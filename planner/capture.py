@@ -22,6 +22,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from planner.attention import exact_attention
 from planner.errors import PlanningError
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ class ModelCall:
     binds a call to the model's own signature (defaults, keywords given positionally, the
     arguments planner fixed such as ``use_cache=False``) and puts the output's container types
     back. Calls the captured graph cannot compute like the model (another non-tensor value, a
-    tensor left out or added) raise instead of computing something else.
+    tensor added) raise instead of computing something else; a tensor argument left out is
+    passed on as None (the planned module then runs the model itself).
     """
 
     def __init__(
@@ -81,11 +83,13 @@ class ModelCall:
         fixed: dict | None = None,
         output=None,
         sizes: bool = False,
+        checks=(),
     ):
         self.model_name = type(model).__name__
         self.signature = inspect.signature(model.forward)
         self.fixed = dict(fixed or {})
         self.output_types = output
+        self.checks = list(checks)  # each is called with the inputs as the graph takes them
         self.binds = args is not None
         if args is not None:
             kwargs = {} if kwargs is None else kwargs
@@ -156,12 +160,6 @@ class ModelCall:
                     f"{self.constants[name]!r} and computes with that value; this call passes "
                     f"{name}={value!r}. Plan again with {name}={value!r} in the example inputs."
                 )
-            if name not in self.constants and value is None:
-                raise PlanningError(
-                    f"the planned {self.model_name} needs the tensor argument {name!r}: the plan "
-                    f"was made with {name}= given, and its graph computes with it. Pass it, or "
-                    f"plan again without {name}= to call the model without it."
-                )
         if self.largest is not None and not self.warned and _larger(_sizes(values), self.largest):
             self.warned = True
             warnings.warn(
@@ -171,10 +169,11 @@ class ModelCall:
                 UserWarning,
                 stacklevel=4,
             )
-        return (
-            tuple(values[name] for name in self.positional),
-            {name: values[name] for name in self.keywords},
-        )
+        graph_args = tuple(values[name] for name in self.positional)
+        graph_kwargs = {name: values[name] for name in self.keywords}
+        for check in self.checks:
+            check(graph_args, graph_kwargs)
+        return graph_args, graph_kwargs
 
     def output(self, value):
         """``value`` with the container types of the model's own output."""
@@ -677,7 +676,9 @@ def _export(
         )
     gm = program.module()
     _guard_write_backs(gm)
-    ModelCall(model, args, kwargs, fixed=fixed, sizes=dynamic_shapes).install(gm)
+    causal = exact_attention(gm, model, args, kwargs_fixed)
+    checks = [causal] if causal is not None and dynamic_shapes else []
+    ModelCall(model, args, kwargs, fixed=fixed, sizes=dynamic_shapes, checks=checks).install(gm)
     return gm
 
 

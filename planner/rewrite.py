@@ -359,6 +359,7 @@ class _Snapshot:
         self.attribute_values = [a[3] for a in self.attributes]
         self.tensor_arguments = tensor_arguments
         self.warned = False
+        self.warned_left_out = False
 
     def training_flags(self) -> list[bool]:
         # A plain loop, not map(itemgetter): torch.compile traces this on every call.
@@ -395,15 +396,32 @@ class _Snapshot:
             "(planner.plan(model, ...), or planner.load(path, model) for a saved plan)."
         )
 
-    def check_tensor_arguments(self, planned_name: str, args: tuple, kwargs: dict) -> None:
-        for name, position in self.tensor_arguments:
-            given = position is not None and position < len(args)
-            if (args[position] if given else kwargs.get(name)) is None:
-                raise PlanningError(
-                    f"{planned_name}() needs the tensor argument {name!r}: the plan was made "
-                    f"with {name}= given, and its graph computes with it. Pass it, or plan "
-                    f"again without {name}= to call the model without it."
-                )
+    def left_out(self, args: tuple, kwargs: dict) -> list[str]:
+        """The tensor arguments of the planning call that this call leaves out (or passes as
+        None)."""
+        return [
+            name
+            for name, position in self.tensor_arguments
+            if (
+                args[position]
+                if position is not None and position < len(args)
+                else kwargs.get(name)
+            )
+            is None
+        ]
+
+    def run_model_without(self, left_out: list[str], args: tuple, kwargs: dict):
+        """The model itself, for a call without tensor arguments the graph computes with."""
+        if torch.is_grad_enabled() and not self.warned_left_out:
+            self.warned_left_out = True
+            warnings.warn(
+                f"the planned {type(self.model).__name__} was planned with "
+                f"{', '.join(left_out)} given and is called without: its graph computes "
+                "with them, so this call runs the model directly (results are exact, memory "
+                "is not reduced). Plan with the call you train with to checkpoint it.",
+                stacklevel=_callers_stacklevel(),
+            )
+        return self.model(*args, **kwargs)
 
     def run_model(self, args: tuple, kwargs: dict):
         """The model itself, for a mode the plan was not made in."""
@@ -457,10 +475,10 @@ class PlannedModule(fx.GraphModule):
     in the planning mode (dropout, ``if self.training:``), so the model itself runs instead,
     exactly, with a warning (once) when gradients are enabled. Otherwise a module replaced,
     added or removed, or a plain attribute its code reads (``self.scale = ...``) changed in a
-    part of the model the graph traced through raises a ``PlanningError``, as does a tensor
-    argument of the planning call left out. ``train()`` sets the model's mode (through the
-    model's own ``train``); ``.to()``, ``.double()``... convert the model's tensors, root ones
-    included.
+    part of the model the graph traced through raises a ``PlanningError``. A call that leaves
+    out a tensor argument of the planning call runs the model itself (exact, not planned).
+    ``train()`` sets the model's mode (through the model's own ``train``); ``.to()``,
+    ``.double()``... convert the model's tensors, root ones included.
     Pickling and ``copy.copy`` refuse: the module is tied to the model object it was planned
     from.
     """
@@ -483,9 +501,10 @@ class PlannedModule(fx.GraphModule):
         snapshot = self._planner
         if snapshot.mode_changed():
             return snapshot.run_model(args, kwargs)
-        name = type(self).__name__
-        snapshot.check_unchanged(name)
-        snapshot.check_tensor_arguments(name, args, kwargs)
+        snapshot.check_unchanged(type(self).__name__)
+        left_out = snapshot.left_out(args, kwargs)
+        if left_out:
+            return snapshot.run_model_without(left_out, args, kwargs)
         # Root parameters and buffers are entries of both modules' own dicts, and the graph
         # reads the planned module's. The model's are the reference: what replaces them
         # (model.double(), model.load_state_dict(..., assign=True), model.to_empty()) is read

@@ -213,6 +213,14 @@ FAMILIES = {
         num_local_experts=4,
         num_experts_per_tok=2,
     ),
+    "qwen2_moe": _causal_lm(
+        transformers.Qwen2MoeForCausalLM,
+        transformers.Qwen2MoeConfig,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
     "bert": _masked_lm(transformers.BertForMaskedLM, transformers.BertConfig),
     "roberta": _masked_lm(
         transformers.RobertaForMaskedLM, transformers.RobertaConfig, pad_token_id=1

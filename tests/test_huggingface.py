@@ -7,7 +7,10 @@ its lowest peak and its baseline, and then:
 * one step of the planned module equals one of the model called with ``use_cache=False``:
   outputs (same ``ModelOutput`` type), loss, every gradient, RNG state, ``state_dict``;
 * the planned module takes the model's calls: without ``use_cache``, or with
-  ``use_cache=False``.
+  ``use_cache=False``;
+* a second shape works: each plan is made with ``dynamic_shapes=True`` at batch 3 (length 16)
+  and also trains at batch 2 and length 11 (ViT's images keep their size), within the budget
+  and equal to the model.
 
 GPT-2 and Llama run in the default suite; the whole matrix runs under the ``models`` marker:
 ``.venv/bin/python -m pytest -m models tests/test_huggingface.py``.
@@ -28,9 +31,10 @@ transformers = pytest.importorskip(
 
 from hf_families import FAMILIES  # noqa: E402
 from planner.errors import PlanningError  # noqa: E402
-from planner.pipeline import plan, prepare  # noqa: E402
+from planner.options import CaptureOptions  # noqa: E402
+from planner.pipeline import assemble, plan, prepare  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
-from planner.solvers.auto import lowest_peak  # noqa: E402
+from planner.solvers.auto import choose, lowest_peak  # noqa: E402
 from planner.step import peak_memory, training_loss  # noqa: E402
 from strategies import assert_equivalent  # noqa: E402
 
@@ -61,31 +65,55 @@ def seeded(module, *args, **kwargs):
     return module(*args, **kwargs)
 
 
-def plan_between_lowest_and_baseline(model, args, kwargs):
+def plan_between_lowest_and_baseline(model, args, kwargs, capture_options=None):
+    """A plan at the budget halfway between the lowest peak and the baseline (one capture)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # use_cache=False, said once per plan
-        _, problem = prepare(model, args, kwargs)
-        low, high = lowest_peak(problem).peak_bytes, simulate(problem, ()).peak_bytes
-        return plan(model, args, budget_bytes=(low + high) // 2, example_kwargs=kwargs)
+        captured, problem = prepare(model, args, kwargs, capture_options=capture_options)
+    low, high = lowest_peak(problem).peak_bytes, simulate(problem, ()).peak_bytes
+    name, segments = choose(problem, (low + high) // 2, "auto")
+    return assemble(
+        model, captured, problem, segments, solver=name, budget_bytes=(low + high) // 2,
+        solve_seconds=0.0, started=0.0,
+    )  # fmt: skip
+
+
+def model_call(model, kwargs):
+    """``kwargs`` as the model itself is called in the comparison: without its cache."""
+    takes_cache = "use_cache" in inspect.signature(model.forward).parameters
+    return {**kwargs, "use_cache": False} if takes_cache else kwargs
+
+
+def shapes(name):
+    """The shape a family is planned at, and a second, smaller one (ViT's image size is part
+    of its config: only its batch varies)."""
+    if name == "vit":
+        return {"batch": 3}, {"batch": 2}
+    return {"batch": 3, "length": 16}, {"batch": 2, "length": 11}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "labels"), CASES)
 def test_default_config_plans_fit_and_train_like_the_model(name, labels):
-    model, args, kwargs = build(name, labels)
+    planned_shape, second_shape = shapes(name)
+    model, args, kwargs = build(name, labels, **planned_shape)
     reference = copy.deepcopy(model)
-    p = plan_between_lowest_and_baseline(model, args, kwargs)
+    dynamic = CaptureOptions(dynamic_shapes=True)
+    p = plan_between_lowest_and_baseline(model, args, kwargs, capture_options=dynamic)
     assert p.segments and p.capture_method == "export"
     measured = peak_memory(p.module, args, kwargs).peak_bytes
     assert measured <= p.budget_bytes + TRACKER_EXTRA
     assert abs(measured - p.predicted_peak_bytes) <= 0.05 * measured
-    takes_cache = "use_cache" in inspect.signature(model.forward).parameters
-    call = {**kwargs, "use_cache": False} if takes_cache else kwargs
-    assert_equivalent(reference, model, p.module, args, call)
+    assert_equivalent(reference, model, p.module, args, model_call(model, kwargs))
     # the model's own call, use_cache left out, computes the same
     loss = training_loss(seeded(p.module, *args, **kwargs))
-    expected = training_loss(seeded(reference, *args, **call))
+    expected = training_loss(seeded(reference, *args, **model_call(model, kwargs)))
     torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+    # a second shape: smaller, within the budget, equal to the model
+    _, other_args, other_kwargs = build(name, labels, **second_shape)
+    measured = peak_memory(p.module, other_args, other_kwargs).peak_bytes
+    assert measured <= p.budget_bytes + TRACKER_EXTRA
+    assert_equivalent(reference, model, p.module, other_args, model_call(model, other_kwargs))
 
 
 def test_a_default_config_decoder_plans_without_its_cache_and_says_so():
@@ -109,7 +137,7 @@ def test_an_encoder_plans_without_a_warning_about_caches():
         plan(model, args, budget_gb=1, example_kwargs=kwargs)
 
 
-def test_a_planned_module_takes_keywords_in_any_form_and_refuses_new_inputs():
+def test_a_planned_module_takes_keywords_in_any_form_and_refuses_new_tensor_inputs():
     model, args, kwargs = build("gpt2", labels=False)
     reference = copy.deepcopy(model)
     p = plan(model, args, budget_gb=1, example_kwargs={**kwargs, "use_cache": False})
@@ -120,8 +148,15 @@ def test_a_planned_module_takes_keywords_in_any_form_and_refuses_new_inputs():
     torch.testing.assert_close(without_use_cache.logits, expected.logits, rtol=0, atol=0)
     with pytest.raises(TypeError, match="made for calls without labels"):
         p.module(*args, **kwargs, labels=args[0])
-    with pytest.raises(PlanningError, match="needs the tensor argument 'attention_mask'"):
-        p.module(*args)
+
+
+def test_leaving_out_the_attention_mask_computes_as_the_model_does_without_it():
+    model, args, kwargs = build("gpt2", labels=True)
+    reference = copy.deepcopy(model)
+    p = plan(model, args, budget_gb=1, example_kwargs={**kwargs, "use_cache": False})
+    without_mask = {"labels": kwargs["labels"], "use_cache": False}
+    with pytest.warns(UserWarning, match="planned with attention_mask given and is called without"):
+        assert_equivalent(reference, model, p.module, args, without_mask)
 
 
 def test_activation_checkpointing_advice_uses_the_current_name():
@@ -135,8 +170,8 @@ def test_activation_checkpointing_advice_uses_the_current_name():
     assert "gradient_checkpointing_disable" not in str(info.value)
 
 
-SHAPE_CASES = [
-    pytest.param(name, marks=[] if name == "llama" else [pytest.mark.models])
+SHAPE_CASES = [  # the default suite's matrix cases check a second shape already
+    pytest.param(name, marks=[pytest.mark.models])
     for name in FAMILIES
     if name not in ("vit", "clip", "whisper")  # fixed image and audio sizes
 ]

@@ -416,7 +416,7 @@ def test_a_deep_copy_of_the_planned_module_trains_like_a_deep_copy_of_the_model(
 
 
 # --------------------------------------------------------------------------------------------
-# calls without a tensor argument given at planning
+# calls without a tensor argument given at planning, and shallow copies
 
 
 def test_a_shallow_copy_of_the_planned_module_refuses_and_says_what_to_do():
@@ -455,11 +455,12 @@ class ExportedMasked(Masked):
     ],
     ids=["left out", "None by position", "None by keyword"],
 )
-def test_leaving_out_a_tensor_argument_given_at_planning_names_it(cls, call):
+def test_leaving_out_a_tensor_argument_given_at_planning_runs_the_model_and_says_so(cls, call):
     model, x = cls(), torch.randn(4, 8)
     p = tight_plan(model, (x,), {"mask": torch.ones(4, 8), "scale": 0.5})
-    with pytest.raises(planner.PlanningError, match=r"'mask'.*plan was made with mask="):
-        call(p.module, x)
+    with pytest.warns(UserWarning, match=r"planned with mask given and is called without"):
+        out = call(p.module, x)
+    torch.testing.assert_close(out, model(x, scale=0.5), rtol=0, atol=0)
     mask = torch.zeros(4, 8)
     torch.testing.assert_close(p.module(x, mask, 0.5), model(x, mask, 0.5), rtol=0, atol=0)
 
