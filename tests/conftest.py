@@ -14,6 +14,10 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+from torchvision_shim import define_torchvision_operators
+
+define_torchvision_operators()  # before transformers or timm import torchvision, if installed
+
 _COMMON = dict(
     deadline=None,  # a shared two-core machine: timings vary too much for per-example deadlines
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
