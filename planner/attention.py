@@ -157,6 +157,14 @@ def _repeat_chain(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     source = _through_whole_slices(unsqueeze.args[0], chain)
     if not (isinstance(source, fx.Node) and source.meta["val"].dim() == 4):
         return None
+    b, h, s, d = source.meta["val"].shape
+    expanded, repeated = expand.meta["val"].shape, node.meta["val"].shape
+    n = expanded[2] if len(expanded) == 5 and len(repeated) == 4 else None
+    if n is None or not all(
+        _same_size(x, y)
+        for x, y in zip((*expanded, *repeated), (b, h, n, s, d, b, h * n, s, d), strict=True)
+    ):
+        return None  # not each head repeated n times in place, as enable_gqa does
     return source, chain
 
 
