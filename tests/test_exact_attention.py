@@ -27,8 +27,10 @@ transformers = pytest.importorskip(
 
 from hf_families import FAMILIES  # noqa: E402
 from planner.errors import PlanningError  # noqa: E402
-from planner.pipeline import assemble, choose, lowest_peak, prepare  # noqa: E402
+from planner.options import CaptureOptions  # noqa: E402
+from planner.pipeline import assemble, prepare  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
+from planner.solvers.auto import choose, lowest_peak  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -51,12 +53,13 @@ def without_mask(name, dtype=torch.float32, batch=2, length=24, **config):
     return model.to(dtype), args, kwargs
 
 
-def plan_halfway(model, args, kwargs, **options):
+def plan_halfway(model, args, kwargs, dynamic_shapes=False):
     """A plan at a budget halfway between the lowest peak and the baseline (one capture), and
     its captured graph."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # use_cache=False, said once per plan
-        captured, problem = prepare(model, args, kwargs, **options)
+        options = CaptureOptions(dynamic_shapes=dynamic_shapes)
+        captured, problem = prepare(model, args, kwargs, capture_options=options)
     budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
     name, segments = choose(problem, budget, "auto")
     p = assemble(

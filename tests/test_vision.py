@@ -20,9 +20,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from planner.measure import peak_memory
-from planner.pipeline import assemble, choose, lowest_peak, prepare
+from planner.pipeline import assemble, prepare
 from planner.simulate import simulate
+from planner.solvers.auto import choose, lowest_peak
+from planner.step import peak_memory
 from strategies import assert_equivalent
 from vision_models import MODELS
 
