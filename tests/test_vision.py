@@ -5,8 +5,8 @@ default loss and with labels (a cross-entropy ``loss_fn``):
 * the plan fits: the measured peak is within the budget and within 5% of the prediction;
 * one step equals the model's exactly (outputs of the same type, ``OrderedDict`` included,
   loss, gradients, BatchNorm statistics, RNG state, ``state_dict``);
-* a second shape works: batch 1 (and 48 px where the model takes any image size) trains within
-  the budget, equal to the model.
+* a second shape works: 48 px images (batch 1 at 64 px where the image size is part of the
+  model) train within the budget, equal to the model.
 
 ResNet-18 with labels runs in the default suite; the whole matrix under ``-m models``. The
 torchvision operator shim is in ``tests/vision_models.py``.
@@ -55,11 +55,13 @@ def labels_loss(args):
 
 
 def plan_halfway(model, args, loss_fn):
+    """A plan at the budget halfway between the lowest peak and the baseline, and whether
+    any plan lowers the peak at all."""
     captured, problem = prepare(model, args, loss_fn=loss_fn)
-    budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
-    name, segments = choose(problem, budget, "auto")
-    return assemble(
-        model, captured, problem, segments, solver=name, budget_bytes=budget,
+    low, high = lowest_peak(problem).peak_bytes, simulate(problem, ()).peak_bytes
+    name, segments = choose(problem, (low + high) // 2, "auto")
+    return low < high, assemble(
+        model, captured, problem, segments, solver=name, budget_bytes=(low + high) // 2,
         solve_seconds=0.0, started=0.0,
     )  # fmt: skip
 
@@ -68,15 +70,16 @@ def plan_halfway(model, args, loss_fn):
 def test_vision_plans_fit_and_train_like_the_model(name, labels):
     model, args, _ = MODELS[name]()
     loss_fn = labels_loss(args) if labels else None
-    p = plan_halfway(model, args, loss_fn)
-    assert p.segments
+    lowers, p = plan_halfway(model, args, loss_fn)
+    assert p.segments or not lowers  # (timm's ViT with labels: no plan lowers its peak)
     measured = peak_memory(p.module, args, loss_fn=loss_fn).peak_bytes
     assert measured <= p.budget_bytes + TRACKER_EXTRA
     assert abs(measured - p.predicted_peak_bytes) <= 0.05 * measured
     # a measured step updated BatchNorm statistics: compare with a copy of the model as it is now
     assert_equivalent(copy.deepcopy(model), model, p.module, args, {}, loss_fn=loss_fn)
     # a second shape
-    _, other_args, _ = MODELS[name](batch=1, size=64 if name in FIXED_SIZE else 48)
+    second = {"batch": 1} if name in FIXED_SIZE else {"size": 48}
+    _, other_args, _ = MODELS[name](**second)
     measured = peak_memory(p.module, other_args, loss_fn=loss_fn).peak_bytes
     assert measured <= p.budget_bytes + TRACKER_EXTRA
     assert_equivalent(copy.deepcopy(model), model, p.module, other_args, {}, loss_fn=loss_fn)
