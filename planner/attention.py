@@ -197,9 +197,14 @@ class CausalMaskCheck:
         self.in_spec = in_spec
         self.checked: set[tuple[int, ...]] = set()
 
-    def sizes_of(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
+    def sizes_of(self, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+        """The sizes the masks are computed from, in this call; None if it lacks a tensor
+        they come from (such a call runs the model itself, see ``planner.rewrite``)."""
         flat = fx_pytree.tree_flatten_spec((args, kwargs), self.in_spec)
-        return tuple(int(flat[position].shape[dim]) for position, dim in self.sizes)
+        tensors = [flat[position] for position, _ in self.sizes]
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            return None
+        return tuple(int(t.shape[dim]) for t, (_, dim) in zip(tensors, self.sizes))
 
     def check(self, sizes: tuple[int, ...]) -> None:
         if sizes in self.checked:
@@ -216,7 +221,9 @@ class CausalMaskCheck:
         self.checked.add(sizes)
 
     def __call__(self, args: tuple, kwargs: dict) -> None:
-        self.check(self.sizes_of(args, kwargs))
+        sizes = self.sizes_of(args, kwargs)
+        if sizes is not None:
+            self.check(sizes)
 
 
 @dataclass(frozen=True)
@@ -295,8 +302,9 @@ def restore_causal_attention(
     chosen = _chosen(gm, calls)
     if chosen:  # only masks that are causal at the example's sizes
         check = _probe(gm, [c.mask for c in chosen], {n for c in chosen for n in c.computing})
+        example = check.sizes_of(args, kwargs)
         with torch.no_grad():
-            masks = check.probe(*check.sizes_of(args, kwargs))
+            masks = check.probe(*example) if example is not None else ()
         chosen = [c for c, mask in zip(chosen, masks) if _is_causal_mask(mask)]
     if not chosen:
         return None
@@ -314,7 +322,8 @@ def restore_causal_attention(
     _erase_unused(gm, removed | _unused_size_only(gm))
     gm.graph.lint()
     gm.recompile()
-    check.checked.add(check.sizes_of(args, kwargs))
+    if example is not None:  # it is: the masks were evaluated at it
+        check.checked.add(example)
     return check
 
 
