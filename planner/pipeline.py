@@ -18,10 +18,11 @@ from planner.errors import PlanningError, short_repr
 from planner.nested import NestedChoice
 from planner.optimizer import optimizer_memory
 from planner.options import CaptureOptions
+from planner.planned_module import tensor_arguments
 from planner.plans import Plan
 from planner.problem import Problem, build_problem
 from planner.profile import profile
-from planner.rewrite import rewrite, tensor_arguments
+from planner.rewrite import rewrite
 from planner.serialize import input_spec
 from planner.simulate import Choice, as_choice, simulate
 from planner.solvers.auto import choose, lowest_peak

@@ -7,11 +7,8 @@ a small GraphModule kept in a plain attribute ``segment_<k>`` (not registered as
 parameter and ``state_dict`` listings stay unchanged); it reaches the same leaf modules, and takes
 parameters read through ``get_attr`` as explicit inputs so that ``.to()`` never leaves it stale.
 
-The planned module is a :class:`PlannedModule`. On every call it checks that it still computes
-what the model computes: in another training mode it runs the model itself, and when the model's
-structure changed since planning it refuses (see its docstring). It reads
-``gm.meta["planner.tensor_arguments"]`` of the captured graph (set by
-``planner.pipeline.prepare``): the forward arguments that were tensors when planning.
+The planned module is a :class:`planner.planned_module.PlannedModule`, which checks on every
+call that it still computes what the model computes.
 
 Segments with kept nodes (``planner.simulate.Choice.keep``) run under
 ``torch.utils.checkpoint.create_selective_checkpoint_contexts``: the segment's body brackets
@@ -22,20 +19,12 @@ the forward and in the recompute, and the policy saves the ops called between th
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
-import inspect
 import operator
-import os
-import sys
 import threading
-import types
-import warnings
-from typing import cast
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -43,8 +32,8 @@ from torch.utils.checkpoint import (
 )
 
 from planner.capture import CALL_KEY, closing_regions, updates_in_place
-from planner.errors import PlanningError
 from planner.nested import Nest, NestedChoice
+from planner.planned_module import PlannedModule, Snapshot, argument_positions, share_user_state
 from planner.problem import compute_nodes
 from planner.simulate import as_choice
 
@@ -193,25 +182,10 @@ def _unbox(box):
     return box.value
 
 
-def _share_user_state(planned: nn.Module, model: nn.Module) -> None:
-    """Make ``planned`` own the user's children, parameters and buffers (same objects, same
-    order, so that ``state_dict`` keys come out identical); anything only the captured graph
-    has (constants, export's guards) follows them."""
-    for table in ("_modules", "_parameters", "_buffers"):
-        own, users = getattr(planned, table), getattr(model, table)
-        merged = {**users, **{k: v for k, v in own.items() if k not in users}}
-        own.clear()
-        own.update(merged)
-    planned._non_persistent_buffers_set |= model._non_persistent_buffers_set
-    # Constants torch.export lifted into buffers (``lifted_tensor_0``: a ``torch.tensor(...)``
-    # in forward) are the graph's, not the model's state: kept out of ``state_dict``.
-    planned._non_persistent_buffers_set |= planned._buffers.keys() - model._buffers.keys()
-
-
 def _holder(captured: fx.GraphModule, model: nn.Module) -> nn.Module:
     """A module holding the user's state, plus what only the captured graph has (constants)."""
     holder = nn.Module()
-    _share_user_state(holder, model)
+    share_user_state(holder, model)
     for node in captured.graph.find_nodes(op="get_attr") + captured.graph.find_nodes(
         op="call_module"
     ):
@@ -254,328 +228,6 @@ def _segment_buffers(holder: nn.Module, members: list[fx.Node], inputs: list[fx.
     return tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(t for t in tensors if t))
 
 
-def tensor_arguments(model: nn.Module, args: tuple, kwargs: dict) -> tuple[str, ...]:
-    """Names of ``model.forward``'s arguments that held tensors in the call ``model(*args,
-    **kwargs)``: the planned graph computes with them, so a call must pass them again."""
-    signature = inspect.signature(model.forward)
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError:
-        return ()  # capture reports the mismatch
-    names = []
-    for name, value in bound.arguments.items():
-        kind = signature.parameters[name].kind
-        if kind == inspect.Parameter.VAR_KEYWORD:
-            names += [k for k, v in value.items() if _holds_tensor(v)]
-        elif kind != inspect.Parameter.VAR_POSITIONAL and _holds_tensor(value):
-            names.append(name)
-    return tuple(names)
-
-
-def _holds_tensor(value) -> bool:
-    return any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
-
-
-def _positions(planned: fx.GraphModule, names) -> tuple[tuple[str, int | None], ...]:
-    """``(name, position)`` of each argument in ``names`` in the planned forward's signature
-    (``None``: keyword only)."""
-    positional = [
-        p.name
-        for p in inspect.signature(planned.forward).parameters.values()
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
-    return tuple((n, positional.index(n) if n in positional else None) for n in names)
-
-
-_SCALARS = (bool, int, float, str, type(None))
-
-
-def _is_scalar(value) -> bool:
-    return type(value) in _SCALARS or (
-        type(value) is tuple and all(type(v) in _SCALARS for v in value)
-    )
-
-
-@functools.cache
-def _names_read(cls: type) -> frozenset[str]:
-    """Every name the methods of ``cls`` (those not nn.Module's own) mention: the attributes
-    its traced forward could have read. Others (``model.global_step``) may change freely."""
-    names = set()
-    for klass in cls.__mro__:
-        if klass in (nn.Module, object):
-            continue
-        for value in vars(klass).values():
-            value = value.fget if isinstance(value, property) else value
-            code = getattr(getattr(value, "__func__", value), "__code__", None)
-            stack = [code] if code is not None else []
-            while stack:
-                code = stack.pop()
-                names.update(code.co_names)
-                names.update(c for c in code.co_consts if isinstance(c, str))  # getattr(self, "x")
-                stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return frozenset(names)
-
-
-class _Snapshot:
-    """What the planned graph was traced from, compared with the model on every call.
-
-    Tracing bakes into the graph the modules it traced through, the plain attributes their
-    forward read (``self.scale``, ``self.heads``...) and every module's ``training`` flag. The
-    modules the graph calls (``call_module`` nodes) read their own attributes and children when
-    they run, so they are compared only by identity. Parameters and buffers are read through
-    the modules when the graph runs, so they may be replaced (``.double()``, FSDP2's sharding).
-    """
-
-    def __init__(self, model: nn.Module, called: set[str], tensor_arguments):
-        self.model = model
-        self.module_names = [name for name, _ in model.named_modules()]
-        self.module_dicts = [m.__dict__ for _, m in model.named_modules()]
-        self.flags = self.training_flags()
-        inside_called = {
-            id(sub)
-            for name, module in model.named_modules()
-            if name in called
-            for sub in module.modules()
-        }
-        traced = [(name, m) for name, m in model.named_modules() if id(m) not in inside_called]
-        # Flat lists, compared with map() on every call: a few microseconds per hundred modules.
-        self.names = [name for name, _ in traced]
-        self.children = [m._modules for _, m in traced]
-        self.sizes = list(map(len, self.children))
-        self.child_dicts = [c for c in self.children for _ in c]
-        self.child_keys = [k for c in self.children for k in c]
-        self.child_values = [v for c in self.children for v in c.values()]
-        self.attributes = [
-            (f"{name}.{key}".lstrip("."), m.__dict__, key, value)
-            for name, m in traced
-            for key, value in vars(m).items()
-            if not key.startswith("_")
-            and key != "training"
-            and _is_scalar(value)
-            and key in _names_read(type(m))  # type: ignore[arg-type]  # a class is hashable
-        ]
-        self.attribute_dicts = [a[1] for a in self.attributes]
-        self.attribute_keys = [a[2] for a in self.attributes]
-        self.attribute_values = [a[3] for a in self.attributes]
-        self.tensor_arguments = tensor_arguments
-        self.warned = False
-        self.warned_left_out = False
-
-    def training_flags(self) -> list[bool]:
-        # A plain loop, not map(itemgetter): torch.compile traces this on every call.
-        return [d["training"] for d in self.module_dicts]
-
-    def mode_changed(self) -> bool:
-        return self.training_flags() != self.flags
-
-    def check_unchanged(self, planned_name: str) -> None:
-        """Raise a PlanningError when a module or attribute the graph was traced from changed."""
-        if (
-            list(map(len, self.children)) == self.sizes
-            and list(map(dict.get, self.child_dicts, self.child_keys)) == self.child_values
-            and list(map(dict.get, self.attribute_dicts, self.attribute_keys))
-            == self.attribute_values
-        ):
-            return
-        before: dict[int, dict] = {}
-        for d, k, v in zip(self.child_dicts, self.child_keys, self.child_values):
-            before.setdefault(id(d), {})[k] = v
-        changes = [
-            _module_change(name, before.get(id(now), {}), now)
-            for name, now in zip(self.names, self.children)
-            if before.get(id(now), {}) != now
-        ] + [
-            f"{name} changed from {value!r} to {d.get(key)!r}"
-            for name, d, key, value in self.attributes
-            if d.get(key) != value
-        ]
-        raise PlanningError(
-            f"{type(self.model).__name__} changed after planning: {'; '.join(changes[:4])}"
-            f"{'; ...' if len(changes) > 4 else ''}. {planned_name} runs the graph traced "
-            "before the change and would compute something else. Plan again "
-            "(planner.plan(model, ...), or planner.load(path, model) for a saved plan)."
-        )
-
-    def left_out(self, args: tuple, kwargs: dict) -> list[str]:
-        """The tensor arguments of the planning call that this call leaves out (or passes as
-        None)."""
-        return [
-            name
-            for name, position in self.tensor_arguments
-            if (
-                args[position]
-                if position is not None and position < len(args)
-                else kwargs.get(name)
-            )
-            is None
-        ]
-
-    def run_model_without(self, left_out: list[str], args: tuple, kwargs: dict):
-        """The model itself, for a call without tensor arguments the graph computes with."""
-        if torch.is_grad_enabled() and not self.warned_left_out:
-            self.warned_left_out = True
-            warnings.warn(
-                f"the planned {type(self.model).__name__} was planned with "
-                f"{', '.join(left_out)} given and is called without: its graph computes "
-                "with them, so this call runs the model directly (results are exact, memory "
-                "is not reduced). Plan with the call you train with to checkpoint it.",
-                stacklevel=_callers_stacklevel(),
-            )
-        return self.model(*args, **kwargs)
-
-    def run_model(self, args: tuple, kwargs: dict):
-        """The model itself, for a mode the plan was not made in."""
-        if torch.is_grad_enabled() and not self.warned:
-            self.warned = True
-            differing = [
-                f"{name or 'the model'} {'train' if before else 'eval'} then, "
-                f"{'train' if d['training'] else 'eval'} now"
-                for name, d, before in zip(self.module_names, self.module_dicts, self.flags)
-                if d["training"] != before
-            ]
-            warnings.warn(
-                f"the planned {type(self.model).__name__} runs with other training flags than "
-                f"it was planned with ({'; '.join(differing[:4])}"
-                f"{'; ...' if len(differing) > 4 else ''}): it calls the "
-                "model directly, so the plan's checkpointing is not applied (results are "
-                "exact, memory is not reduced). Plan in this mode to checkpoint in it, or call "
-                "it under torch.no_grad().",
-                stacklevel=_callers_stacklevel(),
-            )
-        return self.model(*args, **kwargs)
-
-
-_INTERNAL = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
-
-
-def _callers_stacklevel() -> int:
-    """``stacklevel`` for a warning raised from the caller of this function: the first frame
-    outside planner and torch, the user's line that called the planned module."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _module_change(name: str, before: dict, now: dict) -> str:
-    """Which children of the module ``name`` were replaced, added or removed."""
-    where = f"{name}." if name else ""
-    replaced = [k for k in before if k in now and now[k] is not before[k]]
-    parts = [f"{where}{k} replaced" for k in replaced]
-    parts += [f"{where}{k} added" for k in now if k not in before]
-    parts += [f"{where}{k} removed" for k in before if k not in now]
-    return ", ".join(parts)
-
-
-class PlannedModule(fx.GraphModule):
-    """The planned module: the rewritten graph, and checks that it still matches the model.
-
-    Every call first compares the training flags of the model's modules with those at planning.
-    In another mode (``model.eval()``, ``planned.eval()``) the traced graph would still behave as
-    in the planning mode (dropout, ``if self.training:``), so the model itself runs instead,
-    exactly, with a warning (once) when gradients are enabled. Otherwise a module replaced,
-    added or removed, or a plain attribute its code reads (``self.scale = ...``) changed in a
-    part of the model the graph traced through raises a ``PlanningError``. A call that leaves
-    out a tensor argument of the planning call runs the model itself (exact, not planned).
-    ``train()`` sets the model's mode (through the model's own ``train``); ``.to()``,
-    ``.double()``... convert the model's tensors, root ones included.
-    Pickling and ``copy.copy`` refuse: the module is tied to the model object it was planned
-    from.
-    """
-
-    _planner: _Snapshot  # set by rewrite
-
-    def recompile(self):
-        code = super().recompile()
-        cls = type(self)
-        graph_forward = cls.forward
-
-        @functools.wraps(graph_forward)
-        def forward(self, *args, **kwargs):
-            return self._checked_call(graph_forward, args, kwargs)
-
-        cls.forward = forward
-        return code
-
-    def _checked_call(self, graph_forward, args: tuple, kwargs: dict):
-        snapshot = self._planner
-        if snapshot.mode_changed():
-            return snapshot.run_model(args, kwargs)
-        snapshot.check_unchanged(type(self).__name__)
-        left_out = snapshot.left_out(args, kwargs)
-        if left_out:
-            return snapshot.run_model_without(left_out, args, kwargs)
-        # Root parameters and buffers are entries of both modules' own dicts, and the graph
-        # reads the planned module's. The model's are the reference: what replaces them
-        # (model.double(), model.load_state_dict(..., assign=True), model.to_empty()) is read
-        # here; what replaces the planned module's is written to the model (__setattr__).
-        self._parameters.update(snapshot.model._parameters)
-        self._buffers.update(snapshot.model._buffers)
-        return graph_forward(self, *args, **kwargs)
-
-    def __setattr__(self, name, value):
-        super().__setattr__(name, value)
-        self._write_to_model(name)
-
-    def register_buffer(self, name, tensor, persistent=True):
-        super().register_buffer(name, tensor, persistent)
-        self._write_to_model(name)
-
-    def register_parameter(self, name, param):
-        super().register_parameter(name, param)
-        self._write_to_model(name)
-
-    def _write_to_model(self, name: str) -> None:
-        """Give the model the root parameter or buffer ``name`` just set on the planned module
-        (``planned.shift = t``, ``planned.load_state_dict(sd, assign=True)``), if it has one."""
-        snapshot = self.__dict__.get("_planner")  # None while the module is being built
-        if snapshot is None:
-            return
-        for table in ("_parameters", "_buffers"):
-            own, users = getattr(self, table), getattr(snapshot.model, table)
-            if name in users and name in own:
-                users[name] = own[name]
-
-    def train(self, mode: bool = True):
-        model = self._planner.model
-        model.train(mode)  # the model's own train(), which may keep some modules in eval
-        self.training = mode
-        for name, child in self._modules.items():
-            if child is not None and name not in model._modules:  # only the captured graph's
-                child.train(mode)
-        return self
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        model = self._planner.model
-        for table in ("_parameters", "_buffers"):
-            own, users = getattr(self, table), getattr(model, table)
-            for key in users.keys() & own.keys():
-                users[key] = own[key]
-        return self
-
-    def __deepcopy__(self, memo):
-        copied = cast(PlannedModule, super().__deepcopy__(memo))  # fx copies the class too
-        copied._planner = copy.deepcopy(self._planner, memo)
-        _share_user_state(copied, copied._planner.model)
-        return copied
-
-    def __copy__(self):
-        raise TypeError(
-            f"copy.copy of a {type(self).__name__} is not supported: a shallow copy would share "
-            "the model yet escape the planned module's checks. Use copy.deepcopy(planned) (it "
-            "copies the model too), or plan the model again."
-        )
-
-    def __reduce__(self):
-        raise PlanningError(
-            f"{type(self).__name__} cannot be pickled (pickle.dumps, torch.save): it is tied to "
-            "the model object it was planned from. Save the plan and the weights instead: "
-            "plan.save(path) and torch.save(model.state_dict(), ...), then later "
-            "planner.load(path, model) on the rebuilt model."
-        )
-
-
 def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule:
     """A GraphModule computing what ``captured`` computes, with ``choice`` checkpointed.
 
@@ -606,15 +258,17 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
             env[node] = graph.node_copy(node, lambda n: env[n])
 
     planned = PlannedModule(holder, graph, class_name=f"Planned{type(model).__name__}")
-    _share_user_state(planned, model)
+    share_user_state(planned, model)
     # Only the flag, not .train()/.eval(): those would recurse into the user's own children.
     planned.training = holder.training = model.training
     planned.graph.lint()
     planned.recompile()
-    planned._planner = _Snapshot(
+    planned._planner = Snapshot(
         model,
         called={n.target for n in captured.graph.find_nodes(op="call_module")},
-        tensor_arguments=_positions(planned, captured.meta.get("planner.tensor_arguments", ())),
+        tensor_arguments=argument_positions(
+            planned, captured.meta.get("planner.tensor_arguments", ())
+        ),
     )
     for segment in built:
         segment.root = planned
