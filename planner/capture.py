@@ -470,6 +470,7 @@ class _ExportedRegions:
     def __init__(self):
         self.open: list = []
         self.inside_autocast: list[str] = []
+        self.autocast_cache = True  # every autocast region forward entered caches weight casts
 
 
 def _exported_regions() -> _ExportedRegions | None:
@@ -489,6 +490,8 @@ def _recording_entry(original, node_of):
         if exported is not None:
             if any(isinstance(m, torch.amp.autocast_mode.autocast) for m in exported.open):
                 exported.inside_autocast.append(type(manager).__name__)
+            if isinstance(manager, torch.amp.autocast_mode.autocast):
+                exported.autocast_cache &= bool(manager._cache_enabled)
             exported.open.append(manager)
         return result
 
@@ -675,11 +678,56 @@ def _export(
             model, args, kwargs_fixed, dynamic_shapes=dynamic, strict=False
         )
     gm = program.module()
+    exported = _exported_regions()
+    _inline_autocast(gm, cache_enabled=exported is None or exported.autocast_cache)
     _guard_write_backs(gm)
     causal = exact_attention(gm, model, args, kwargs_fixed)
     checks = [causal] if causal is not None and dynamic_shapes else []
     ModelCall(model, args, kwargs, fixed=fixed, sizes=dynamic_shapes, checks=checks).install(gm)
     return gm
+
+
+def _inline_autocast(gm: fx.GraphModule, *, cache_enabled: bool) -> None:
+    """Replace each ``wrap_with_autocast`` node of an exported graph (one node that runs a
+    whole ``torch.autocast`` block of forward as a submodule) by the block's own nodes between
+    ``enter_autocast`` and ``exit_region`` nodes, as ``symbolic_trace`` records a region.
+
+    As one node, the block could not be cut: a forward run entirely under autocast had no
+    segment to checkpoint. torch.export records the block with the weight-cast cache off (it
+    traces without one); the model runs with it on, so ``cache_enabled`` says what the model's
+    own regions asked for.
+    """
+    from torch._higher_order_ops.wrap import wrap_with_autocast
+
+    graph = gm.graph
+    for node in graph.find_nodes(op="call_function", target=wrap_with_autocast):
+        device, dtype, enabled, _, body, *operands = node.args
+        block = getattr(gm, body.target)
+        _inline_autocast(block, cache_enabled=cache_enabled)  # regions nested in the block
+        env: dict[fx.Node, object] = dict(
+            zip(block.graph.find_nodes(op="placeholder"), operands, strict=True)
+        )
+        with graph.inserting_before(node):
+            entry = graph.call_function(enter_autocast, (device, dtype, enabled, cache_enabled))
+            for inner in block.graph.nodes:
+                if inner.op == "get_attr":
+                    name = f"{body.target}_{inner.target}".replace(".", "_")
+                    setattr(gm, name, getattr(block, inner.target))
+                    env[inner] = graph.get_attr(name)
+                elif inner.op == "output":
+                    results = fx.map_arg(inner.args[0], env.__getitem__)
+                elif inner.op != "placeholder":
+                    env[inner] = graph.node_copy(inner, env.__getitem__)
+            graph.call_function(exit_region, (entry,))
+        for user in list(node.users):  # getitem nodes: the block returns a tuple
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        if not body.users:
+            graph.erase_node(body)
+            delattr(gm, body.target)
+    graph.lint()
+    gm.recompile()
 
 
 def _without_cache(model: nn.Module, args: tuple, kwargs: dict) -> dict:

@@ -17,7 +17,7 @@ import networkx as nx
 import numpy as np
 from torch import fx
 
-from planner.capture import region_spans
+from planner.capture import enter_autocast, region_spans
 from planner.costs import CostModel
 from planner.profile import COMPUTE_OPS, Profile, require_meta
 
@@ -237,6 +237,20 @@ def _mutation_pins(storages: dict, writes: list[frozenset], n: int, fixed: Mappi
     return forbidden_cuts, pinned
 
 
+def _cast_cache_exits(nodes: list[fx.Node]) -> dict[int, int]:
+    """Storage -> position of the exit that frees it, for the weight casts that autocast's
+    cache holds (``planner.cast_cache``): the exit of the outermost autocast region around
+    the cast, which clears the cache. (Casts under a region entered before the step are fixed
+    memory: the profile made them so.)"""
+    spans = [(e, x) for e, x in region_spans(nodes) if nodes[e].target is enter_autocast]
+    outermost = [(e, x) for e, x in spans if not any(a < e and x < b for a, b in spans)]
+    exits = {}
+    for entry, exit_ in outermost:
+        for node in nodes[entry + 1 : exit_]:
+            exits.update(dict.fromkeys(require_meta(node, "planner.cast_cache"), exit_))
+    return exits
+
+
 def build_problem(
     gm: fx.GraphModule,
     profile: Profile,
@@ -276,6 +290,8 @@ def build_problem(
                 savers[key].append(i)
     for key, i in last_trainable_use.items():
         grad_bytes_at[i] += profile.storage_bytes[key]
+    for key, exit_ in _cast_cache_exits(nodes).items():
+        readers[key].append(exit_)
 
     storages = {
         key: Storage(
@@ -307,12 +323,17 @@ def build_problem(
 
     forbidden_cuts, pinned = _mutation_pins(storages, writes, n, profile.fixed_kind)
     cut_allowed = ~forbidden_cuts
-    # A grad-mode or autocast region of forward (``with torch.no_grad():``, recorded by capture
-    # as entry and exit nodes) lies whole inside a segment or outside all: a segment that began
-    # or ended inside one would be recomputed without the switch its forward ran under, and
-    # would pass the region across the checkpoint boundary to exit it twice.
+    # A grad-mode region of forward (``with torch.no_grad():``, recorded by capture as entry
+    # and exit nodes) lies whole inside a segment or outside all: a segment that began or ended
+    # inside one would be recomputed without the switch its forward ran under, and would pass
+    # the region across the checkpoint boundary to exit it twice. An autocast region may hold
+    # segments instead (a forward run wholly under autocast must): checkpoint recomputes under
+    # the autocast state its forward ran in, so only the entry and exit stay out of segments.
     for entry, exit_ in region_spans(nodes):
-        cut_allowed[entry + 1 : exit_ + 1] = False
+        if nodes[entry].target is enter_autocast:
+            pinned[[entry, exit_]] = True
+        else:
+            cut_allowed[entry + 1 : exit_ + 1] = False
     # torch.export's input guards: cheap assertions, never worth recomputing.
     pinned |= np.array([n.op == "call_module" and n.target == "_guards_fn" for n in nodes], bool)
     pinned |= np.array([n is profile.loss for n in nodes], bool)

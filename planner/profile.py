@@ -36,6 +36,14 @@ Keys written into ``node.meta`` (the one place they are documented):
     measured in the fake backward that follows the forward: the most bytes the node's backward
     has allocated at once (input and parameter gradients, temporaries), and what of it is still
     live when the node's backward ends (gradients waiting for their consumers, ``.grad``).
+``planner.cast_cache``
+    storages among ``planner.created`` that ``torch.autocast``'s weight-cast cache holds: the
+    low-precision copies of leaf tensors that require grad (weights), which live until the
+    outermost autocast region exits, whoever reads them.
+
+Under an autocast region entered before the profile (around ``plan(...)``, as around the
+training step), that region outlives the step: its cached casts are fixed memory, of the kind
+``"autocast cache"``, and no node creates them.
 """
 
 from __future__ import annotations
@@ -78,6 +86,7 @@ META_KEYS = (
     "planner.random",
     "planner.backward_high",
     "planner.backward_net",
+    "planner.cast_cache",
 )
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 # ``tensor.device`` of a fake tensor, dispatched like an op; it reads and moves no memory, and
@@ -90,7 +99,8 @@ class Profile:
     """What the forward pass showed beyond the per-node annotations."""
 
     storage_bytes: dict[int, int]
-    fixed_kind: dict[int, str]  # storage -> "parameter" | "buffer" | "input" | "constant"
+    # storage -> "parameter" | "buffer" | "input" | "constant" | "autocast cache"
+    fixed_kind: dict[int, str]
     trainable: frozenset[int]  # parameter storages that require grad (backward makes a grad)
     output_storages: frozenset[int]  # storages reachable from the graph's output
     seconds: float = 0.0
@@ -321,6 +331,7 @@ class _CostMode(TorchDispatchMode):
         super().__init__()
         self.storages = storages
         self.call = call
+        self.caching_casts = False  # set per node: autocast's state before the node ran
         self.reset()
 
     def reset(self):
@@ -330,6 +341,7 @@ class _CostMode(TorchDispatchMode):
         self.reads: set[int | None] = set()  # None for tensors without a storage
         self.writes: set[int] = set()
         self.random = False
+        self.casts: set[int] = set()  # new storages that autocast's weight-cast cache holds
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY:
@@ -358,11 +370,34 @@ class _CostMode(TorchDispatchMode):
             created = key(t)
             if created is not None and created >= before:
                 self.new.add(created)
+        if self.caching_casts and _is_cached_cast(func, inputs, outputs):
+            self.casts.add(key(outputs[0]))
         if facts.flops is not None:
             self.flops += int(facts.flops(*args, **kwargs, out_val=out))
         if not facts.aliasing:
             self.bytes_moved += sum(t.nbytes for t in inputs + outputs)
         return out
+
+
+def caching_casts() -> bool:
+    """Whether autocast is on here and caches the casts of weights (on either device)."""
+    return torch.is_autocast_cache_enabled() and any(
+        torch.is_autocast_enabled(device) for device in ("cpu", "cuda")
+    )
+
+
+def _is_cached_cast(func, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> bool:
+    """Whether an op run under autocast is a cast its cache keeps: a float32 leaf tensor that
+    requires grad (a weight), copied to another dtype (autocast_mode.cpp, ``cached_cast``)."""
+    return (
+        func is torch.ops.aten._to_copy.default
+        and len(inputs) == 1
+        and inputs[0].is_leaf
+        and inputs[0].requires_grad
+        and inputs[0].dtype is torch.float32
+        and len(outputs) == 1
+        and outputs[0].dtype is not torch.float32
+    )
 
 
 class _BackwardMemory(TorchDispatchMode):
@@ -438,6 +473,9 @@ class _Recorder(fx.Interpreter):
         self.storages = storages
         self.cost = cost
         self.saved_by_current: set[int] = set()
+        # Under an autocast region entered before the step, cached casts outlive it: fixed.
+        self.casts_outlive_step = caching_casts()
+        self.fixed_casts: set[int] = set()
         nodes = [n for n in module.graph.nodes if n.op in COMPUTE_OPS]
         self.backward = _BackwardMemory(storages, nodes, cost.call)
 
@@ -469,21 +507,28 @@ class _Recorder(fx.Interpreter):
         """Run ``run()`` as the computation of ``node`` and write its annotations; ``passed``
         holds the values given to it (their tensors count as read)."""
         self.cost.reset()
+        # Read before the node runs: autocast hides its own state from the ops it dispatches.
+        self.cost.caching_casts = caching_casts()
         self.saved_by_current = set()
         with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
             out = run()
         tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         out_keys = {self.storages.key(t) for t in tensors} - {None}
-        kept = (self.cost.new & out_keys) | (self.cost.new & self.saved_by_current)
+        # The cache holds a cast whoever reads it: past the node, or past the whole step.
+        if self.casts_outlive_step:
+            self.fixed_casts |= self.cost.casts
+        new = self.cost.new - self.fixed_casts
+        casts = self.cost.casts & new
+        kept = (new & out_keys) | (new & self.saved_by_current) | casts
         nbytes = self.storages.nbytes
         node.meta["planner.created"] = {k: nbytes[k] for k in sorted(kept)}
+        node.meta["planner.cast_cache"] = frozenset(casts)
         given = {self.storages.key(t) for t in passed if isinstance(t, torch.Tensor)}
-        reads = (self.cost.reads | given) - self.cost.new - {None}
-        node.meta["planner.reads"] = frozenset(reads)
+        node.meta["planner.reads"] = frozenset((self.cost.reads | given) - new - {None})
         node.meta["planner.saved"] = frozenset(self.saved_by_current)
         node.meta["planner.writes"] = frozenset(self.cost.writes)
-        node.meta["planner.workspace"] = sum(nbytes[k] for k in self.cost.new - kept)
-        node.meta["planner.kept_bytes"] = sum(nbytes[k] for k in self.cost.new)
+        node.meta["planner.workspace"] = sum(nbytes[k] for k in new - kept)
+        node.meta["planner.kept_bytes"] = sum(nbytes[k] for k in new)
         node.meta["planner.random"] = self.cost.random
         node.meta["planner.flops"] = self.cost.flops
         node.meta["planner.bytes_moved"] = self.cost.bytes_moved
@@ -741,6 +786,8 @@ def profile(
         if node.op in COMPUTE_OPS:
             produced.update(require_meta(node, "planner.created"))
             read.update(node.meta["planner.reads"])
+    for key in recorder.fixed_casts:
+        fixed_kind[key] = "autocast cache"
     for key in read - produced - set(fixed_kind):
         fixed_kind[key] = "constant"  # tensors the graph holds, e.g. lifted by torch.export
     return Profile(

@@ -169,13 +169,25 @@ def test_regions_in_forward_are_kept_in_every_segment(make):
         assert_equivalent(reference, model, planned, (x,), {})
 
 
-def test_no_cut_falls_inside_a_region():
+def test_no_cut_falls_inside_a_grad_mode_region():
+    torch.manual_seed(0)
+    _, problem = prepare(NoGradScale(), (torch.randn(4, 8),))
+    names = problem.names
+    entry, exit_ = names.index("enter_grad_mode"), names.index("exit_region")
+    assert not problem.cut_allowed[entry + 1 : exit_ + 1].any()
+    assert problem.cut_allowed[entry] and problem.cut_allowed[exit_ + 1]
+
+
+def test_segments_fit_inside_an_autocast_region_but_never_across_its_ends():
+    """Checkpoint recomputes under the autocast state its forward ran in: a segment may lie
+    inside the region; only its entry and exit stay out of every segment."""
     torch.manual_seed(0)
     _, problem = prepare(AutocastMiddle(), (torch.randn(4, 16),))
     names = problem.names
     entry, exit_ = names.index("enter_autocast"), names.index("exit_region")
-    assert not problem.cut_allowed[entry + 1 : exit_ + 1].any()
-    assert problem.cut_allowed[entry] and problem.cut_allowed[exit_ + 1]
+    assert problem.cut_allowed[entry + 1 : exit_ + 1].all()
+    assert problem.is_valid_segment(entry + 1, exit_)
+    assert not problem.checkpointable[[entry, exit_]].any()
 
 
 # --------------------------------------------------------------------------------------------
