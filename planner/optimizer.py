@@ -5,6 +5,12 @@ Both are found by running the same optimizer, with the same options, for two ste
 copies of the parameters it trains: no memory is used and nothing of the user's is touched, and
 any optimizer is counted as it really allocates (Adam and AdamW: two tensors per parameter, plus
 a step counter; SGD with momentum: one; without: none).
+
+Master weights: a low-precision model (``model.to(torch.bfloat16)``) is often trained through
+float32 copies of its parameters, which the optimizer updates and which are copied back after
+each step. An optimizer given those copies counts them: parameters it trains that are not the
+model's are master weights, live between steps like its state, and their gradients (filled from
+the model's before ``step()``) are among the step's temporaries.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class OptimizerMemory:
 
     state_bytes: int
     step_bytes: int
+    master_bytes: int = 0  # float32 master weights, included in state_bytes (their grads: step)
 
 
 class _Allocations(TorchDispatchMode):
@@ -95,7 +102,8 @@ def optimizer_memory(optimizer, model: nn.Module | None = None) -> OptimizerMemo
         of ``model`` (``torch.optim.AdamW``, ``functools.partial(torch.optim.SGD, lr=0.1,
         momentum=0.9)``).
     model
-        Needed for a class or factory.
+        Needed for a class or factory. With an instance, the parameters it trains that are not
+        ``model``'s are counted as master weights (see the module docstring).
 
     Examples
     --------
@@ -106,6 +114,7 @@ def optimizer_memory(optimizer, model: nn.Module | None = None) -> OptimizerMemo
     """
     if isinstance(optimizer, torch.optim.Optimizer):
         groups, make = optimizer.param_groups, type(optimizer)
+        master_bytes = _master_bytes(groups, model)
     elif callable(optimizer):
         if model is None:
             raise TypeError("an optimizer class or factory needs the model to count its state")
@@ -117,6 +126,7 @@ def optimizer_memory(optimizer, model: nn.Module | None = None) -> OptimizerMemo
                 f"{optimizer!r} returned {type(probe).__name__}"
             )
         groups, make = [{**probe.param_groups[0], "params": trainable}], type(probe)
+        master_bytes = 0
     else:
         raise TypeError(
             f"optimizer= must be a torch.optim.Optimizer, its class or a factory of one, got "
@@ -134,4 +144,22 @@ def optimizer_memory(optimizer, model: nn.Module | None = None) -> OptimizerMemo
     allocations = _Allocations()
     with allocations:
         meta.step()  # a later step: its temporaries on top of the state
-    return OptimizerMemory(state_bytes=sum(storages.values()), step_bytes=allocations.high)
+    return OptimizerMemory(
+        state_bytes=sum(storages.values()) + master_bytes,
+        step_bytes=allocations.high + master_bytes,
+        master_bytes=master_bytes,
+    )
+
+
+def _master_bytes(groups: list[dict], model: nn.Module | None) -> int:
+    """Bytes of the parameters an optimizer trains that are not ``model``'s: master weights."""
+    if model is None:
+        return 0
+    own = {p.untyped_storage()._cdata for p in model.parameters()}
+    master = {
+        p.untyped_storage()._cdata: p.untyped_storage().nbytes()
+        for group in groups
+        for p in group["params"]
+        if p.untyped_storage()._cdata not in own
+    }
+    return sum(master.values())

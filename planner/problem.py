@@ -34,6 +34,11 @@ class Storage:
     savers: tuple[int, ...]
     is_output: bool
     requires_grad: bool
+    # Made before its producer's last save: a recompute that stops at the producer re-creates it.
+    before_last_save: bool = True
+    # A weight cast autocast's cache holds (inside forward: to the region's exit; recomputed:
+    # to the end of the recompute, whose autocast region clears the cache).
+    cast_cache: bool = False
 
     @property
     def last_reader(self) -> int:
@@ -48,6 +53,8 @@ class StorageArrays:
     producer: np.ndarray
     last_use: np.ndarray  # last reader; the last node for graph outputs (the loss reads them)
     is_output: np.ndarray
+    before_last_save: np.ndarray
+    cast_cache: np.ndarray
     read_storage: np.ndarray
     read_node: np.ndarray
     save_storage: np.ndarray
@@ -69,6 +76,8 @@ class StorageArrays:
                 [n - 1 if s.is_output else s.last_reader for s in storages], dtype=np.int64
             ),
             is_output=np.array([s.is_output for s in storages], dtype=bool),
+            before_last_save=np.array([s.before_last_save for s in storages], dtype=bool),
+            cast_cache=np.array([s.cast_cache for s in storages], dtype=bool),
             read_storage=read_storage,
             read_node=read_node,
             save_storage=save_storage,
@@ -88,7 +97,9 @@ class Problem:
     workspace: np.ndarray
     created_bytes: np.ndarray  # bytes of the storages each node creates
     saves: np.ndarray  # bool per node: autograd saves something while it runs
-    saves_own: np.ndarray  # bool per node: it saves a storage it creates (e.g. its output)
+    # bool per node: it creates a storage before its last save (e.g. an output it saves): the
+    # recompute of a segment that stops at it re-creates that (``Storage.before_last_save``)
+    saves_own: np.ndarray
     # Backward step i allocates activation_grad_alloc[i] + grad_bytes_at[i] (parameter
     # gradients, kept), reaches its high point, then frees activation_grad_free[i].
     grad_bytes_at: np.ndarray
@@ -127,6 +138,9 @@ class Problem:
     has_loss: bool = False  # the last position is the user's loss_fn, outside the module
     # The module (``"blocks.3.attn"``) each node belongs to, for drawings; () when not known.
     module_paths: tuple[str, ...] = ()
+    # Low-precision copies of weights that autocast's cache holds all step (part of fixed_bytes:
+    # an autocast region around the step; see planner.profile).
+    autocast_cache_bytes: int = 0
 
     @property
     def size(self) -> int:
@@ -273,6 +287,7 @@ def build_problem(
     reads = [require_meta(node, "planner.reads") for node in nodes]
     saved = [require_meta(node, "planner.saved") for node in nodes]
     writes = [require_meta(node, "planner.writes") for node in nodes]
+    made_before_last_save = [require_meta(nd, "planner.made_before_last_save") for nd in nodes]
 
     producer = {key: i for i, c in enumerate(created) for key in c}
     readers: dict[int, list[int]] = {key: [] for key in producer}
@@ -290,7 +305,8 @@ def build_problem(
                 savers[key].append(i)
     for key, i in last_trainable_use.items():
         grad_bytes_at[i] += profile.storage_bytes[key]
-    for key, exit_ in _cast_cache_exits(nodes).items():
+    cast_exits = _cast_cache_exits(nodes)
+    for key, exit_ in cast_exits.items():
         readers[key].append(exit_)
 
     storages = {
@@ -301,6 +317,8 @@ def build_problem(
             savers=tuple(savers[key]),
             is_output=key in profile.output_storages,
             requires_grad=bool(nodes[producer[key]].meta["planner.requires_grad"]),
+            before_last_save=key in made_before_last_save[producer[key]],
+            cast_cache=key in cast_exits,
         )
         for key in sorted(producer)
     }
@@ -354,7 +372,7 @@ def build_problem(
         workspace=np.array([require_meta(nd, "planner.workspace") for nd in nodes], np.int64),
         created_bytes=np.array([sum(c.values()) for c in created], dtype=np.int64),
         saves=np.array([bool(s) for s in saved], dtype=bool),
-        saves_own=np.array([bool(saved[i] & created[i].keys()) for i in range(n)], dtype=bool),
+        saves_own=np.array([bool(made) for made in made_before_last_save], dtype=bool),
         grad_bytes_at=grad_bytes_at,
         activation_grad_alloc=grad_alloc,
         activation_grad_free=grad_free,
@@ -373,6 +391,7 @@ def build_problem(
         optimizer_step_bytes=optimizer_step_bytes,
         has_loss=profile.loss is not None,
         module_paths=module_paths(nodes),
+        autocast_cache_bytes=profile.fixed_bytes("autocast cache"),
     )
 
 

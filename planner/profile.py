@@ -36,6 +36,12 @@ Keys written into ``node.meta`` (the one place they are documented):
     measured in the fake backward that follows the forward: the most bytes the node's backward
     has allocated at once (input and parameter gradients, temporaries), and what of it is still
     live when the node's backward ends (gradients waiting for their consumers, ``.grad``).
+``planner.made_before_last_save``
+    storages among ``planner.created`` that exist when the node's last tensor is saved. A
+    checkpoint's recompute stops right there (non-reentrant checkpoint stops once every saved
+    tensor is back): the node's other storages, such as an output that only later nodes
+    save, are never re-created by it. (Under autocast a node casts its input and saves the
+    cast before its op runs and makes the output.)
 ``planner.cast_cache``
     storages among ``planner.created`` that ``torch.autocast``'s weight-cast cache holds: the
     low-precision copies of leaf tensors that require grad (weights), which live until the
@@ -87,6 +93,7 @@ META_KEYS = (
     "planner.backward_high",
     "planner.backward_net",
     "planner.cast_cache",
+    "planner.made_before_last_save",
 )
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 # ``tensor.device`` of a fake tensor, dispatched like an op; it reads and moves no memory, and
@@ -324,6 +331,24 @@ def _check_same_dtype(func, inputs: list[torch.Tensor]) -> None:
         )
 
 
+# Norms whose CPU kernels return float32 statistics (mean, rstd) for a low-precision input with
+# a float32 weight or running statistics (autocast keeps weights in float32), where their meta
+# kernels give them in the input's dtype (torch 2.13): saved for backward, they would count half.
+_CPU_MIXED_DTYPE_NORMS = frozenset(
+    (torch.ops.aten.native_layer_norm.default, torch.ops.aten.native_batch_norm.default)
+)
+
+
+def _cpu_statistics(out: tuple, inputs: list[torch.Tensor]) -> tuple:
+    """A mixed-dtype CPU norm's result with its statistics in float32, as the kernel makes them."""
+    x, others = inputs[0], inputs[1:]
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+        return out
+    if not any(t.dtype is torch.float32 for t in others):
+        return out
+    return (out[0], *(statistic.float() for statistic in out[1:]))
+
+
 class _CostMode(TorchDispatchMode):
     """Counts FLOPs and bytes moved of every ATen op, and which storages each op creates."""
 
@@ -357,6 +382,8 @@ class _CostMode(TorchDispatchMode):
             _check_same_dtype(func, inputs)
         before = len(self.storages.keys)
         out = self.call(func, args, kwargs)
+        if func in _CPU_MIXED_DTYPE_NORMS:
+            out = _cpu_statistics(out, inputs)
         facts = _op_facts(func)
         self.random |= facts.random
         for position, name in facts.written:
@@ -486,6 +513,7 @@ class _Recorder(fx.Interpreter):
         key = self.storages.key(tensor)
         if key is not None:
             self.saved_by_current.add(key)
+        self.made_before_last_save = set(self.cost.new)
         return tensor
 
     def run_node(self, node: fx.Node):
@@ -510,6 +538,7 @@ class _Recorder(fx.Interpreter):
         # Read before the node runs: autocast hides its own state from the ops it dispatches.
         self.cost.caching_casts = caching_casts()
         self.saved_by_current = set()
+        self.made_before_last_save: set[int] = set()
         with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
             out = run()
         tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -523,6 +552,7 @@ class _Recorder(fx.Interpreter):
         nbytes = self.storages.nbytes
         node.meta["planner.created"] = {k: nbytes[k] for k in sorted(kept)}
         node.meta["planner.cast_cache"] = frozenset(casts)
+        node.meta["planner.made_before_last_save"] = frozenset(kept & self.made_before_last_save)
         given = {self.storages.key(t) for t in passed if isinstance(t, torch.Tensor)}
         node.meta["planner.reads"] = frozenset((self.cost.reads | given) - new - {None})
         node.meta["planner.saved"] = frozenset(self.saved_by_current)

@@ -219,7 +219,8 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     forward_free = _total_at(a.last_use[in_forward], a.nbytes[in_forward], n)
 
     end = ends[home]  # -1 outside segments: nothing is recomputed
-    recomputed = (a.producer < end) | ((a.producer == end) & problem.saves_own[end])
+    made = a.before_last_save & problem.saves_own[end]
+    recomputed = (a.producer < end) | ((a.producer == end) & made)
     inner_saver = first(
         a.save_storage, np.where(saver_segment == home[a.save_storage], a.save_node, never)
     )
@@ -229,6 +230,8 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     np.maximum.at(
         last_read, a.read_storage, np.where(a.read_node <= end[a.read_storage], a.read_node, -1)
     )
+    # autocast's cache holds a recomputed weight cast until the recompute ends (see graph.py).
+    last_read = np.where(a.cast_cache & recomputed, np.maximum(last_read, end), last_read)
     by_reader = recomputed & (inner_saver == never)
     created = recomputed & ~cached
     recompute_alloc = _total_at(a.producer[created], a.nbytes[created], n)

@@ -1,0 +1,281 @@
+"""Mixed precision in the plan: ``torch.autocast`` around the call or inside ``forward``,
+``model.to(torch.bfloat16)``, and float32 master weights.
+
+Under autocast the step holds memory that a float32 step does not: low-precision copies of the
+weights, which autocast caches until its outermost region exits (around the call: the whole
+step), and low-precision saved tensors. Each property compares the plan with a real step under
+the same precision: outputs and gradients exactly equal the unplanned model's, the measured peak
+of the step (its loss included) fits the budget and matches the prediction.
+
+"Around the call" means what a user writes: ``with torch.autocast(...):`` around ``plan(...)``
+and around the training step. "Inside forward" is a wrapper whose forward runs the model under
+autocast: its segments lie inside the autocast region and recompute under it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import planner
+from planner.measure import peak_memory
+from planner.pipeline import lowest_peak, prepare
+from planner.simulate import simulate
+from strategies import assert_equivalent, build, inputs, model_specs
+from test_loss import LOSS_SCALARS, LOSSES, _main_output, make_loss
+
+EXAMPLES = max(3, settings.default.max_examples // 6)
+# Bytes a step holds that no plan models: the loss scalars, and the copies of BatchNorm running
+# statistics that a checkpointed segment keeps to put them back after its recompute.
+BOOKKEEPING = LOSS_SCALARS + 120
+PRECISIONS = st.sampled_from(["around", "inside"])
+
+
+class Autocasting(nn.Module):
+    """Runs ``model`` under autocast: the common way to put mixed precision in forward."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, x, y=None, scale: float = 1.0, flag: bool = False):
+        with torch.autocast("cpu", dtype=self.dtype):
+            return self.model(x, y=y, scale=scale, flag=flag)
+
+
+def around(precision: str, dtype: torch.dtype = torch.bfloat16):
+    """The autocast region a step runs in: one around the call, or none."""
+    if precision == "around":
+        return torch.autocast("cpu", dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def _step_bytes(plan: planner.Plan) -> int:
+    """Predicted peak minus what was live before the step: the casts autocast caches are made
+    by the step (fixed memory of the plan, but not live when the step starts)."""
+    problem = plan.problem
+    return plan.predicted_peak_bytes - (problem.fixed_bytes - problem.autocast_cache_bytes)
+
+
+def _planned(spec, kind, precision, fraction):
+    """(model, untouched copy, args, kwargs, loss_fn, budget, plan) for a generated model."""
+    model = build(spec)
+    if precision == "inside":
+        model = Autocasting(model)
+    args, kwargs = inputs(spec)
+    reference = copy.deepcopy(model)
+    with torch.no_grad(), around(precision):
+        output = copy.deepcopy(model)(*args, **kwargs)
+    loss_fn = make_loss(kind, _main_output(output), spec.seed)
+    with warnings.catch_warnings(), around(precision):
+        warnings.simplefilter("ignore", FutureWarning)
+        _, problem = prepare(model, args, kwargs, loss_fn=loss_fn)
+        low, high = lowest_peak(problem).peak_bytes, simulate(problem, ()).peak_bytes
+        budget = int(low + fraction * (high - low))
+        p = planner.plan(model, args, budget_bytes=budget, example_kwargs=kwargs, loss_fn=loss_fn)
+    return model, reference, args, kwargs, loss_fn, budget, p
+
+
+@settings(max_examples=EXAMPLES)
+@given(
+    spec=model_specs(untraceable=None, max_ops=8),
+    kind=LOSSES,
+    precision=PRECISIONS,
+    fraction=st.floats(0, 1),
+)
+def test_planned_step_under_autocast_trains_exactly_like_the_original(
+    spec, kind, precision, fraction
+):
+    model, reference, args, kwargs, loss_fn, _, p = _planned(spec, kind, precision, fraction)
+    with around(precision):
+        assert_equivalent(reference, model, p.module, args, kwargs, seed=spec.seed, loss_fn=loss_fn)
+
+
+@settings(max_examples=EXAMPLES)
+@given(
+    spec=model_specs(untraceable=None, max_ops=8, kinds=("dense",)),
+    kind=LOSSES,
+    precision=PRECISIONS,
+    fraction=st.floats(0, 1),
+)
+def test_measured_step_under_autocast_fits_and_matches_the_prediction(
+    spec, kind, precision, fraction
+):
+    """Memory the step adds to what was live before it, at a batch large enough that
+    activations make the peak (see tests/test_loss.py), measured in an autocast region of its
+    own, as a training loop enters one per step."""
+    spec = dataclasses.replace(spec, batch=256, output="tensor")
+    _, _, args, kwargs, loss_fn, budget, p = _planned(spec, kind, precision, fraction)
+    with around(precision):
+        step = peak_memory(p.module, args, kwargs, loss_fn=loss_fn).activation_peak_bytes
+    assert step <= budget - (p.predicted_peak_bytes - _step_bytes(p)) + BOOKKEEPING
+    assert math.isclose(_step_bytes(p), step, rel_tol=0.05)
+
+
+# --------------------------------------------------------------------------------------------
+# The weight-cast cache
+# --------------------------------------------------------------------------------------------
+
+
+def _mlp(width=256, depth=6):
+    torch.manual_seed(0)
+    layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())]
+    return nn.Sequential(*layers), (torch.randn(512, width),)
+
+
+def _weights_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    return sum(p.numel() * dtype.itemsize for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_around_the_call_counts_the_cached_weight_casts_all_step(dtype):
+    """Every weight's low-precision copy is live from its first use to the step's end, and a
+    checkpointed segment's recompute reuses it from the cache (it makes no new one)."""
+    model, args = _mlp()
+    with torch.autocast("cpu", dtype=dtype):
+        _, problem = prepare(model, args)
+        p = planner.plan(model, args, budget_bytes=lowest_peak(problem).peak_bytes)
+    assert problem.autocast_cache_bytes == _weights_bytes(model, dtype)
+    assert p.segments  # checkpointed, so the recompute runs under autocast
+    with torch.autocast("cpu", dtype=dtype):
+        measured = peak_memory(p.module, args)
+    assert math.isclose(_step_bytes(p), measured.activation_peak_bytes, rel_tol=0.001)
+
+
+def test_autocast_inside_forward_frees_the_casts_when_forward_leaves_it():
+    """The region's exit clears the cache: no cast outlives forward unless backward needs it,
+    and the whole model, which forward runs inside the region, can be checkpointed."""
+    inner, args = _mlp()
+    model = AutocastingMLP(inner)
+    reference = copy.deepcopy(model)
+    _, problem = prepare(model, args)
+    assert problem.autocast_cache_bytes == 0
+    p = planner.plan(model, args, budget_bytes=lowest_peak(problem).peak_bytes)
+    assert p.segments
+    assert p.predicted_peak_bytes < p.baseline_peak_bytes
+    measured = peak_memory(p.module, args)
+    assert math.isclose(_step_bytes(p), measured.activation_peak_bytes, rel_tol=0.001)
+    assert_equivalent(reference, model, p.module, args, {})
+
+
+class AutocastingMLP(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.model(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face models with cross-entropy over their vocabulary
+# --------------------------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+from hf_families import FAMILIES, VOCAB  # noqa: E402
+
+
+class AutocastingLM(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.model(input_ids, attention_mask=attention_mask)
+
+
+def _language_model(name: str, precision: str):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, args, kwargs = FAMILIES[name](batch=4, length=64)
+    model.config.use_cache = False
+    if precision == "inside":
+        model = AutocastingLM(model)
+    labels = torch.randint(0, VOCAB, args[0].shape, generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(output):
+        return F.cross_entropy(output.logits.flatten(0, 1).float(), labels.flatten())
+
+    return model, args, kwargs, loss_fn
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize(
+    ("name", "precision"),
+    [("gpt2", "around"), ("llama", "around"), ("bert", "around"), ("gpt2", "inside")],
+)
+def test_language_models_under_bfloat16_autocast_fit_and_match_the_prediction(name, precision):
+    model, args, kwargs, loss_fn = _language_model(name, precision)
+    with around(precision):
+        _, problem = prepare(model, args, kwargs, loss_fn=loss_fn)
+        budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
+        p = planner.plan(model, args, budget_bytes=budget, example_kwargs=kwargs, loss_fn=loss_fn)
+    assert p.segments
+    with around(precision):
+        measured = peak_memory(p.module, args, kwargs, loss_fn=loss_fn)
+    step = measured.activation_peak_bytes
+    assert step <= budget - (p.predicted_peak_bytes - _step_bytes(p)) + BOOKKEEPING
+    assert math.isclose(_step_bytes(p), step, rel_tol=0.05)
+
+
+# --------------------------------------------------------------------------------------------
+# Low-precision models and float32 master weights
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_bfloat16_model_plans_fits_and_trains_like_the_original():
+    model, args = _mlp()
+    model, args = model.to(torch.bfloat16), (args[0].to(torch.bfloat16),)
+    reference = copy.deepcopy(model)
+    _, problem = prepare(model, args)
+    assert problem.parameter_bytes == _weights_bytes(model, torch.bfloat16)
+    p = planner.plan(model, args, budget_bytes=lowest_peak(problem).peak_bytes)
+    assert p.segments
+    measured = peak_memory(p.module, args)
+    assert math.isclose(p.predicted_peak_bytes, measured.peak_bytes, rel_tol=0.001)
+    assert_equivalent(reference, model, p.module, args, {})
+
+
+class MasterWeights:
+    """A training loop's step for a bfloat16 model trained through float32 copies: copy the
+    gradients to the copies, step the optimizer on them, copy the weights back."""
+
+    def __init__(self, model: nn.Module, make_optimizer):
+        self.params = list(model.parameters())
+        self.master = [p.detach().float().requires_grad_(True) for p in self.params]
+        self.optimizer = make_optimizer(self.master)
+
+    @torch.no_grad()
+    def step(self):
+        for p, m in zip(self.params, self.master):
+            m.grad = p.grad.float()
+        self.optimizer.step()
+        for p, m in zip(self.params, self.master):
+            p.copy_(m)
+            m.grad = None
+
+
+def test_float32_master_weights_are_counted_with_the_optimizer_that_trains_them():
+    model, args = _mlp(width=512, depth=2)
+    model, args = model.to(torch.bfloat16), (args[0].to(torch.bfloat16)[:8],)
+    loop = MasterWeights(model, torch.optim.Adam)
+    _, problem = prepare(model, args, optimizer=loop.optimizer)
+    master = _weights_bytes(model, torch.float32)
+    assert problem.optimizer_state_bytes >= 3 * master  # the copies, then Adam's two moments
+    p = planner.plan(model, args, budget_gb=1, optimizer=loop.optimizer)
+    peak_memory(p.module, args, optimizer=loop)  # the first step makes Adam's state
+    measured = peak_memory(p.module, args, optimizer=loop)
+    assert math.isclose(p.predicted_peak_bytes, measured.peak_bytes, rel_tol=0.05)
