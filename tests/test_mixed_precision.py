@@ -32,12 +32,9 @@ from planner.measure import peak_memory
 from planner.pipeline import lowest_peak, prepare
 from planner.simulate import simulate
 from strategies import assert_equivalent, build, inputs, model_specs
-from test_loss import LOSS_SCALARS, LOSSES, _main_output, make_loss
+from test_loss import BOOKKEEPING, LOSSES, _main_output, make_loss
 
 EXAMPLES = max(3, settings.default.max_examples // 6)
-# Bytes a step holds that no plan models: the loss scalars, and the copies of BatchNorm running
-# statistics that a checkpointed segment keeps to put them back after its recompute.
-BOOKKEEPING = LOSS_SCALARS + 120
 PRECISIONS = st.sampled_from(["around", "inside"])
 
 

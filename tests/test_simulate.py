@@ -58,7 +58,9 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
             continue
         start, stop = segments[home]
         end = last_recomputed(problem, start, stop)
-        if s.producer > end or (s.producer == end and not problem.saves_own[end]):
+        if s.producer > end or (
+            s.producer == end and not (problem.saves_own[end] and s.before_last_save)
+        ):
             continue  # the recompute stops before re-creating it
         if not cached:
             recompute_alloc[s.producer] += s.nbytes
@@ -66,7 +68,9 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
         if inner_savers:
             backward_free[min(inner_savers)] += s.nbytes
         else:
-            recompute_free[max([j for j in s.readers if j <= end], default=s.producer)] += s.nbytes
+            last = max([j for j in s.readers if j <= end], default=s.producer)
+            # autocast's cache holds a recomputed weight cast until the recompute ends
+            recompute_free[max(last, end) if s.cast_cache else last] += s.nbytes
 
     live = peak = 0
     seconds, timeline = 0.0, []
