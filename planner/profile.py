@@ -42,6 +42,8 @@ Keys written into ``node.meta`` (the one place they are documented):
     tensor is back): the node's other storages, such as an output that only later nodes
     save, are never re-created by it. (Under autocast a node casts its input and saves the
     cast before its op runs and makes the output.)
+``planner.autocast``
+    whether autocast was on when the node ran (it may cast; see ``planner.graph`` on keeps).
 ``planner.cast_cache``
     storages among ``planner.created`` that ``torch.autocast``'s weight-cast cache holds: the
     low-precision copies of leaf tensors that require grad (weights), which live until the
@@ -94,6 +96,7 @@ META_KEYS = (
     "planner.backward_net",
     "planner.cast_cache",
     "planner.made_before_last_save",
+    "planner.autocast",
 )
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 # ``tensor.device`` of a fake tensor, dispatched like an op; it reads and moves no memory, and
@@ -406,11 +409,14 @@ class _CostMode(TorchDispatchMode):
         return out
 
 
+def autocast_on() -> bool:
+    """Whether autocast is on here, on either device."""
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+
+
 def caching_casts() -> bool:
-    """Whether autocast is on here and caches the casts of weights (on either device)."""
-    return torch.is_autocast_cache_enabled() and any(
-        torch.is_autocast_enabled(device) for device in ("cpu", "cuda")
-    )
+    """Whether autocast is on here and caches the casts of weights."""
+    return torch.is_autocast_cache_enabled() and autocast_on()
 
 
 def _is_cached_cast(func, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> bool:
@@ -537,6 +543,7 @@ class _Recorder(fx.Interpreter):
         self.cost.reset()
         # Read before the node runs: autocast hides its own state from the ops it dispatches.
         self.cost.caching_casts = caching_casts()
+        node.meta["planner.autocast"] = autocast_on()
         self.saved_by_current = set()
         self.made_before_last_save: set[int] = set()
         with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):

@@ -110,7 +110,7 @@ def validate_choice(problem: Problem, choice) -> Choice:
         if not problem.keepable[k]:
             raise ValueError(
                 f"node {k} ({problem.names[k]}) cannot be kept: it creates no memory, mutates a "
-                "tensor in place, or what it creates is mutated later"
+                "tensor in place, what it creates is mutated later, or it runs under autocast"
             )
     for start, stop in segments:
         runs_to = recompute_stop(problem, start, stop)

@@ -30,7 +30,7 @@ from torch import nn
 import planner
 from planner.measure import peak_memory
 from planner.pipeline import lowest_peak, prepare
-from planner.simulate import simulate
+from planner.simulate import Choice, simulate, validate_choice
 from strategies import assert_equivalent, build, inputs, model_specs
 from test_loss import BOOKKEEPING, LOSSES, _main_output, make_loss
 
@@ -173,6 +173,26 @@ class AutocastingMLP(nn.Module):
     def forward(self, x):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return self.model(x)
+
+
+class ToFloat(nn.Module):
+    def forward(self, h):
+        return h.float()
+
+
+def test_no_node_is_kept_inside_a_segment_under_autocast():
+    """A selective-checkpoint cache answers a recompute's calls of each op in forward order;
+    under the step's autocast the recompute makes fewer casts (autocast's cache answers those
+    of weights), so a kept node would get another call's result: keeps are refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), ToFloat())])
+    x = torch.randn(8, 16)
+    _, plain = prepare(model, (x,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, problem = prepare(model, (x,))
+    assert plain.keepable.any() and not problem.keepable.any()
+    with pytest.raises(ValueError, match="runs under autocast"):
+        validate_choice(problem, Choice(((0, 8),), frozenset({2})))
 
 
 # --------------------------------------------------------------------------------------------
