@@ -20,9 +20,10 @@ from torch import nn
 
 import planner
 from planner.errors import PlanningError
-from planner.measure import peak_memory
-from planner.pipeline import lowest_peak, prepare
+from planner.pipeline import prepare
 from planner.simulate import simulate
+from planner.solvers.auto import lowest_peak
+from planner.step import peak_memory
 
 VOCAB, BATCH, LENGTH, HIDDEN = 2048, 4, 48, 64
 

@@ -43,7 +43,7 @@ Keys written into ``node.meta`` (the one place they are documented):
     save, are never re-created by it. (Under autocast a node casts its input and saves the
     cast before its op runs and makes the output.)
 ``planner.autocast``
-    whether autocast was on when the node ran (it may cast; see ``planner.graph`` on keeps).
+    whether autocast was on when the node ran (it may cast; see ``planner.problem`` on keeps).
 ``planner.cast_cache``
     storages among ``planner.created`` that ``torch.autocast``'s weight-cast cache holds: the
     low-precision copies of leaf tensors that require grad (weights), which live until the

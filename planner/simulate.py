@@ -230,7 +230,7 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     np.maximum.at(
         last_read, a.read_storage, np.where(a.read_node <= end[a.read_storage], a.read_node, -1)
     )
-    # autocast's cache holds a recomputed weight cast until the recompute ends (see graph.py).
+    # autocast's cache holds a recomputed weight cast until the recompute ends (problem.py).
     last_read = np.where(a.cast_cache & recomputed, np.maximum(last_read, end), last_read)
     by_reader = recomputed & (inner_saver == never)
     created = recomputed & ~cached

@@ -28,9 +28,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import planner
-from planner.measure import peak_memory
-from planner.pipeline import lowest_peak, prepare
+from planner.pipeline import prepare
 from planner.simulate import Choice, simulate, validate_choice
+from planner.solvers.auto import lowest_peak
+from planner.step import peak_memory
 from strategies import assert_equivalent, build, inputs, model_specs
 from test_loss import BOOKKEEPING, LOSSES, _main_output, make_loss
 
