@@ -140,8 +140,13 @@ class Plan:
         return "\n".join(lines)
 
     def _step_lines(self) -> list[str]:
-        """The loss and optimizer parts of the step, when the plan was given them."""
+        """The loss, autocast and optimizer parts of the step, when it has them."""
         problem, lines = self.problem, []
+        if problem.autocast_cache_bytes:
+            lines.append(
+                f"  autocast cache  {mib(problem.autocast_cache_bytes):>12}   low-precision "
+                "weight copies, live all step (part of fixed)"
+            )
         if problem.has_loss:
             lines.append(
                 f"  loss_fn         {mib(problem.created_bytes[-1]):>12}   kept for its backward, "

@@ -297,3 +297,28 @@ def test_float32_master_weights_are_counted_with_the_optimizer_that_trains_them(
     peak_memory(p.module, args, optimizer=loop)  # the first step makes Adam's state
     measured = peak_memory(p.module, args, optimizer=loop)
     assert math.isclose(p.predicted_peak_bytes, measured.peak_bytes, rel_tol=0.05)
+
+
+def test_the_summary_table_and_plot_show_the_loss_autocast_and_optimizer_parts():
+    model, args = _mlp(width=64, depth=2)
+    labels = torch.randint(0, 64, (args[0].shape[0],))
+    optimizer = torch.optim.Adam(model.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        p = planner.plan(
+            model,
+            args,
+            budget_gb=1,
+            loss_fn=lambda out: F.cross_entropy(out.float(), labels),
+            optimizer=optimizer,
+        )
+    cache = p.problem.autocast_cache_bytes
+    assert cache == _weights_bytes(model, torch.bfloat16)
+    text = str(p)
+    assert "autocast cache" in text and "loss_fn" in text and "optimizer" in text
+    html = p._repr_html_()
+    assert "autocast cache" in html and "Loss" in html and "Optimizer step" in html
+    pytest.importorskip("matplotlib")
+    curve = planner.viz.memory_timeline(p)["plan"]
+    assert curve.phases[-1] == "optimizer"
+    assert curve.y[-1] == simulate(p.problem, p.choice).optimizer_step_bytes
+    p.plot_memory()

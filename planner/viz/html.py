@@ -5,6 +5,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
+from planner.simulate import simulate
 from planner.units import mib
 from planner.viz.style import BASELINE_COLOUR, BUDGET_COLOUR, PLAN_COLOUR, SEGMENT_COLOURS
 
@@ -60,6 +61,20 @@ def _bar(value: float, scale: float, colour: str, label: str) -> str:
     )
 
 
+def _step_rows(plan) -> list[tuple[str, str]]:
+    """Rows for the loss and the optimizer step, when the plan was given them."""
+    problem, rows = plan.problem, []
+    if problem.has_loss:
+        rows.append(("Loss", f"{mib(problem.created_bytes[-1])} kept for its backward, which "
+                     f"allocates {mib(problem.activation_grad_alloc[-1])}"))  # fmt: skip
+    if problem.optimizer_state_bytes or problem.optimizer_step_bytes:
+        step = simulate(problem, plan.choice).optimizer_step_bytes
+        peak = " (the step's peak)" if step >= plan.predicted_peak_bytes else ""
+        rows.append(("Optimizer step", f"holds {mib(step)}{peak}, with "
+                     f"{mib(problem.optimizer_step_bytes)} of temporaries"))  # fmt: skip
+    return rows
+
+
 def plan_html(plan, *, max_rows: int = 24) -> str:
     """A compact HTML summary of ``plan`` for notebooks (what ``Plan._repr_html_`` shows).
 
@@ -102,14 +117,17 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
          f"{plan.predicted_peak_bytes / plan.baseline_peak_bytes - 1:+.0%} vs baseline)"
          if plan.baseline_peak_bytes else f"<b>{mib(plan.predicted_peak_bytes)}</b>"),
         ("Fixed memory", f"{mib(problem.fixed_bytes)} (parameters, buffers, inputs"
-         + (", optimizer state" if problem.optimizer_state_bytes else "") + f"); gradients "
+         + (f"; optimizer state {mib(problem.optimizer_state_bytes)}"
+            if problem.optimizer_state_bytes else "")
+         + (f"; autocast cache {mib(problem.autocast_cache_bytes)}"
+            if problem.autocast_cache_bytes else "") + f"); gradients "
          f"{mib(problem.gradient_bytes)}"),
         ("Activations", f"{mib(int(saved.sum()))} saved for backward without checkpointing; "
          f"the plan recomputes {mib(dropped)} of them and keeps {mib(boundary)} of segment "
          "inputs"),
         ("Recompute", f"<b>{plan.predicted_overhead:.1%}</b> of a step "
          f"({plan.recompute_flops:.3g} FLOPs)"),
-    ]  # fmt: skip
+    ] + _step_rows(plan)  # fmt: skip
     out = [
         '<div class="planner-plan" style="font-family:system-ui,sans-serif;font-size:13px;'
         'line-height:1.35">',

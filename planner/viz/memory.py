@@ -59,6 +59,10 @@ def _curve(problem, choice, step_seconds: float) -> MemoryCurve:
         phases.append(phase)
         if phase == "forward":
             forward_end = t / scale
+    if problem.optimizer_step_bytes:  # optimizer.step(), on what backward leaves
+        xs.append(xs[-1] * 1.02)
+        ys.append(result.optimizer_step_bytes)
+        phases.append("optimizer")
     return MemoryCurve(
         np.asarray(xs), np.asarray(ys, dtype=np.float64), tuple(phases), result.peak_bytes,
         forward_end,
@@ -87,13 +91,33 @@ def _trace(measured) -> np.ndarray | None:
     return np.asarray(values, dtype=np.float64)
 
 
+def _fixed_bands(ax, problem, unit: float, end: float) -> None:
+    """Fixed memory as stacked bands: parameters, buffers and inputs; optimizer state; the
+    low-precision weight copies that autocast caches all step."""
+    parts = [
+        ("optimizer state", problem.optimizer_state_bytes, "#e4e4f4"),
+        ("autocast cache", problem.autocast_cache_bytes, "#f4ece0"),
+    ]
+    base = problem.fixed_bytes - sum(nbytes for _, nbytes, _ in parts)
+    bottom = 0.0
+    for label, nbytes, colour in [("parameters, buffers, inputs", base, "#f0f0f0"), *parts]:
+        if nbytes <= 0:
+            continue
+        top = bottom + nbytes / unit
+        ax.axhspan(bottom, top, color=colour, zorder=0)
+        ax.text(end * 0.995, (bottom + top) / 2, label, ha="right", va="center", fontsize=7,
+                color="#777777")  # fmt: skip
+        bottom = top
+
+
 def plot_memory(plan, measured=None, ax=None, *, measured_baseline=None, path=None):
     """Plot predicted memory over one training step: baseline and plan on one axis.
 
     The x axis is time through the step under the cost model, as a fraction of a step without
     checkpointing: forward, then backward, where the plan's recomputation makes its backward
-    longer by the recompute overhead. The y axis is live memory in MiB, fixed memory (parameters,
-    buffers, inputs) included, so the budget is directly comparable. Without checkpointing
+    longer by the recompute overhead, then ``optimizer.step()`` when the plan counts one. The y
+    axis is live memory in MiB, fixed memory included (bands: parameters, buffers and inputs;
+    optimizer state; autocast's cached weight copies), so the budget is directly comparable. Without checkpointing
     memory rises through the forward and falls through the backward; with the plan it rises less
     and, in backward, rises and falls again as each segment is recomputed (a saw-tooth).
 
@@ -124,10 +148,13 @@ def plot_memory(plan, measured=None, ax=None, *, measured_baseline=None, path=No
     figure, ax, own_figure = axes(ax, (9.0, 4.8))
 
     end = max(base.x[-1], planned.x[-1])
-    fixed = plan.problem.fixed_bytes / unit
-    ax.axhspan(0, fixed, color="#f0f0f0", zorder=0)
-    ax.text(end * 0.995, fixed * 0.5, "parameters, buffers, inputs", ha="right", va="center",
-            fontsize=7, color="#777777")  # fmt: skip
+    _fixed_bands(ax, plan.problem, unit, end)
+    if plan.problem.has_loss:  # the loss is the forward's last node, the backward's first
+        ax.text(base.forward_end, 0.0, "loss", transform=ax.get_xaxis_transform(), ha="center",
+                va="bottom", fontsize=7, color="#555555")  # fmt: skip
+    if plan.problem.optimizer_step_bytes:
+        ax.text(end, 0.0, "step()", transform=ax.get_xaxis_transform(), ha="right",
+                va="bottom", fontsize=7, color="#555555")  # fmt: skip
     ax.axvline(base.forward_end, color="#999999", lw=0.8, ls=":")
     ax.text(base.forward_end / 2, 1.0, "forward", transform=ax.get_xaxis_transform(),
             ha="center", va="bottom", fontsize=8, color="#555555")  # fmt: skip
