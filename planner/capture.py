@@ -704,7 +704,7 @@ def _inline_autocast(gm: fx.GraphModule, *, cache_enabled: bool) -> None:
         device, dtype, enabled, _, body, *operands = node.args
         block = getattr(gm, body.target)
         _inline_autocast(block, cache_enabled=cache_enabled)  # regions nested in the block
-        env: dict[fx.Node, object] = dict(
+        env: dict[fx.Node, fx.node.Argument] = dict(
             zip(block.graph.find_nodes(op="placeholder"), operands, strict=True)
         )
         with graph.inserting_before(node):

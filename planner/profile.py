@@ -401,7 +401,9 @@ class _CostMode(TorchDispatchMode):
             if created is not None and created >= before:
                 self.new.add(created)
         if self.caching_casts and _is_cached_cast(func, inputs, outputs):
-            self.casts.add(key(outputs[0]))
+            cast = key(outputs[0])
+            if cast is not None:
+                self.casts.add(cast)
         if facts.flops is not None:
             self.flops += int(facts.flops(*args, **kwargs, out_val=out))
         if not facts.aliasing:
@@ -506,6 +508,7 @@ class _Recorder(fx.Interpreter):
         self.storages = storages
         self.cost = cost
         self.saved_by_current: set[int] = set()
+        self.made_before_last_save: set[int] = set()  # new storages when a tensor was saved
         # Under an autocast region entered before the step, cached casts outlive it: fixed.
         self.casts_outlive_step = caching_casts()
         self.fixed_casts: set[int] = set()
@@ -545,7 +548,7 @@ class _Recorder(fx.Interpreter):
         self.cost.caching_casts = caching_casts()
         node.meta["planner.autocast"] = autocast_on()
         self.saved_by_current = set()
-        self.made_before_last_save: set[int] = set()
+        self.made_before_last_save = set()
         with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
             out = run()
         tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]

@@ -117,9 +117,10 @@ def plot_memory(plan, measured=None, ax=None, *, measured_baseline=None, path=No
     checkpointing: forward, then backward, where the plan's recomputation makes its backward
     longer by the recompute overhead, then ``optimizer.step()`` when the plan counts one. The y
     axis is live memory in MiB, fixed memory included (bands: parameters, buffers and inputs;
-    optimizer state; autocast's cached weight copies), so the budget is directly comparable. Without checkpointing
-    memory rises through the forward and falls through the backward; with the plan it rises less
-    and, in backward, rises and falls again as each segment is recomputed (a saw-tooth).
+    optimizer state; autocast's cached weight copies), so the budget is directly comparable.
+    Without checkpointing memory rises through the forward and falls through the backward; with
+    the plan it rises less and, in backward, rises and falls again as each segment is recomputed
+    (a saw-tooth).
 
     Parameters
     ----------
