@@ -230,7 +230,9 @@ def plan(
         its class or a factory (``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``,
         given the trainable parameters). Its state (Adam: two tensors per trainable parameter)
         and the temporaries of its ``step()`` are counted, by one meta run of the same
-        optimizer (``planner.optimizer.optimizer_memory``).
+        optimizer (``planner.optimizer.optimizer_memory``). An instance over float32 master
+        copies of a low-precision model's parameters counts the copies too. Under
+        ``torch.autocast``, plan inside the same region as the step (see docs/pipeline.md).
     optimizer_state_bytes
         Bytes of optimizer state, counted by hand; overrides what ``optimizer`` counts.
 
