@@ -470,7 +470,6 @@ class _ExportedRegions:
     def __init__(self):
         self.open: list = []
         self.inside_autocast: list[str] = []
-        self.autocast_cache = True  # every autocast region forward entered caches weight casts
 
 
 def _exported_regions() -> _ExportedRegions | None:
@@ -490,8 +489,6 @@ def _recording_entry(original, node_of):
         if exported is not None:
             if any(isinstance(m, torch.amp.autocast_mode.autocast) for m in exported.open):
                 exported.inside_autocast.append(type(manager).__name__)
-            if isinstance(manager, torch.amp.autocast_mode.autocast):
-                exported.autocast_cache &= bool(manager._cache_enabled)
             exported.open.append(manager)
         return result
 
@@ -678,8 +675,8 @@ def _export(
             model, args, kwargs_fixed, dynamic_shapes=dynamic, strict=False
         )
     gm = program.module()
-    exported = _exported_regions()
-    _inline_autocast(gm, cache_enabled=exported is None or exported.autocast_cache)
+    # torch.export traces with autocast's cache off and records that; the model runs with it.
+    _inline_autocast(gm, cache_enabled=torch.is_autocast_cache_enabled())
     _guard_write_backs(gm)
     causal = exact_attention(gm, model, args, kwargs_fixed)
     checks = [causal] if causal is not None and dynamic_shapes else []
@@ -693,9 +690,9 @@ def _inline_autocast(gm: fx.GraphModule, *, cache_enabled: bool) -> None:
     ``enter_autocast`` and ``exit_region`` nodes, as ``symbolic_trace`` records a region.
 
     As one node, the block could not be cut: a forward run entirely under autocast had no
-    segment to checkpoint. torch.export records the block with the weight-cast cache off (it
-    traces without one); the model runs with it on, so ``cache_enabled`` says what the model's
-    own regions asked for.
+    segment to checkpoint. ``cache_enabled`` replaces the weight-cast cache setting that
+    torch.export recorded (off: it traces without the cache), so that the module caches as the
+    model does (a region that turns the cache off itself is not told apart).
     """
     from torch._higher_order_ops.wrap import wrap_with_autocast
 
