@@ -131,3 +131,17 @@ def test_a_saved_plan_keeps_its_optimizer_memory(tmp_path):
     p = planner.plan(model, inputs, budget_gb=1, optimizer=optimizer)
     loaded = planner.load(p.save(tmp_path / "plan.json", inputs), model)
     assert loaded.predicted_peak_bytes == p.predicted_peak_bytes
+
+
+def test_master_weights_the_optimizer_trains_are_counted_as_its_state():
+    """A bf16 model trained through float32 copies: the copies are state, their gradients are
+    filled before each step (temporaries); the model's own parameters count nothing more."""
+    model = nn.Linear(64, 64).to(torch.bfloat16)
+    master = [p.detach().float().requires_grad_(True) for p in model.parameters()]
+    copies = sum(p.numel() * FLOAT for p in master)
+    plain = optimizer_memory(torch.optim.Adam(master))
+    counted = optimizer_memory(torch.optim.Adam(master), model)
+    assert counted.master_bytes == copies
+    assert counted.state_bytes == plain.state_bytes + copies
+    assert counted.step_bytes == plain.step_bytes + copies
+    assert optimizer_memory(torch.optim.Adam(model.parameters()), model).master_bytes == 0
