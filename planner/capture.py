@@ -8,14 +8,11 @@ transformers) go through ``torch.export.export(strict=False)``, which records AT
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import inspect
 import logging
 import operator
 import threading
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -24,21 +21,17 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from planner.attention import exact_attention
 from planner.errors import PlanningError
+from planner.model_call import CALL_KEY, ModelCall, container_types
+from planner.regions import (
+    CAPTURE_LOCK,
+    capturing,
+    in_capturing_thread,
+    inline_autocast,
+    recording_regions,
+    watching_exported_regions,
+)
 
 log = logging.getLogger(__name__)
-
-# Tracing patches process-wide objects (fx patches ``nn.Module.__call__`` and ``__getattr__``;
-# capture patches ``torch.utils.checkpoint`` and the grad-mode and autocast context managers).
-# One capture at a time; every patch acts only in the capturing thread (``_capturing``) and
-# behaves as the original in every other thread.
-_CAPTURE_LOCK = threading.RLock()
-# Per thread: .active (capturing), .tracer (the LeafTracer while fx traces), .exporting (the
-# _ExportedRegions while torch.export captures), .depth (inside a patched context manager).
-_capturing = threading.local()
-
-
-def _in_capturing_thread() -> bool:
-    return getattr(_capturing, "active", False)
 
 
 @dataclass(frozen=True)
@@ -56,201 +49,6 @@ class Captured:
         """``(args, kwargs)`` of a call of the model, as ``graph_module`` takes them."""
         call = self.graph_module.meta.get(CALL_KEY)
         return call.inputs(args, kwargs) if call is not None else (args, kwargs)
-
-
-CALL_KEY = "planner.call"  # GraphModule.meta key of a module's ModelCall
-
-
-class ModelCall:
-    """What a captured module needs to be called like the model it was captured from.
-
-    ``torch.export`` gives a module whose ``forward`` takes exactly the example's arguments,
-    positional and keyword as in the example, non-tensor ones included; ``symbolic_trace``
-    rebuilds ``OrderedDict`` and ``ModelOutput`` outputs as plain ``dict``. A ``ModelCall``
-    binds a call to the model's own signature (defaults, keywords given positionally, the
-    arguments planner fixed such as ``use_cache=False``) and puts the output's container types
-    back. Calls the captured graph cannot compute like the model (another non-tensor value, a
-    tensor added) raise instead of computing something else; a tensor argument left out is
-    passed on as None (the planned module then runs the model itself).
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        args: tuple | None,
-        kwargs: dict | None,
-        *,
-        fixed: dict | None = None,
-        output=None,
-        sizes: bool = False,
-        checks=(),
-    ):
-        self.model_name = type(model).__name__
-        self.signature = inspect.signature(model.forward)
-        self.fixed = dict(fixed or {})
-        self.output_types = output
-        self.checks = list(checks)  # each is called with the inputs as the graph takes them
-        self.binds = args is not None
-        if args is not None:
-            kwargs = {} if kwargs is None else kwargs
-            passed = self._passed(args, kwargs)
-            self.positional = tuple(self.signature.parameters)[: len(args)]
-            self.keywords = tuple({**kwargs, **self.fixed})
-            self.constants = {
-                name: value
-                for name, value in passed.items()
-                if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
-            }
-            # Sizes the plan's budget was made for; larger calls get a warning.
-            self.largest = _sizes(passed) if sizes else None
-            self.warned = False
-
-    def _passed(self, args: tuple, kwargs: dict) -> dict:
-        """The call's arguments by name (``**kwargs`` ones too), planner's fixed ones added."""
-        try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError as error:
-            raise TypeError(f"{self.model_name}.forward{self.signature}: {error}") from None
-        passed = {}
-        for name, value in bound.arguments.items():
-            kind = self.signature.parameters[name].kind
-            if kind == inspect.Parameter.VAR_KEYWORD:
-                passed.update(value)
-            elif kind != inspect.Parameter.VAR_POSITIONAL:
-                passed[name] = value
-        return {**self.fixed, **passed}
-
-    def _default(self, name: str):
-        parameter = self.signature.parameters.get(name)
-        return (
-            None
-            if parameter is None or parameter.default is parameter.empty
-            else (parameter.default)
-        )
-
-    def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The call ``model(*args, **kwargs)`` as the captured module takes it."""
-        if not self.binds:
-            return args, kwargs
-        passed = self._passed(args, kwargs)
-        captured = (*self.positional, *self.keywords)
-        added = [
-            name
-            for name, value in passed.items()
-            if name not in captured and not _same(value, self._default(name))
-        ]
-        if added:
-            raise TypeError(
-                f"this plan of {self.model_name} was made for calls without "
-                f"{', '.join(added)}: its graph has no input for them. Plan with them in "
-                "example_inputs or example_kwargs to train with them."
-            )
-        values = {name: passed.get(name, self._default(name)) for name in captured}
-        for name, value in values.items():
-            if name in self.fixed and not _same(value, self.fixed[name]):
-                raise ValueError(
-                    f"planner plans {self.model_name} for training with {name}="
-                    f"{self.fixed[name]!r}; this call passes {name}={value!r}. Leave {name} "
-                    f"out (or pass {self.fixed[name]!r}), and use the model itself where you "
-                    "need its cache (generation)."
-                )
-            if name in self.constants and not _same(value, self.constants[name]):
-                raise ValueError(
-                    f"this plan of {self.model_name} was captured with {name}="
-                    f"{self.constants[name]!r} and computes with that value; this call passes "
-                    f"{name}={value!r}. Plan again with {name}={value!r} in the example inputs."
-                )
-        if self.largest is not None and not self.warned and _larger(_sizes(values), self.largest):
-            self.warned = True
-            warnings.warn(
-                f"a call of the plan of {self.model_name} has larger tensors than the example "
-                f"it was planned for ({_describe_sizes(self.largest)}): its peak may exceed the "
-                "budget. Plan with example inputs of the largest size you train with.",
-                UserWarning,
-                stacklevel=4,
-            )
-        graph_args = tuple(values[name] for name in self.positional)
-        graph_kwargs = {name: values[name] for name in self.keywords}
-        for check in self.checks:
-            check(graph_args, graph_kwargs)
-        return graph_args, graph_kwargs
-
-    def output(self, value):
-        """``value`` with the container types of the model's own output."""
-        return _retyped(self.output_types, value) if self.output_types is not None else value
-
-    def install(self, gm: fx.GraphModule) -> None:
-        """Make ``gm`` take the model's calls and return its output types (module hooks)."""
-        gm.meta[CALL_KEY] = self
-        if self.binds:
-            gm.register_forward_pre_hook(self._before_forward, with_kwargs=True)
-        if self.output_types is not None:
-            gm.register_forward_hook(self._after_forward)
-
-    def _before_forward(self, module, args, kwargs):
-        return self.inputs(args, kwargs)
-
-    def _after_forward(self, module, args, output):
-        return self.output(output)
-
-
-def _sizes(arguments: dict) -> dict:
-    return {
-        name: tuple(value.shape)
-        for name, value in arguments.items()
-        if isinstance(value, torch.Tensor)
-    }
-
-
-def _larger(sizes: dict, largest: dict) -> bool:
-    return any(
-        len(shape) == len(largest.get(name, shape))
-        and any(a > b for a, b in zip(shape, largest.get(name, shape)))
-        for name, shape in sizes.items()
-    )
-
-
-def _describe_sizes(sizes: dict) -> str:
-    return ", ".join(f"{name} {list(shape)}" for name, shape in sizes.items())
-
-
-def _same(value, expected) -> bool:
-    if value is expected:
-        return True
-    if isinstance(value, torch.Tensor) or isinstance(expected, torch.Tensor):
-        return False
-    try:
-        return bool(value == expected)
-    except Exception:  # noqa: BLE001 - incomparable values are not the same
-        return False
-
-
-def _container_types(output):
-    """The mapping types in ``output`` that fx rebuilds as plain ``dict`` (None if there are
-    none), as a tree: ``(type, {key: subtree})`` or ``(type, [subtree, ...])``."""
-    if isinstance(output, Mapping):
-        children = {key: _container_types(value) for key, value in output.items()}
-        keep = type(output) is not dict or any(c is not None for c in children.values())
-        return (type(output), children) if keep else None
-    if isinstance(output, (list, tuple)):
-        elements = [_container_types(value) for value in output]
-        return (type(output), elements) if any(c is not None for c in elements) else None
-    return None
-
-
-def _retyped(template, value):
-    if template is None:
-        return value
-    kind, children = template
-    if isinstance(children, dict):
-        items = {key: _retyped(children.get(key), item) for key, item in value.items()}
-        if kind is dict:
-            return items
-        if isinstance(kind, type) and dataclasses.is_dataclass(kind):  # Hugging Face ModelOutput
-            return kind(**items)
-        return kind(items)
-    values = [_retyped(child, item) for child, item in zip(children, value)]
-    return kind(*values) if hasattr(kind, "_fields") else kind(values)
 
 
 def _non_tensor_arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -335,12 +133,12 @@ def _refusing_manual_checkpoints(model: nn.Module):
         )
 
     def refusing_generator(*args, **kwargs):
-        if _in_capturing_thread():
+        if in_capturing_thread():
             refuse()
         return generator(*args, **kwargs)  # another thread's checkpoint: runs as always
 
     def refusing_apply(cls, *args, **kwargs):
-        if _in_capturing_thread():
+        if in_capturing_thread():
             refuse()
         return bound_apply(*args, **kwargs)
 
@@ -355,214 +153,6 @@ def _refusing_manual_checkpoints(model: nn.Module):
             function.apply = original_apply  # type: ignore[method-assign, assignment]
         else:
             del function.apply
-
-
-# Grad-mode and autocast regions. symbolic_trace runs a ``with torch.no_grad():`` (or
-# ``torch.autocast(...)``) block of forward once, on proxies, and records no trace of the switch:
-# the graph would compute with gradients (or in full precision) where the model does not. While
-# tracing, entering and exiting such a context manager is recorded as a node calling one of the
-# functions below, which do at run time what the context manager does: switch the mode, and on
-# exit restore the mode that was current on entry (whatever mode the caller runs in).
-
-_open = threading.local()  # .regions: context managers entered by those nodes, not yet exited
-
-
-def _open_regions() -> list:
-    if not hasattr(_open, "regions"):
-        _open.regions = []
-    return _open.regions
-
-
-def _entered(region):
-    _open_regions().append(region)
-    return region
-
-
-def enter_grad_mode(enabled: bool):
-    """Graph node for ``torch.no_grad()``, ``torch.enable_grad()``, ``set_grad_enabled(...)``."""
-    return _entered(torch.set_grad_enabled(enabled))  # switches now; its __exit__ restores
-
-
-def enter_inference_mode(mode: bool):
-    """Graph node for ``torch.inference_mode(mode)``."""
-    region = torch.inference_mode(mode)
-    region.__enter__()
-    return _entered(region)
-
-
-def enter_autocast(device_type: str, dtype: torch.dtype, enabled: bool, cache_enabled: bool):
-    """Graph node for ``torch.autocast(...)`` (arguments as resolved when it was traced)."""
-    region = torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
-    region.__enter__()
-    return _entered(region)
-
-
-def exit_region(region) -> None:
-    """Graph node for leaving a region entered by one of the ``enter_*`` nodes."""
-    regions = _open_regions()
-    if region in regions:
-        regions.remove(region)
-    region.__exit__(None, None, None)
-
-
-REGION_ENTRIES = (enter_grad_mode, enter_inference_mode, enter_autocast)
-
-
-@contextlib.contextmanager
-def closing_regions(*, always: bool):
-    """Exit the regions entered inside the block and left open by an exception (by any way out
-    when ``always``), as the model's own ``with`` statements would have.
-
-    A checkpointed segment needs it: non-reentrant checkpoint stops a recompute by raising once
-    every saved tensor is back, possibly between a region's entry and exit nodes.
-    """
-    depth = len(_open_regions())
-    try:
-        yield
-    except BaseException:
-        _exit_regions_since(depth)
-        raise
-    if always:
-        _exit_regions_since(depth)
-
-
-def _exit_regions_since(depth: int) -> None:
-    regions = _open_regions()
-    while len(regions) > depth:
-        regions.pop().__exit__(None, None, None)
-
-
-def region_spans(nodes: list[fx.Node]) -> list[tuple[int, int]]:
-    """``(entry, exit)`` positions in ``nodes`` of each recorded region; a region never exited
-    (``torch.set_grad_enabled(False)`` called as a function) lasts to the last node."""
-    position = {node: i for i, node in enumerate(nodes)}
-    spans = []
-    for i, node in enumerate(nodes):
-        if node.op == "call_function" and node.target in REGION_ENTRIES:
-            exits = [position[u] for u in node.users if u.target is exit_region and u in position]
-            spans.append((i, max(exits, default=len(nodes) - 1)))
-    return spans
-
-
-def _region_tracer():
-    """The tracer to record a region switch in: only while fx traces in this thread, and only
-    the forward's own switches (not those a patched context manager makes inside itself)."""
-    if getattr(_capturing, "depth", 0):
-        return None
-    return getattr(_capturing, "tracer", None)
-
-
-@contextlib.contextmanager
-def _inside_patched_method():
-    _capturing.depth = getattr(_capturing, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _capturing.depth -= 1
-
-
-class _ExportedRegions:
-    """Regions that forward enters while torch.export captures it, and the nestings torch.export
-    (2.13) captures wrongly: a grad-mode region inside ``torch.autocast`` is dropped (the
-    exported module computes gradients that the model does not), an autocast inside autocast
-    fails when run."""
-
-    def __init__(self):
-        self.open: list = []
-        self.inside_autocast: list[str] = []
-
-
-def _exported_regions() -> _ExportedRegions | None:
-    return None if getattr(_capturing, "depth", 0) else getattr(_capturing, "exporting", None)
-
-
-def _recording_entry(original, node_of):
-    @functools.wraps(original)
-    def entry(manager, *args, **kwargs):
-        tracer, exported = _region_tracer(), _exported_regions()
-        with _inside_patched_method():
-            result = original(manager, *args, **kwargs)
-        if tracer is not None:
-            target, node_args = node_of(manager)
-            node = tracer.create_node("call_function", target, node_args, {})
-            tracer.open_regions[id(manager)] = (manager, node)
-        if exported is not None:
-            if any(isinstance(m, torch.amp.autocast_mode.autocast) for m in exported.open):
-                exported.inside_autocast.append(type(manager).__name__)
-            exported.open.append(manager)
-        return result
-
-    return entry
-
-
-def _recording_exit(original):
-    @functools.wraps(original)
-    def exit_(manager, *args, **kwargs):
-        tracer = _region_tracer()
-        if tracer is not None:
-            entered = tracer.open_regions.pop(id(manager), None)
-            if entered is None:  # any error here sends capture to torch.export
-                raise RuntimeError(
-                    f"a {type(manager).__name__} region entered outside forward ends inside it"
-                )
-            tracer.create_node("call_function", exit_region, (entered[1],), {})
-        exported = _exported_regions()
-        if exported is not None and manager in exported.open:
-            exported.open.remove(manager)
-        with _inside_patched_method():
-            return original(manager, *args, **kwargs)
-
-    return exit_
-
-
-def _region_patches() -> list[tuple[type, str, object]]:
-    """(class, method name, replacement) for every grad-mode and autocast context manager."""
-    grad = torch.autograd.grad_mode
-    autocast = torch.amp.autocast_mode.autocast
-    entries = [
-        (grad.no_grad, "__enter__", lambda m: (enter_grad_mode, (False,))),
-        (grad.enable_grad, "__enter__", lambda m: (enter_grad_mode, (True,))),
-        (grad.set_grad_enabled, "__init__", lambda m: (enter_grad_mode, (m.mode,))),
-        (grad.inference_mode, "__enter__", lambda m: (enter_inference_mode, (m.mode,))),
-        (
-            autocast,
-            "__enter__",
-            lambda m: (enter_autocast, (m.device, m.fast_dtype, m._enabled, m._cache_enabled)),
-        ),
-    ]
-    exits = [
-        (grad.no_grad, "__exit__"),
-        (grad.enable_grad, "__exit__"),
-        (grad.set_grad_enabled, "__exit__"),
-        (grad.set_grad_enabled, "__call__"),  # as a decorator it restores the previous mode
-        (grad.inference_mode, "__exit__"),
-        (autocast, "__exit__"),
-    ]
-    # Only methods each class defines itself (a torch version without one inherits it).
-    return [
-        (cls, name, _recording_entry(cls.__dict__[name], node_of))
-        for cls, name, node_of in entries
-        if name in cls.__dict__
-    ] + [
-        (cls, name, _recording_exit(cls.__dict__[name]))
-        for cls, name in exits
-        if name in cls.__dict__
-    ]
-
-
-@contextlib.contextmanager
-def _recording_regions():
-    """Patch the context managers for the duration of a capture (they act only when the
-    capturing thread traces; see ``_region_tracer``)."""
-    patches = _region_patches()
-    originals = [(cls, name, cls.__dict__[name]) for cls, name, _ in patches]
-    for cls, name, replacement in patches:
-        setattr(cls, name, replacement)
-    try:
-        yield
-    finally:
-        for cls, name, original in reversed(originals):
-            setattr(cls, name, original)
 
 
 class LeafTracer(fx.Tracer):
@@ -585,7 +175,7 @@ class LeafTracer(fx.Tracer):
 
         def noting_output_types(*inputs):
             output = fn(*inputs)
-            self.output_types = _container_types(output)
+            self.output_types = container_types(output)
             return output
 
         return noting_output_types, args
@@ -629,12 +219,12 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> 
     concrete = _non_tensor_arguments(model, args, kwargs)
     tracer = LeafTracer(leaf_modules)
     grad_enabled = torch.is_grad_enabled()
-    _capturing.tracer = tracer
+    capturing.tracer = tracer
     try:
         with _keeping_buffers(model) as changed:
             graph = tracer.trace(model, concrete_args=concrete or None)
     finally:
-        _capturing.tracer = None
+        capturing.tracer = None
         torch._C._set_grad_enabled(grad_enabled)  # forward may switch it without restoring it
     if changed:
         # A buffer is a plain tensor while tracing: ``self.calls += 1`` ran once, for real, and
@@ -676,55 +266,12 @@ def _export(
         )
     gm = program.module()
     # torch.export traces with autocast's cache off and records that; the model runs with it.
-    _inline_autocast(gm, cache_enabled=torch.is_autocast_cache_enabled())
+    inline_autocast(gm, cache_enabled=torch.is_autocast_cache_enabled())
     _guard_write_backs(gm)
     causal = exact_attention(gm, model, args, kwargs_fixed)
     checks = [causal] if causal is not None and dynamic_shapes else []
     ModelCall(model, args, kwargs, fixed=fixed, sizes=dynamic_shapes, checks=checks).install(gm)
     return gm
-
-
-def _inline_autocast(gm: fx.GraphModule, *, cache_enabled: bool) -> None:
-    """Replace each ``wrap_with_autocast`` node of an exported graph (one node that runs a
-    whole ``torch.autocast`` block of forward as a submodule) by the block's own nodes between
-    ``enter_autocast`` and ``exit_region`` nodes, as ``symbolic_trace`` records a region.
-
-    As one node, the block could not be cut: a forward run entirely under autocast had no
-    segment to checkpoint. ``cache_enabled`` replaces the weight-cast cache setting that
-    torch.export recorded (off: it traces without the cache), so that the module caches as the
-    model does (a region that turns the cache off itself is not told apart).
-    """
-    from torch._higher_order_ops.wrap import wrap_with_autocast
-
-    graph = gm.graph
-    for node in graph.find_nodes(op="call_function", target=wrap_with_autocast):
-        device, dtype, enabled, _, body, *operands = node.args
-        block = getattr(gm, body.target)
-        _inline_autocast(block, cache_enabled=cache_enabled)  # regions nested in the block
-        env: dict[fx.Node, fx.node.Argument] = dict(
-            zip(block.graph.find_nodes(op="placeholder"), operands, strict=True)
-        )
-        with graph.inserting_before(node):
-            entry = graph.call_function(enter_autocast, (device, dtype, enabled, cache_enabled))
-            for inner in block.graph.nodes:
-                if inner.op == "get_attr":
-                    name = f"{body.target}_{inner.target}".replace(".", "_")
-                    setattr(gm, name, getattr(block, inner.target))
-                    env[inner] = graph.get_attr(name)
-                elif inner.op == "output":
-                    results = fx.map_arg(inner.args[0], env.__getitem__)
-                elif inner.op != "placeholder":
-                    env[inner] = graph.node_copy(inner, env.__getitem__)
-            graph.call_function(exit_region, (entry,))
-        for user in list(node.users):  # getitem nodes: the block returns a tuple
-            user.replace_all_uses_with(results[user.args[1]])
-            graph.erase_node(user)
-        graph.erase_node(node)
-        if not body.users:
-            graph.erase_node(body)
-            delattr(gm, body.target)
-    graph.lint()
-    gm.recompile()
 
 
 def _without_cache(model: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -884,22 +431,12 @@ def module_classes(leaf_modules) -> tuple[type, ...]:
 
 
 @contextlib.contextmanager
-def _watching_exported_regions():
-    regions = _ExportedRegions()
-    _capturing.exporting = regions
-    try:
-        yield regions
-    finally:
-        _capturing.exporting = None
-
-
-@contextlib.contextmanager
 def _capturing_thread():
-    _capturing.active = True
+    capturing.active = True
     try:
         yield
     finally:
-        _capturing.active = False
+        capturing.active = False
 
 
 def _trace_or_export(
@@ -917,7 +454,7 @@ def _trace_or_export(
     except Exception as trace_error:  # any tracing failure means: try export
         log.info("symbolic_trace failed (%s); trying torch.export", trace_error)
         try:
-            with _keeping_buffers(model), _watching_exported_regions() as regions:
+            with _keeping_buffers(model), watching_exported_regions() as regions:
                 captured = Captured(_export(model, args, kwargs, fixed, dynamic_shapes), "export")
         except PlanningError:
             raise
@@ -976,10 +513,10 @@ def capture(
     leaf_modules = module_classes(leaf_modules)
     fixed = _without_cache(model, args, kwargs)
     with (
-        _CAPTURE_LOCK,
+        CAPTURE_LOCK,
         _capturing_thread(),
         _refusing_manual_checkpoints(model),
-        _recording_regions(),
+        recording_regions(),
     ):
         captured = _trace_or_export(model, args, kwargs, fixed, leaf_modules, dynamic_shapes)
     _refuse_dropped_hooks(model, captured)

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.choice import Choice, Simulation, validate_segments
 from planner.problem import Problem
-from planner.simulate import Choice, Simulation, validate_segments
 
 
 @dataclass(frozen=True)

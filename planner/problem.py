@@ -17,9 +17,9 @@ import networkx as nx
 import numpy as np
 from torch import fx
 
-from planner.capture import enter_autocast, region_spans
 from planner.costs import CostModel
 from planner.profile import COMPUTE_OPS, Profile, require_meta
+from planner.regions import enter_autocast, region_spans
 
 SOURCE, SINK = "planner.source", "planner.sink"
 

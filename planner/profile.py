@@ -76,8 +76,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
 
-from planner.capture import closing_regions
 from planner.errors import PlanningError
+from planner.regions import closing_regions
 from planner.step import training_loss
 
 META_KEYS = (

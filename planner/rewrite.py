@@ -31,10 +31,12 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from planner.capture import CALL_KEY, closing_regions, updates_in_place
+from planner.capture import updates_in_place
+from planner.model_call import CALL_KEY
 from planner.nested import Nest, NestedChoice
 from planner.planned_module import PlannedModule, Snapshot, argument_positions, share_user_state
 from planner.problem import compute_nodes
+from planner.regions import closing_regions
 from planner.simulate import as_choice
 
 # Whether the ops running now belong to a kept node; per thread, as autograd may recompute a
@@ -273,7 +275,7 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
     for segment in built:
         segment.root = planned
     call = captured.meta.get(CALL_KEY)
-    if call is not None:  # calls and outputs like the model's (see planner.capture.ModelCall)
+    if call is not None:  # calls and outputs like the model's (see planner.model_call.ModelCall)
         call.install(planned)
     return planned
 

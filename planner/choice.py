@@ -1,0 +1,143 @@
+"""What a plan chooses, and what a replay of it reports.
+
+A flat plan is a ``Choice``: checkpointed segments and nodes kept inside them (nested plans,
+``planner.nested``, build on it). ``validate_choice`` states which choices are valid (see
+``planner.simulate`` for why: the early stop, the random-number rule), ``recomputed_nodes`` what
+a recompute runs, the one definition of its cost; ``Simulation`` is what ``planner.simulate``
+reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.problem import Problem
+
+Segments = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a plan checkpoints: segments, and nodes inside them whose outputs are kept."""
+
+    segments: Segments  # sorted disjoint (start, stop) pairs
+    keep: frozenset[int] = frozenset()  # positions inside segments saved in forward, not recomputed
+
+
+def as_choice(value) -> Choice:
+    """``value`` as a ``Choice``: a ``Choice`` itself, or plain segments (nothing kept)."""
+    if isinstance(value, Choice):
+        return value
+    return Choice(tuple((int(a), int(b)) for a, b in value))
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """Result of a replay; bytes are absolute (fixed memory included)."""
+
+    peak_bytes: int
+    recompute_seconds: float
+    recompute_flops: float
+    # Live bytes at the high point of optimizer.step() (after backward, plus its temporaries).
+    optimizer_step_bytes: int = 0
+    # (phase, position, live bytes at the node's high point, before it frees anything)
+    timeline: tuple[tuple[str, int, int], ...] | None = None
+
+
+def validate_segments(problem: Problem, segments) -> Segments:
+    """Sorted, disjoint, valid segments, or a ValueError naming the bad one."""
+    result = tuple(sorted((int(a), int(b)) for a, b in segments))
+    previous_stop = 0
+    for start, stop in result:
+        if not problem.is_valid_segment(start, stop):
+            raise ValueError(
+                f"segment ({start}, {stop}) is not valid for this graph: positions must satisfy "
+                f"0 <= start < stop <= {problem.size}, both cuts must be allowed and every node "
+                "checkpointable"
+            )
+        if start < previous_stop:
+            raise ValueError(f"segment ({start}, {stop}) overlaps the one before it")
+        previous_stop = stop
+    return result
+
+
+def validate_choice(problem: Problem, choice) -> Choice:
+    """A valid ``Choice`` with sorted segments, or a ValueError naming what is wrong.
+
+    Kept nodes must be keepable (``Problem.keepable``), lie inside a segment among the nodes its
+    recompute runs (``recompute_stop``), and not change the random numbers the recompute draws
+    (see the module docstring).
+    """
+    choice = as_choice(choice)
+    segments = validate_segments(problem, choice.segments)
+    keep = frozenset(int(k) for k in choice.keep)
+    if not keep:
+        return Choice(segments)
+    for k in sorted(keep):
+        if not 0 <= k < problem.size:
+            raise ValueError(
+                f"kept position {k} is not a node of this graph (0..{problem.size - 1})"
+            )
+        if not problem.keepable[k]:
+            raise ValueError(
+                f"node {k} ({problem.names[k]}) cannot be kept: it creates no memory, mutates a "
+                "tensor in place, what it creates is mutated later, or it runs under autocast"
+            )
+    for start, stop in segments:
+        runs_to = recompute_stop(problem, start, stop)
+        inside = sorted(k for k in keep if start <= k < stop)
+        late = [k for k in inside if k >= runs_to]
+        if late:
+            raise ValueError(
+                f"node {late[0]} ({problem.names[late[0]]}) is kept but the recompute of segment "
+                f"({start}, {stop}) never runs it (it runs nodes {start} to {runs_to - 1}): keep "
+                "only nodes the recompute runs"
+            )
+        random = np.flatnonzero(problem.random[start:runs_to]) + start
+        kept_random = [k for k in random.tolist() if k in keep]
+        recomputed_random = [k for k in random.tolist() if k not in keep]
+        if kept_random and recomputed_random and kept_random[0] < recomputed_random[-1]:
+            raise ValueError(
+                f"random node {kept_random[0]} ({problem.names[kept_random[0]]}) is kept before "
+                f"random node {recomputed_random[-1]} ({problem.names[recomputed_random[-1]]}), "
+                "which is recomputed: the recompute would draw different random numbers. Keep "
+                "random nodes only after every recomputed one in the segment"
+            )
+    outside = keep - {k for start, stop in segments for k in range(start, stop)}
+    if outside:
+        k = min(outside)
+        raise ValueError(f"node {k} ({problem.names[k]}) is kept but lies in no segment")
+    return Choice(segments, keep)
+
+
+def last_recomputed(problem: Problem, start: int, stop: int) -> int:
+    """The last position a recompute of ``(start, stop)`` runs to (early stop), or start - 1."""
+    saving = np.flatnonzero(problem.saves[start:stop])
+    return start + int(saving[-1]) if saving.size else start - 1
+
+
+def recompute_stop(problem: Problem, start: int, stop: int) -> int:
+    """One past the last node the recompute of ``(start, stop)`` runs.
+
+    The recompute stops once autograd has saved again everything the segment saved: at the
+    last saving node (``last_recomputed``), which runs only when it saves something it creates
+    (autograd saves an op's inputs before the op runs, its outputs after).
+    """
+    end = last_recomputed(problem, start, stop)
+    if end < start:
+        return start
+    return end + 1 if problem.saves_own[end] else end
+
+
+def recomputed_nodes(problem: Problem, choice) -> np.ndarray:
+    """Per node, whether backward runs it again under ``choice``: the nodes each segment's
+    recompute runs (``recompute_stop``) that are not kept. What a recompute costs is their
+    ``Problem.seconds`` and ``Problem.flops``."""
+    choice = as_choice(choice)
+    runs = np.zeros(problem.size, dtype=bool)
+    for start, stop in choice.segments:
+        runs[start : recompute_stop(problem, start, stop)] = True
+    runs[list(choice.keep)] = False
+    return runs

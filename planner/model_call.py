@@ -1,0 +1,207 @@
+"""Calling a captured module like the model: the model's signature, fixed arguments and output
+container types (``ModelCall``, installed as module hooks and found under ``CALL_KEY``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+from collections.abc import Mapping
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_leaves
+
+CALL_KEY = "planner.call"  # GraphModule.meta key of a module's ModelCall
+
+
+class ModelCall:
+    """What a captured module needs to be called like the model it was captured from.
+
+    ``torch.export`` gives a module whose ``forward`` takes exactly the example's arguments,
+    positional and keyword as in the example, non-tensor ones included; ``symbolic_trace``
+    rebuilds ``OrderedDict`` and ``ModelOutput`` outputs as plain ``dict``. A ``ModelCall``
+    binds a call to the model's own signature (defaults, keywords given positionally, the
+    arguments planner fixed such as ``use_cache=False``) and puts the output's container types
+    back. Calls the captured graph cannot compute like the model (another non-tensor value, a
+    tensor added) raise instead of computing something else; a tensor argument left out is
+    passed on as None (the planned module then runs the model itself).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: tuple | None,
+        kwargs: dict | None,
+        *,
+        fixed: dict | None = None,
+        output=None,
+        sizes: bool = False,
+        checks=(),
+    ):
+        self.model_name = type(model).__name__
+        self.signature = inspect.signature(model.forward)
+        self.fixed = dict(fixed or {})
+        self.output_types = output
+        self.checks = list(checks)  # each is called with the inputs as the graph takes them
+        self.binds = args is not None
+        if args is not None:
+            kwargs = {} if kwargs is None else kwargs
+            passed = self._passed(args, kwargs)
+            self.positional = tuple(self.signature.parameters)[: len(args)]
+            self.keywords = tuple({**kwargs, **self.fixed})
+            self.constants = {
+                name: value
+                for name, value in passed.items()
+                if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
+            }
+            # Sizes the plan's budget was made for; larger calls get a warning.
+            self.largest = _sizes(passed) if sizes else None
+            self.warned = False
+
+    def _passed(self, args: tuple, kwargs: dict) -> dict:
+        """The call's arguments by name (``**kwargs`` ones too), planner's fixed ones added."""
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{self.model_name}.forward{self.signature}: {error}") from None
+        passed = {}
+        for name, value in bound.arguments.items():
+            kind = self.signature.parameters[name].kind
+            if kind == inspect.Parameter.VAR_KEYWORD:
+                passed.update(value)
+            elif kind != inspect.Parameter.VAR_POSITIONAL:
+                passed[name] = value
+        return {**self.fixed, **passed}
+
+    def _default(self, name: str):
+        parameter = self.signature.parameters.get(name)
+        return (
+            None
+            if parameter is None or parameter.default is parameter.empty
+            else (parameter.default)
+        )
+
+    def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call ``model(*args, **kwargs)`` as the captured module takes it."""
+        if not self.binds:
+            return args, kwargs
+        passed = self._passed(args, kwargs)
+        captured = (*self.positional, *self.keywords)
+        added = [
+            name
+            for name, value in passed.items()
+            if name not in captured and not _same(value, self._default(name))
+        ]
+        if added:
+            raise TypeError(
+                f"this plan of {self.model_name} was made for calls without "
+                f"{', '.join(added)}: its graph has no input for them. Plan with them in "
+                "example_inputs or example_kwargs to train with them."
+            )
+        values = {name: passed.get(name, self._default(name)) for name in captured}
+        for name, value in values.items():
+            if name in self.fixed and not _same(value, self.fixed[name]):
+                raise ValueError(
+                    f"planner plans {self.model_name} for training with {name}="
+                    f"{self.fixed[name]!r}; this call passes {name}={value!r}. Leave {name} "
+                    f"out (or pass {self.fixed[name]!r}), and use the model itself where you "
+                    "need its cache (generation)."
+                )
+            if name in self.constants and not _same(value, self.constants[name]):
+                raise ValueError(
+                    f"this plan of {self.model_name} was captured with {name}="
+                    f"{self.constants[name]!r} and computes with that value; this call passes "
+                    f"{name}={value!r}. Plan again with {name}={value!r} in the example inputs."
+                )
+        if self.largest is not None and not self.warned and _larger(_sizes(values), self.largest):
+            self.warned = True
+            warnings.warn(
+                f"a call of the plan of {self.model_name} has larger tensors than the example "
+                f"it was planned for ({_describe_sizes(self.largest)}): its peak may exceed the "
+                "budget. Plan with example inputs of the largest size you train with.",
+                UserWarning,
+                stacklevel=4,
+            )
+        graph_args = tuple(values[name] for name in self.positional)
+        graph_kwargs = {name: values[name] for name in self.keywords}
+        for check in self.checks:
+            check(graph_args, graph_kwargs)
+        return graph_args, graph_kwargs
+
+    def output(self, value):
+        """``value`` with the container types of the model's own output."""
+        return _retyped(self.output_types, value) if self.output_types is not None else value
+
+    def install(self, gm: fx.GraphModule) -> None:
+        """Make ``gm`` take the model's calls and return its output types (module hooks)."""
+        gm.meta[CALL_KEY] = self
+        if self.binds:
+            gm.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        if self.output_types is not None:
+            gm.register_forward_hook(self._after_forward)
+
+    def _before_forward(self, module, args, kwargs):
+        return self.inputs(args, kwargs)
+
+    def _after_forward(self, module, args, output):
+        return self.output(output)
+
+
+def _sizes(arguments: dict) -> dict:
+    return {
+        name: tuple(value.shape)
+        for name, value in arguments.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def _larger(sizes: dict, largest: dict) -> bool:
+    return any(
+        len(shape) == len(largest.get(name, shape))
+        and any(a > b for a, b in zip(shape, largest.get(name, shape)))
+        for name, shape in sizes.items()
+    )
+
+
+def _describe_sizes(sizes: dict) -> str:
+    return ", ".join(f"{name} {list(shape)}" for name, shape in sizes.items())
+
+
+def _same(value, expected) -> bool:
+    if value is expected:
+        return True
+    if isinstance(value, torch.Tensor) or isinstance(expected, torch.Tensor):
+        return False
+    try:
+        return bool(value == expected)
+    except Exception:  # noqa: BLE001 - incomparable values are not the same
+        return False
+
+
+def container_types(output):
+    """The mapping types in ``output`` that fx rebuilds as plain ``dict`` (None if there are
+    none), as a tree: ``(type, {key: subtree})`` or ``(type, [subtree, ...])``."""
+    if isinstance(output, Mapping):
+        children = {key: container_types(value) for key, value in output.items()}
+        keep = type(output) is not dict or any(c is not None for c in children.values())
+        return (type(output), children) if keep else None
+    if isinstance(output, (list, tuple)):
+        elements = [container_types(value) for value in output]
+        return (type(output), elements) if any(c is not None for c in elements) else None
+    return None
+
+
+def _retyped(template, value):
+    if template is None:
+        return value
+    kind, children = template
+    if isinstance(children, dict):
+        items = {key: _retyped(children.get(key), item) for key, item in value.items()}
+        if kind is dict:
+            return items
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):  # Hugging Face ModelOutput
+            return kind(**items)
+        return kind(items)
+    values = [_retyped(child, item) for child, item in zip(children, value)]
+    return kind(*values) if hasattr(kind, "_fields") else kind(values)
