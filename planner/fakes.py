@@ -1,0 +1,272 @@
+"""Running a graph without real memory, for the profile: fake or meta copies of the model's
+tensors, ATen calls on them (``FakeCall``, ``MetaKernels``, which reuses meta results), and what
+the profile needs to know of each op (``op_facts``)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+
+def tensors_in(values) -> list[torch.Tensor]:
+    """The tensors in ``values`` (a tensor, or nested lists and tuples of ATen arguments), in
+    pytree order; much cheaper than ``tree_leaves`` on the flat arguments of an ATen op."""
+    if isinstance(values, torch.Tensor):
+        return [values]
+    found = []
+    if isinstance(values, (list, tuple)):
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, (list, tuple)):
+                found.extend(tensors_in(value))
+    return found
+
+
+class OpFacts(NamedTuple):
+    written: tuple[tuple[int, str], ...]  # (position, name) of the arguments the op mutates
+    aliasing: bool  # a return aliases an input: the op moves no bytes
+    flops: Callable | None  # torch.utils.flop_counter formula
+    cacheable: bool  # a pure function of its arguments' metadata (see MetaKernels)
+    random: bool  # draws random numbers
+    several_outputs: bool  # returns more than one tensor (see FakeCall)
+
+
+@functools.cache
+def op_facts(func: torch._ops.OpOverload) -> OpFacts:
+    """What an op's schema and tags say, read once per op rather than once per call."""
+    schema = func._schema
+    written = tuple(
+        (position, argument.name)
+        for position, argument in enumerate(schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
+    aliasing = any(r.alias_info is not None for r in schema.returns)
+    cacheable = (
+        torch._library.utils.is_builtin(func)
+        and not any(a.alias_info is not None for a in (*schema.arguments, *schema.returns))
+        and not {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape} & set(func.tags)
+    )
+    random = torch.Tag.nondeterministic_seeded in func.tags
+    several_outputs = len(schema.returns) > 1 or any(
+        isinstance(r.type, torch.ListType) for r in schema.returns
+    )
+    return OpFacts(
+        written,
+        aliasing,
+        flop_registry.get(func.overloadpacket),
+        cacheable,
+        random,
+        several_outputs,
+    )
+
+
+class FakeCall:
+    """Runs an op under ``FakeTensorMode``, which has a dispatch cache of its own.
+
+    Ops with several outputs bypass that cache: it rebuilds a cached result on fresh storages,
+    where the kernel may return one storage twice (the two bias gradients of an LSTM layer's
+    backward). A profile would then depend on what ran before it in the process (a fresh
+    ``nn.LSTM`` profiled 1,024 bytes lower than later ones).
+    """
+
+    def __init__(self, mode: FakeTensorMode):
+        self.mode = mode
+
+    def __call__(self, func, args: tuple, kwargs: dict):
+        if not op_facts(func).several_outputs or not self.mode.cache_enabled:
+            return func(*args, **kwargs)
+        self.mode.cache_enabled = False
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.mode.cache_enabled = True
+
+
+def _metadata(value):
+    """What a meta kernel's result can depend on, hashable: for a tensor its metadata."""
+    if isinstance(value, torch.Tensor):
+        if not value.is_meta or value.layout is not torch.strided:
+            raise TypeError("not a strided meta tensor")
+        return (
+            value.dtype,
+            value.shape,
+            value.stride(),
+            value.storage_offset(),
+            value.is_conj(),
+            value.is_neg(),
+        )
+    if isinstance(value, (list, tuple)):
+        return (type(value), *[_metadata(v) for v in value])
+    return (type(value), value)
+
+
+class MetaKernels:
+    """Runs ATen ops on meta tensors, reusing the result of an earlier call with the same
+    metadata and arguments.
+
+    Many meta kernels are Python decompositions (``addmm``, ``relu``...), and they are most of
+    the cost of a meta run; a long model repeats the same few calls. Only ops that neither
+    mutate nor alias their inputs and return fresh tensors are reused: their results depend on
+    nothing else, which is also what ``FakeTensorMode``'s dispatch cache relies on.
+    """
+
+    def __init__(self):
+        self.results: dict[tuple, tuple] = {}  # call -> how to rebuild its result, or ()
+
+    def __call__(self, func, args: tuple, kwargs: dict):
+        if not op_facts(func).cacheable:
+            return func(*args, **kwargs)
+        try:
+            key = (func, _metadata(args), _metadata(tuple(kwargs.items())))
+            entry = self.results.get(key)
+        except TypeError:  # an argument that is not a strided meta tensor, or unhashable
+            return func(*args, **kwargs)
+        if entry is None:
+            out = func(*args, **kwargs)
+            self.results[key] = self._entry(
+                out, tensors_in(args) + tensors_in(tuple(kwargs.values()))
+            )
+            return out
+        return self._rebuild(entry) if entry else func(*args, **kwargs)
+
+    @staticmethod
+    def _entry(out, inputs: list[torch.Tensor]) -> tuple:
+        """How to rebuild ``out``: per tensor its metadata and which new storage it is on;
+        empty unless ``out`` is fresh strided meta tensors."""
+        single = isinstance(out, torch.Tensor)
+        outputs = [out] if single else out
+        if not isinstance(outputs, (list, tuple)) or not all(
+            isinstance(t, torch.Tensor) and t.is_meta and t.layout is torch.strided for t in outputs
+        ):
+            return ()
+        storages = [t.untyped_storage()._cdata for t in inputs]
+        first_new = len(storages)
+        specs = []
+        for t in outputs:
+            storage = t.untyped_storage()
+            if storage._cdata not in storages:
+                storages.append(storage._cdata)
+            index = storages.index(storage._cdata) - first_new
+            if index < 0:  # shares an input's storage
+                return ()
+            offset = t.storage_offset()
+            specs.append((t.dtype, t.shape, t.stride(), offset, storage.nbytes(), index))
+        return single, type(out), tuple(specs)
+
+    @staticmethod
+    def _rebuild(entry: tuple):
+        single, kind, specs = entry
+        storages: list[torch.UntypedStorage] = []
+        outputs = []
+        for dtype, size, stride, offset, nbytes, index in specs:
+            if index == len(storages):
+                storages.append(torch.UntypedStorage(nbytes, device="meta"))
+            t = torch.empty((), dtype=dtype, device="meta")
+            outputs.append(t.set_(storages[index], offset, size, stride))
+        return outputs[0] if single else kind(outputs)
+
+
+# Kernels that refuse operands of different dtypes on every device, where meta kernels (and so
+# the profile) accept them: an int64 input into a float nn.Linear would fail only when run.
+
+
+class MetaCopies:
+    """Fresh meta tensors like the given meta tensors: same sizes, strides, dtypes, and the same
+    storage sharing among them, on storages of their own (so the originals are never touched)."""
+
+    def __init__(self):
+        # source _cdata -> (the source, held so that its address is not reused; its copy)
+        self.storages: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        source = tensor.untyped_storage()
+        if source._cdata not in self.storages:
+            fresh = torch.UntypedStorage(source.nbytes(), device="meta")
+            self.storages[source._cdata] = (source, fresh)
+        storage = self.storages[source._cdata][1]
+        result = torch.empty((), dtype=tensor.dtype, device="meta")
+        result.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+        return result.requires_grad_(tensor.requires_grad)
+
+
+class Copies:
+    """Stand-ins for the captured module's tensors and modules, made on first use.
+
+    ``convert`` makes a tensor's stand-in (a fake tensor, or a fresh meta tensor). Modules are
+    copied structurally (a shallow copy whose parameters, buffers and children are replaced),
+    which is much cheaper than a deep copy of the whole GraphModule and leaves the user's
+    objects untouched.
+    """
+
+    def __init__(self, convert: Callable[[torch.Tensor], torch.Tensor]):
+        self.convert = convert
+        self.memo: dict[int, object] = {}
+
+    def __call__(self, value):
+        key = id(value)
+        if key not in self.memo:
+            self.memo[key] = self._make(value)
+        return self.memo[key]
+
+    def _make(self, value):
+        if isinstance(value, nn.Parameter):
+            return nn.Parameter(self.convert(value), requires_grad=value.requires_grad)
+        if isinstance(value, torch.Tensor):
+            return self.convert(value)
+        if isinstance(value, nn.Module):
+            module = copy.copy(value)
+            for table in ("_parameters", "_buffers", "_modules"):
+                entries = getattr(value, table).items()
+                setattr(module, table, {k: v if v is None else self(v) for k, v in entries})
+            for name, attribute in vars(value).items():
+                if isinstance(attribute, torch.Tensor):
+                    module.__dict__[name] = self(attribute)
+            return module
+        return value
+
+
+def all_on_meta(gm: fx.GraphModule, args: tuple, kwargs: dict) -> bool:
+    """Whether the tensors the run starts from (inputs, parameters, buffers, tensor attributes)
+    are all plain tensors or parameters on the meta device (and there is one at least)."""
+    values = [*tree_leaves((args, kwargs)), *gm.parameters(), *gm.buffers()]
+    values += [value for module in gm.modules() for value in vars(module).values()]
+    tensors = [value for value in values if isinstance(value, torch.Tensor)]
+    return bool(tensors) and all(
+        type(t) in (torch.Tensor, nn.Parameter) and t.is_meta and t.layout is torch.strided
+        for t in tensors
+    )
+
+
+class _QuietFakeFailures(logging.Filter):
+    """Drops ``FakeTensorMode``'s log of a kernel that failed (a traceback of about 20 lines)
+    in the profiling thread: the PlanningError raised for it says the same, in one line."""
+
+    def __init__(self):
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread
+
+
+@contextlib.contextmanager
+def quiet_fake_failures():
+    logger = logging.getLogger(FakeTensorMode.__module__)
+    quiet = _QuietFakeFailures()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
