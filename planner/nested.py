@@ -12,20 +12,24 @@ segments is a flat plan and simulates through ``planner.simulate``'s vectorised 
 ``torch/utils/checkpoint.py`` and checked against measured peaks in ``tests/test_nested.py``):
 
 * forward: a segment's inner checkpoints save their inputs through the *outer* segment's
-  saved-tensor hooks, so the forward holds only the top-level segments' inputs, exactly as a
-  flat plan does;
+  saved-tensor hooks, so the forward holds only the top-level segments' inputs. A checkpoint
+  holds its inputs for as long as anything saved through it lives: until the backward of the
+  first node inside it (at any depth) that saves; a segment where no node saves holds nothing;
 * the recompute of a segment runs its own nodes and its inner segments (whose nodes save
   nothing: they run under the inner segments' hooks), and stops early after the last thing it
   saves: a node of its own level that saves (which runs only when it saves something it
-  creates, as in ``planner.simulate.recompute_stop``), or an inner segment's inputs (an inner
-  segment starting there does not run at all);
+  creates, as in ``planner.simulate.recompute_stop``, and then re-creates only what it made
+  before that save), or an inner segment's inputs (an inner segment starting there does not
+  run at all);
 * what a recompute re-creates lives until the backward of the first node of its level that
   saves it; an inner segment's input lives until that inner segment's own recompute ends, or
-  longer when nodes of the inner level (or deeper segments) save it in turn; an inner
-  segment's output that some node the recompute does not reach reads lives until the
-  recompute stops (the segment body's variable holds it);
-* backward reaches a segment's last node: the segments ending there recompute, outermost first
-  (an inner segment's inputs come from its parent's recompute); each segment recomputes once;
+  longer when nodes of the inner level (or deeper segments) save it in turn; what a node the
+  recompute does not reach reads (past the early stop, or outside the segment) lives until
+  the recompute stops (the segment body's variable holds it);
+* the first unpack recomputes: before the backward of a segment's last node that saves (at
+  any depth), the segments whose last saver it is recompute, outermost first (an inner
+  segment's inputs come from its parent's recompute); each segment recomputes once, and one
+  where nothing saves never does;
 * the random state: each checkpoint restores the state of its own start, so inner recomputes
   draw what the forward drew, at any depth (tests check it bit for bit).
 """
@@ -33,7 +37,7 @@ segments is a flat plan and simulates through ``planner.simulate``'s vectorised 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -48,6 +52,13 @@ class Nest:
     start: int
     stop: int
     inner: tuple[Nest, ...] = ()
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.start, self.stop, self.inner)))
+
+    def __hash__(self) -> int:  # computed once: the replay looks segments up by the thousand
+        return self._hash
 
     def walk(self) -> Iterable[Nest]:
         """This segment, then every segment inside it, parents before children."""
@@ -158,6 +169,17 @@ class _Replay:
         self.runs: dict[Nest, list[tuple[int, int]]] = {}  # (position, step) of each recompute
         self.run_end: dict[Nest, int] = {}  # the last step of each recompute
         self.end: dict[Nest, int] = {s: recompute_end(problem, s) for s in choice.walk()}
+        self._maps: dict[tuple[Nest, ...], dict[int, Nest]] = {}
+        # A checkpoint's frame lives while anything saved through it does: from the first to
+        # the last node that saves inside it (at any depth); None when nothing does.
+        self.saving: dict[Nest, tuple[int, int] | None] = {}
+        for segment in choice.walk():
+            saving = np.flatnonzero(problem.saves[segment.start : segment.stop])
+            self.saving[segment] = (
+                (segment.start + int(saving[0]), segment.start + int(saving[-1]))
+                if saving.size
+                else None
+            )
         self._schedule()
 
     # -- the order of steps --------------------------------------------------------------------
@@ -187,11 +209,13 @@ class _Replay:
         n = self.problem.size
         for p in range(n):
             self._add("forward", p)
-        ending: dict[int, list[Nest]] = {}
+        unpacking: dict[int, list[Nest]] = {}
         for segment in (s for top in self.top for s in top.walk()):  # parents first
-            ending.setdefault(segment.stop - 1, []).append(segment)
+            saving = self.saving[segment]
+            if saving is not None:  # the first unpack recomputes: the last saver's backward
+                unpacking.setdefault(saving[1], []).append(segment)
         for p in range(n - 1, -1, -1):
-            for segment in ending.get(p, ()):
+            for segment in unpacking.get(p, ()):
                 self.runs[segment] = [
                     (q, self._add("recompute", q)) for q in self._executed(segment)
                 ]
@@ -199,26 +223,29 @@ class _Replay:
             self.backward_step[p] = self._add("backward", p)
 
     # -- what holds each copy of a storage -----------------------------------------------------
-    @staticmethod
-    def _child_at(children: tuple[Nest, ...], position: int) -> Nest | None:
-        for child in children:
-            if child.start <= position < child.stop:
-                return child
-        return None
+    def _inside(self, children: tuple[Nest, ...]) -> dict[int, Nest]:
+        """Position -> the segment among ``children`` that holds it."""
+        inside = self._maps.get(children)
+        if inside is None:
+            inside = {p: child for child in children for p in range(child.start, child.stop)}
+            self._maps[children] = inside
+        return inside
 
     def _holds(self, segment: Nest | None, storage, home: Nest | None, children) -> list[int]:
         """Steps until which the level of ``segment`` (None: the forward) holds ``storage``."""
         steps = []
         span = (0, self.problem.size) if segment is None else (segment.start, segment.stop)
+        inside = self._inside(children)
         for j in storage.savers:
-            if span[0] <= j < span[1] and self._child_at(children, j) is None:
+            if span[0] <= j < span[1] and j not in inside:
                 steps.append(self.backward_step[j])
-        users = set(storage.readers) | set(storage.savers)
-        for child in children:
-            if child is home or not any(child.start <= j < child.stop for j in users):
+        users = {inside[j] for j in (*storage.readers, *storage.savers) if j in inside}
+        for child in users:
+            saving = self.saving[child]
+            if child is home or saving is None:  # a checkpoint that saves nothing holds nothing
                 continue
-            if segment is None:  # a top-level segment holds its inputs until its backward ends
-                steps.append(self.backward_step[child.start])
+            if segment is None:  # a top-level segment holds its inputs while its frame lives
+                steps.append(self.backward_step[saving[0]])
             else:
                 steps.append(self._input_hold(child, storage))
         return steps
@@ -229,16 +256,16 @@ class _Replay:
 
     def _release(self, segment, storage, created_at: int, executed: dict[int, int], last) -> int:
         children = self.top if segment is None else segment.inner
-        home = self._child_at(children, storage.producer)
+        home = self._inside(children).get(storage.producer)
         holds = self._holds(segment, storage, home, children)
         if holds:
             return max(holds)
         reads = [executed[j] for j in storage.readers if j in executed]
         if storage.is_output and segment is None:
             reads.append(last)
-        if home is not None and len(reads) < len(storage.readers):
-            # An inner segment's output that a node the recompute never reaches reads: the
-            # segment body's variable lives until the recompute stops (or returns).
+        if segment is not None and len(reads) < len(storage.readers):
+            # Read by a node the recompute never reaches (past its early stop, or outside the
+            # segment): the segment body's variable lives until the recompute stops.
             reads.append(self.run_end[segment])
         return max(reads, default=created_at)
 
@@ -270,6 +297,8 @@ class _Replay:
                 seconds += float(problem.seconds[q])
                 flops += float(problem.flops[q])
                 for s in by_producer.get(q, ()):
+                    if q == end and not s.before_last_save:
+                        continue  # made after the last save: the recompute stopped first
                     alloc[step] += s.nbytes
                     free[self._release(segment, s, step, at, -1)] += s.nbytes
         for p, step in self.backward_step.items():

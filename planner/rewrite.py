@@ -217,6 +217,16 @@ def _is_buffer(holder: nn.Module, node: fx.Node) -> bool:
     return _buffer_read(holder, node) is not None
 
 
+def _unpacks(node: fx.Node) -> bool:
+    """Whether ``node`` takes an item out of a node whose every use does so (a tuple)."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return False
+    source = node.args[0]
+    return isinstance(source, fx.Node) and all(
+        u.op == "call_function" and u.target is operator.getitem for u in source.users
+    )
+
+
 def _segment_buffers(holder: nn.Module, members: list[fx.Node], inputs: list[fx.Node]):
     """Buffers a segment can write, by name: (targets of the modules it calls that have
     buffers, targets of the buffers it reads directly)."""
@@ -290,10 +300,22 @@ def _checkpoint_segment(
     inner = {nodes[child.start]: child for child in nest.inner}
     inner_members = {m for child in nest.inner for m in nodes[child.start : child.stop]}
     member_set = set(members)
+    # Items taken out of a multi-output node before the segment (``split``): handed the tuple,
+    # checkpoint would hold it whole, past the saved-tensor hooks of an enclosing checkpoint.
+    unpacked = [m for m in members if _unpacks(m) and m.args[0] not in member_set]
+    for m in unpacked:
+        if m not in env:
+            env[m] = graph.node_copy(m, lambda n: env[n])
+    member_set -= set(unpacked)
     inputs = list(
-        dict.fromkeys(a for m in members for a in m.all_input_nodes if a not in member_set)
+        dict.fromkeys(
+            a
+            for m in members
+            for a in (m.all_input_nodes if m in member_set else [m])
+            if a not in member_set
+        )
     )
-    outputs = [m for m in members if any(u not in member_set for u in m.users)]
+    outputs = [m for m in members if m in member_set and any(u not in member_set for u in m.users)]
     boxed = {a for a in inputs if _is_buffer(holder, a)}
     body = fx.Graph()
     body_env = {a: body.placeholder(a.name) for a in inputs}
@@ -309,7 +331,7 @@ def _checkpoint_segment(
             child_name = f"{name}_{nest.inner.index(child)}"
             _checkpoint_segment(body, body_env, holder, child_name, nodes, child, kept, built)
             continue
-        if m in inner_members:
+        if m in inner_members or m not in member_set:
             continue
         if m in kept:
             body.call_function(_keep_on)

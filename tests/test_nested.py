@@ -9,6 +9,8 @@ buffers), at any depth.
 from __future__ import annotations
 
 import copy
+import functools
+import operator
 import warnings
 
 import pytest
@@ -17,8 +19,8 @@ from hypothesis import strategies as st
 
 from planner.nested import Nest, NestedChoice, nested_choice, simulate_nested, validate_nested
 from planner.pipeline import prepare
-from planner.rewrite import rewrite
-from planner.simulate import simulate
+from planner.rewrite import Segment, rewrite
+from planner.simulate import last_recomputed, simulate
 from planner.step import peak_memory
 from problems import random_problem
 from strategies import assert_equivalent, build, inputs, model_specs, random_segments
@@ -83,13 +85,31 @@ def test_bad_nesting_is_refused_with_a_reason(spec, message):
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 10**6), st.integers(3, 30), st.data())
 def test_a_flat_nested_plan_replays_exactly_like_the_flat_simulator(seed, nodes, data):
+    """On segments where the flat simulator's simpler rules hold (``_flat_rules_hold``)."""
     problem = random_problem(seed, nodes)
-    segments = data.draw(random_segments(problem))
+    segments = [s for s in data.draw(random_segments(problem)) if _flat_rules_hold(problem, *s)]
     nested = simulate_nested(problem, nested_choice(segments), record=True)
     flat = simulate(problem, segments, record=True)
     assert nested.peak_bytes == flat.peak_bytes
     assert nested.timeline == flat.timeline
     assert nested.recompute_seconds == pytest.approx(flat.recompute_seconds)
+
+
+def _flat_rules_hold(problem, start: int, stop: int) -> bool:
+    """Whether the flat simulator's rules describe torch on this segment. They take its inputs
+    as held to its first node's backward and its recompute as run at its last node's, and free
+    a recomputed copy after the last reader the recompute runs; torch holds the inputs while
+    something saved inside lives (first saver to last), and a value read past the early stop
+    or outside the segment until the recompute ends (the replay follows torch; measured on
+    GPT's segment (101, 142): the flat rules read 136 KiB under the peak)."""
+    end = last_recomputed(problem, start, stop)
+    read_later = any(
+        start <= s.producer <= end
+        and not any(start <= j < stop for j in s.savers)
+        and any(j > end for j in s.readers)
+        for s in problem.storages
+    )
+    return bool(problem.saves[start] and problem.saves[stop - 1]) and not read_later
 
 
 def test_simulate_dispatches_nested_plans_to_the_step_by_step_replay():
@@ -188,6 +208,62 @@ def test_simulated_peak_is_within_two_kib_of_the_measured_peak_on_a_resnet(spec)
     planned = rewrite(captured.graph_module, model, nested_choice(spec))
     measured = peak_memory(planned, args).peak_bytes - offset
     assert abs(measured - simulate(problem, nested_choice(spec)).peak_bytes) <= 2048
+
+
+@functools.cache
+def _zoo(name: str):
+    """A zoo model, captured and profiled, and the tracker's offset from the replay (the loss's
+    scalars: 4 or 8 bytes, the same for every plan when the replay is exact)."""
+    from planner import zoo
+
+    model, args = zoo.build(name)
+    captured, problem = prepare(model, args)
+    return model, args, captured, problem, _offset(model, args, problem)
+
+
+def _buffer_copies(planned) -> int:
+    """Bytes of the buffer copies the planned segments make (``Segment.contexts`` copies the
+    buffers a segment reads when it runs and again when it recomputes): rewrite bookkeeping
+    the problem does not describe (BatchNorm statistics, GPT's causal mask)."""
+    total, pending = 0, [planned]
+    while pending:
+        module = pending.pop()
+        for node in module.graph.find_nodes(op="get_attr"):
+            value = operator.attrgetter(node.target)(module)
+            if isinstance(value, Segment):
+                total += 2 * sum(b.nbytes for b in value.buffers())
+                pending.append(value.body)
+    return total
+
+
+@pytest.mark.parametrize("name", ["unet", "resnet", "gpt"])
+@settings(max_examples=max(3, EXAMPLES // 10), deadline=None)
+@given(data=st.data())
+def test_replay_equals_the_measured_peak_on_zoo_dags(name, data):
+    """Random nested plans on DAGs with skips, BatchNorm and attention: the replay never reads
+    under the measured peak, short of the buffer copies the rewrite makes (0 on the U-Net; up
+    to a few KiB on ResNet and GPT), which it does not model. It may read over it: see
+    ``test_replay_equals_the_measured_peak_where_backward_accumulates``."""
+    model, args, captured, problem, offset = _zoo(name)
+    choice = data.draw(nested_choices(problem), label="choice")
+    planned = rewrite(captured.graph_module, model, choice)
+    measured = peak_memory(planned, args).peak_bytes - offset
+    simulated = simulate_nested(problem, choice).peak_bytes
+    assert measured - simulated <= _buffer_copies(planned) + 8
+
+
+@pytest.mark.xfail(strict=True, reason="the profile's backward high point (measured 128 KiB over)")
+def test_replay_equals_the_measured_peak_where_backward_accumulates():
+    """Not yet exact: U-Net's segment (0, 15) reads 131,072 bytes over the measured peak, at
+    the backward of ``max_pool2d_2``, whose input gradient is summed with the skip's. Autograd
+    frees the node's saved tensors (its indices) before it adds the gradients; the profile's
+    ``planner.backward_high`` counts that sum on top of them (planner/profile.py; the flat
+    simulator shares it)."""
+    model, args, captured, problem, offset = _zoo("unet")
+    choice = nested_choice([(0, 15)])
+    planned = rewrite(captured.graph_module, model, choice)
+    measured = peak_memory(planned, args).peak_bytes - offset
+    assert simulate_nested(problem, choice).peak_bytes == measured
 
 
 # -- the rotor solver --------------------------------------------------------------------------
