@@ -335,6 +335,14 @@ def test_plan_below_every_flat_plan_is_nested_exact_and_saved(tmp_path):
         1 for _ in p.nesting.walk()
     ) - len(p.segments)
     assert_equivalent(reference, model, p.module, args, {})
+    # draw's boxes split at every nested segment's bounds and tell their depth.
+    from planner.viz.graph import layout
+
+    boxes = layout(p, max_groups=1000).boxes
+    starts = {box.start for box in boxes}
+    assert all(s.start in starts and s.stop in starts | {problem.size} for s in p.nesting.walk())
+    deepest = max(s.depth for s in p.nesting.segments)
+    assert max(box.level for box in boxes) == deepest
     # Measured within 1% of the prediction (found: 0.5% above it, 39 KB of 8.7 MB).
     measured = peak_memory(p.module, args).peak_bytes
     assert abs(measured - p.predicted_peak_bytes) <= 0.01 * measured

@@ -41,27 +41,49 @@ class Box:
     start: int
     stop: int
     segment: int  # -1: not checkpointed
+    level: int = 0  # checkpoints around it: 1 in a top-level segment, 2 in one nested in it...
 
 
-def _runs(keys: Sequence[str], segment_of: np.ndarray) -> list[Box]:
+def _nesting(plan) -> tuple[np.ndarray, np.ndarray]:
+    """Per position: the innermost nested segment holding it (-1: none) and how many hold it."""
+    n = plan.problem.size
+    innermost, level = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    nesting = getattr(plan, "nesting", None)
+    pending = [(nest, 1) for nest in (nesting.segments if nesting is not None else ())]
+    index = 0
+    while pending:  # parents before children: the innermost is written last
+        nest, depth = pending.pop()
+        innermost[nest.start : nest.stop], level[nest.start : nest.stop] = index, depth
+        pending.extend((child, depth + 1) for child in nest.inner)
+        index += 1
+    return innermost, level
+
+
+def _runs(keys: Sequence[str], segment_of: np.ndarray, nesting) -> list[Box]:
+    innermost, level = nesting
     groups = []
     start = 0
     for i in range(1, len(keys) + 1):
-        if i == len(keys) or keys[i] != keys[start] or segment_of[i] != segment_of[start]:
-            groups.append(Box(keys[start], start, i, int(segment_of[start])))
+        if (
+            i == len(keys)
+            or keys[i] != keys[start]
+            or segment_of[i] != segment_of[start]
+            or innermost[i] != innermost[start]
+        ):
+            groups.append(Box(keys[start], start, i, int(segment_of[start]), int(level[start])))
             start = i
     return groups
 
 
-def _collapse(paths: list[str], segment_of: np.ndarray, max_groups: int):
-    """Consecutive positions with the same module prefix (and segment) as one group, at the
-    deepest module depth that gives at most ``max_groups`` groups."""
+def _collapse(paths: list[str], segment_of: np.ndarray, max_groups: int, nesting):
+    """Consecutive positions with the same module prefix (and segment, and nested segment) as
+    one group, at the deepest module depth that gives at most ``max_groups`` groups."""
     split = [p.split(".") if p else [] for p in paths]
     deepest = max((len(s) for s in split), default=0)
     best = None
     for depth in range(0, deepest + 1):
         keys = [".".join(s[:depth]) for s in split]
-        groups = _runs(keys, segment_of)
+        groups = _runs(keys, segment_of, nesting)
         if best is None or len(groups) <= max_groups:
             best = (depth, groups)
         if len(groups) > max_groups:
@@ -101,7 +123,7 @@ def layout(plan, *, max_groups: int = 60, columns: int | None = None) -> Layout:
 
     problem = plan.problem
     segment_of = segment_of_positions(problem.size, plan.segments)
-    depth, groups = _collapse(module_paths(plan), segment_of, max_groups)
+    depth, groups = _collapse(module_paths(plan), segment_of, max_groups, _nesting(plan))
     group_of = np.empty(problem.size, dtype=np.int64)
     for g, group in enumerate(groups):
         group_of[group.start : group.stop] = g
@@ -147,6 +169,8 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
     to bottom); each shows the module path, its number of nodes and the activation bytes autograd
     saves in it, and a segment's first box also the bytes of its inputs. Checkpointed segments
     are filled with one colour each (the palette repeats after ten); boxes kept as usual are grey.
+    Segments nested in a segment (``Plan.nesting``) start boxes of their own, labelled with
+    their depth (2: inside one other segment).
     Red arrows are tensors that cross into a checkpointed segment (its inputs, kept in memory
     until its backward); grey arrows are the other data dependencies. Arcs are drawn within a
     row; an input from an earlier row is shown as a short red stub at the box it enters.
@@ -231,6 +255,8 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
                 label += f" · {int(kept[group.start : group.stop].sum())} kept"
         if starts_segment:
             label += f" · in {segment_inputs[group.segment] / MIB:.2f} MiB"
+        if group.level > 1:  # inside a segment nested in another: recomputed once per level
+            label += f"\nnested, depth {group.level}"
         ax.text(
             *position[g],
             label,
