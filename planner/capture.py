@@ -21,6 +21,13 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from planner.attention import exact_attention
 from planner.errors import PlanningError
+from planner.export_leaves import (
+    CALLS_KEY,
+    eager_none_arguments,
+    export_keeping,
+    leaf_paths,
+    restore_eager_arguments,
+)
 from planner.model_call import CALL_KEY, ModelCall, container_types
 from planner.regions import (
     CAPTURE_LOCK,
@@ -255,23 +262,44 @@ def _any_size(model: nn.Module, args: tuple, kwargs: dict) -> dict:
 
 
 def _export(
-    model: nn.Module, args: tuple, kwargs: dict, fixed: dict, dynamic_shapes: bool
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    fixed: dict,
+    leaf_modules: tuple,
+    dynamic_shapes: bool,
 ) -> fx.GraphModule:
     kwargs_fixed = {**kwargs, **fixed}
     dynamic = _any_size(model, args, kwargs_fixed) if dynamic_shapes else None
+    paths = leaf_paths(model, leaf_modules)
+    calls = None  # with leaf_modules: the graph calling them, which the plan rewrites
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.export.export(
-            model, args, kwargs_fixed, dynamic_shapes=dynamic, strict=False
-        )
-    gm = program.module()
-    # torch.export traces with autocast's cache off and records that; the model runs with it.
-    inline_autocast(gm, cache_enabled=torch.is_autocast_cache_enabled())
-    _guard_write_backs(gm)
-    causal = exact_attention(gm, model, args, kwargs_fixed)
-    checks = [causal] if causal is not None and dynamic_shapes else []
+        if paths:  # see planner.export_leaves
+            gm, calls = export_keeping(model, args, kwargs_fixed, paths, dynamic)
+            gm.meta[CALLS_KEY] = calls
+        else:
+            program = torch.export.export(
+                model, args, kwargs_fixed, dynamic_shapes=dynamic, strict=False
+            )
+            gm = program.module()
+    for graph_module in (gm, calls) if calls is not None else (gm,):
+        # torch.export traces with autocast's cache off and records that; the model runs with it.
+        inline_autocast(graph_module, cache_enabled=torch.is_autocast_cache_enabled())
+        _guard_write_backs(graph_module)
+    causal = [exact_attention(gm, model, args, kwargs_fixed)]
+    if calls is not None and not _on_meta(model, args, kwargs_fixed):
+        none = eager_none_arguments(model, args, kwargs_fixed, paths)
+        causal.append(restore_eager_arguments(calls, none, args, kwargs_fixed))
+    checks = [c for c in causal if c is not None] if dynamic_shapes else []
     ModelCall(model, args, kwargs, fixed=fixed, sizes=dynamic_shapes, checks=checks).install(gm)
     return gm
+
+
+def _on_meta(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor of the model or the call is on the meta device (eager cannot run)."""
+    tensors = [*model.parameters(), *model.buffers(), *tree_leaves((args, kwargs))]
+    return any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors)
 
 
 def _without_cache(model: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -386,16 +414,13 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
 
     ``symbolic_trace`` traces ``model.forward``, not ``model.__call__``: hooks on the model
     itself are dropped (a forward hook that changes the output would silently change it). Hooks
-    of a submodule that tracing inlines (every submodule under ``torch.export``, non-leaf ones
-    under ``symbolic_trace``) run once while capturing and never again: their tensor effects are
-    frozen into the graph and their Python side effects vanish. Hooks of a leaf module that stays
-    a ``call_module`` node keep running (again when a checkpointed segment is recomputed).
+    of a submodule that tracing inlines (every one but the instances of ``leaf_modules``) run
+    once while capturing and never again: their tensor effects are frozen into the graph and
+    their Python side effects vanish. Hooks of a module that stays a ``call_module`` node keep
+    running (again when a checkpointed segment is recomputed).
     """
-    kept = (
-        {node.target for node in captured.graph_module.graph.find_nodes(op="call_module")}
-        if captured.method == "symbolic_trace"
-        else set()
-    )
+    graph_module = captured.graph_module.meta.get(CALLS_KEY, captured.graph_module)
+    kept = {node.target for node in graph_module.graph.find_nodes(op="call_module")}
     dropped = [
         f"{name or '<the model itself>'}.{kind}"
         for name, module in model.named_modules()
@@ -408,8 +433,8 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
             f"({', '.join(dropped[:6])}{', ...' if len(dropped) > 6 else ''}): capture by "
             f"{captured.method} traces through them, so a hook that changes a value would be "
             "frozen or lost and one with side effects would stop running. Remove the hooks "
-            "before planning (handle.remove()) and put that logic in forward, or register "
-            "them on leaf modules (nn.Linear, ...) of a symbolically traceable model."
+            "before planning (handle.remove()) and put that logic in forward, or keep the "
+            "modules they are on whole: pass their classes as leaf_modules."
         )
 
 
@@ -455,7 +480,8 @@ def _trace_or_export(
         log.info("symbolic_trace failed (%s); trying torch.export", trace_error)
         try:
             with _keeping_buffers(model), watching_exported_regions() as regions:
-                captured = Captured(_export(model, args, kwargs, fixed, dynamic_shapes), "export")
+                gm = _export(model, args, kwargs, fixed, leaf_modules, dynamic_shapes)
+                captured = Captured(gm, "export")
         except PlanningError:
             raise
         except Exception as export_error:
@@ -497,9 +523,10 @@ def capture(
 ) -> Captured:
     """Capture ``model`` called as ``model(*args, **kwargs)`` as a GraphModule.
 
-    ``leaf_modules`` (module classes) stay single ``call_module`` nodes under ``symbolic_trace``
-    instead of being traced through: plans then checkpoint whole blocks, and hooks on those
-    blocks (e.g. FSDP2's ``fully_shard`` per block) keep running. ``torch.export`` ignores it.
+    Instances of ``leaf_modules`` (module classes) stay single ``call_module`` nodes of the
+    user's own modules instead of being traced through, under ``symbolic_trace`` and
+    ``torch.export`` alike (see ``planner.export_leaves``): plans then checkpoint whole blocks,
+    and hooks on those blocks (e.g. FSDP2's ``fully_shard`` per block) keep running.
     ``dynamic_shapes`` lets a ``torch.export`` graph take other sizes of the tensor arguments
     (batch, sequence length) than the example's; ``symbolic_trace`` graphs always do.
 

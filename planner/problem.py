@@ -18,6 +18,7 @@ import numpy as np
 from torch import fx
 
 from planner.costs import CostModel
+from planner.export_leaves import LEAF_CALL
 from planner.profile import COMPUTE_OPS, Profile, require_meta
 from planner.regions import enter_autocast, region_spans
 
@@ -352,6 +353,10 @@ def build_problem(
             pinned[[entry, exit_]] = True
         else:
             cut_allowed[entry + 1 : exit_ + 1] = False
+    # A module kept whole under torch.export (planner.export_leaves) is profiled op by op but
+    # runs as one call: no cut and no keep inside it.
+    inside_call = np.array([LEAF_CALL in n.meta for n in nodes], bool)
+    cut_allowed[1:n][_same_call(nodes)] = False
     # torch.export's input guards: cheap assertions, never worth recomputing.
     pinned |= np.array([n.op == "call_module" and n.target == "_guards_fn" for n in nodes], bool)
     pinned |= np.array([n is profile.loss for n in nodes], bool)
@@ -391,12 +396,18 @@ def build_problem(
         optimizer_state_bytes=optimizer_state_bytes,
         kept_bytes=kept_bytes,
         random=np.array([bool(require_meta(nd, "planner.random")) for nd in nodes], dtype=bool),
-        keepable=_keepable(created, writes, kept_bytes) & ~pinned & ~under_autocast,
+        keepable=_keepable(created, writes, kept_bytes) & ~pinned & ~under_autocast & ~inside_call,
         optimizer_step_bytes=optimizer_step_bytes,
         has_loss=profile.loss is not None,
         module_paths=module_paths(nodes),
         autocast_cache_bytes=profile.fixed_bytes("autocast cache"),
     )
+
+
+def _same_call(nodes: list[fx.Node]) -> np.ndarray:
+    """For each pair of neighbours, whether both belong to the same kept call."""
+    calls = [n.meta.get(LEAF_CALL) for n in nodes]
+    return np.array([a is not None and a == b for a, b in zip(calls, calls[1:])], bool)
 
 
 # --------------------------------------------------------------------------------------------

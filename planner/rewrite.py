@@ -32,12 +32,13 @@ from torch.utils.checkpoint import (
 )
 
 from planner.capture import updates_in_place
+from planner.export_leaves import CALLS_KEY, positions
 from planner.model_call import CALL_KEY
 from planner.nested import Nest, NestedChoice
 from planner.planned_module import PlannedModule, Snapshot, argument_positions, share_user_state
 from planner.problem import compute_nodes
 from planner.regions import closing_regions
-from planner.simulate import as_choice
+from planner.simulate import Choice, as_choice
 
 # Whether the ops running now belong to a kept node; per thread, as autograd may recompute a
 # segment on a thread of its own.
@@ -246,6 +247,7 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
     ``choice`` is a ``planner.simulate.Choice`` or plain segments: ``(start, stop)`` positions
     over ``planner.problem.compute_nodes(captured)``, and positions of kept nodes.
     """
+    captured, choice = _calls_view(captured, choice)
     holder = _holder(captured, model)
     nodes = compute_nodes(captured)
     if isinstance(choice, NestedChoice):  # segments holding segments: see planner.nested
@@ -358,3 +360,23 @@ def _checkpoint_segment(
     for index, m in enumerate(outputs):
         env[m] = graph.create_node("call_function", operator.getitem, (call, index), name=m.name)
     built.append(segment)
+
+
+def _calls_view(captured: fx.GraphModule, choice):
+    """The graph to rewrite and ``choice`` on it: for an export that keeps ``leaf_modules``
+    (see ``planner.export_leaves``), the graph calling them, with the positions of the graph
+    profiled (every op inlined; no cut or keep falls inside a call) moved onto it."""
+    calls = captured.meta.get(CALLS_KEY)
+    if calls is None:
+        return captured, choice
+    calls.meta.update({k: v for k, v in captured.meta.items() if k != CALLS_KEY})
+    first, last = positions(compute_nodes(captured), compute_nodes(calls))
+
+    def moved(nest: Nest) -> Nest:
+        return Nest(first[nest.start], last[nest.stop - 1] + 1, tuple(map(moved, nest.inner)))
+
+    if isinstance(choice, NestedChoice):
+        return calls, NestedChoice(tuple(map(moved, choice.segments)))
+    choice = as_choice(choice)
+    segments = tuple((first[a], last[b - 1] + 1) for a, b in choice.segments)
+    return calls, Choice(segments, frozenset(first[k] for k in choice.keep))

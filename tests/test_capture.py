@@ -3,6 +3,7 @@ parameters and buffers from a table instead of scanning the module tree at every
 give exactly the graph fx gives."""
 
 import collections
+import copy
 import dataclasses
 from typing import NamedTuple
 
@@ -13,6 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 import planner
 from planner.capture import LeafTracer
+from planner.export_leaves import CALLS_KEY
 
 
 class ReplacesItsBuffer(nn.Module):
@@ -92,3 +94,83 @@ def test_a_planned_module_returns_the_models_own_container_types(kind):
     torch.testing.assert_close(tree_leaves(out), tree_leaves(expected), rtol=0, atol=0)
     if kind == "ordered":
         out.move_to_end("out")
+
+
+# ------------------------------------------------------------------------------------------
+# torch.export keeping leaf_modules as calls of the user's own modules
+
+
+def _llama(length=16, *, mask: bool):
+    """A small Hugging Face Llama in train mode with labels; with a padded attention mask, or
+    without one (then eager attention calls SDPA with ``is_causal=True``)."""
+    pytest.importorskip("transformers")
+    from hf_families import FAMILIES
+
+    torch.manual_seed(0)
+    model, args, kwargs = FAMILIES["llama"](batch=2, length=length, labels=True)
+    model.config.use_cache = False
+    if not mask:
+        del kwargs["attention_mask"]
+    return model, args, kwargs
+
+
+def _decoder_layer(model):
+    return type(model.model.layers[0])
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["causal", "padded"])
+def test_export_keeps_leaf_modules_as_the_users_own_modules_and_plans_exactly(tmp_path, mask):
+    from planner.pipeline import assemble
+    from planner.simulate import simulate
+    from planner.solvers.auto import choose, lowest_peak
+    from planner.step import peak_memory
+    from strategies import assert_equivalent
+
+    model, args, kwargs = _llama(mask=mask)
+    reference = copy.deepcopy(model)
+    options = planner.CaptureOptions(leaf_modules=_decoder_layer(model))
+    captured, problem = planner.prepare(model, args, kwargs, capture_options=options)
+    budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
+    solver, segments = choose(problem, budget, "auto")
+    p = assemble(model, captured, problem, segments, solver=solver, budget_bytes=budget,
+                 solve_seconds=0.0, started=0.0, capture_options=options)  # fmt: skip
+    assert captured.method == p.capture_method == "export" and p.segments
+    calls = captured.graph_module.meta[CALLS_KEY]  # the graph the plan rewrites
+    kept = [n for n in calls.graph.find_nodes(op="call_module") if n.target != "_guards_fn"]
+    assert [n.target for n in kept] == ["model.layers.0", "model.layers.1"]
+    for k, layer in enumerate(model.model.layers):
+        assert p.module.get_submodule(f"model.layers.{k}") is layer
+    if not mask:  # eager mode passes no mask to the layers, and so does the plan
+        assert all(n.kwargs["attention_mask"] is None for n in kept)
+
+    calls: list[int] = []
+    hooks = [
+        layer.register_forward_hook(lambda *_, k=k: calls.append(k))
+        for k, layer in enumerate(model.model.layers)
+    ]
+    p.module(*args, **kwargs).loss.backward()
+    for hook in hooks:
+        hook.remove()
+    assert set(calls) == {0, 1}, "hooks on the user's layers run in the planned module"
+
+    measured = peak_memory(p.module, args, kwargs).peak_bytes
+    assert measured <= budget + 8  # the CPU tracker's 8 bytes (see test_huggingface.py)
+    assert abs(measured - p.predicted_peak_bytes) <= 0.02 * measured
+    assert_equivalent(reference, model, p.module, args, kwargs)
+
+    loaded = planner.load(p.save(tmp_path / "plan.json"), model, args, example_kwargs=kwargs)
+    assert loaded.capture_options.leaf_modules == (_decoder_layer(model),)
+    assert loaded.segments == p.segments
+    assert loaded.module.get_submodule("model.layers.0") is model.model.layers[0]
+
+
+def test_export_with_leaf_modules_and_dynamic_shapes_takes_other_lengths():
+    from strategies import assert_equivalent
+
+    model, args, kwargs = _llama(length=16, mask=False)
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, args, budget_gb=1, example_kwargs=kwargs, solver="sqrt_n",
+                     leaf_modules=_decoder_layer(model), dynamic_shapes=True)  # fmt: skip
+    assert p.segments
+    _, shorter, shorter_kwargs = _llama(length=11, mask=False)
+    assert_equivalent(reference, model, p.module, shorter, shorter_kwargs)
