@@ -290,3 +290,87 @@ def test_accumulation_under_fsdp2_gives_the_single_process_gradients(fsdp_result
     for rank_results in fsdp_results:
         for name in expected:
             torch.testing.assert_close(rank_results["accumulate"]["grads"][name], expected[name])
+
+
+# ------------------------------------------------------------------------------------------
+# FSDP2 per decoder layer of a Hugging Face Llama (captured by torch.export)
+
+
+def tiny_llama():
+    """The same small Llama (no dropout) and global batch ``(ids,)`` in every process."""
+    from hf_families import FAMILIES
+
+    torch.manual_seed(0)
+    model, (ids,), _ = FAMILIES["llama"](batch=GLOBAL_BATCH, length=12)
+    model.config.use_cache = False  # planned for training: no key/value cache, no warning
+    return model, (ids,)
+
+
+def llama_reference():
+    """Gradients of the unsharded, unplanned model on the whole batch, and its parameters
+    after one SGD step."""
+    model, (ids,) = tiny_llama()
+    model(ids, labels=ids).loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= LR * p.grad
+    return grads, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _llama_fsdp_worker(rank, port, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _init(rank, port)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model, batch = tiny_llama()
+    (ids,) = rank_slice(batch, rank)
+    layer = type(model.model.layers[0])
+    p = planner.plan(
+        model, (ids,), budget_bytes=2**30, solver="sqrt_n",
+        example_kwargs={"labels": ids}, leaf_modules=layer,
+    )  # fmt: skip
+    for block in model.model.layers:  # the usual recipe: one FSDP2 group per decoder layer
+        fully_shard(block, mesh=mesh)
+    fully_shard(p.module, mesh=mesh)  # the rest (embeddings, final norm, head)
+    calls = []
+    for block in model.model.layers:
+        block.register_forward_pre_hook(lambda *_: calls.append(1))
+    optimizer = torch.optim.SGD(p.module.parameters(), lr=LR)
+    p.module(ids, labels=ids).loss.backward()
+    grads = _grads(p.module)
+    optimizer.step()
+    results = {
+        "segments": p.segments,
+        "capture_method": p.capture_method,
+        "layer_calls": len(calls),
+        "sharded": all(hasattr(b, "unshard") for b in model.model.layers),
+        "grads": grads,
+        "params": {n: _full(t).clone() for n, t in p.module.named_parameters()},
+    }
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def llama_fsdp_results(tmp_path_factory):
+    pytest.importorskip("transformers")
+    if not _fsdp2_available():
+        pytest.skip("torch.distributed.fsdp.fully_shard (FSDP2) is not in this torch")
+    return run_ranks(_llama_fsdp_worker, tmp_path_factory.mktemp("llama_fsdp"), timeout_s=180)
+
+
+def test_an_exported_llama_planned_per_layer_trains_under_fsdp2_like_the_unsharded_model(
+    llama_fsdp_results,
+):
+    expected_grads, expected_params = llama_reference()
+    for result in llama_fsdp_results:
+        assert result["capture_method"] == "export" and result["segments"]
+        assert result["sharded"]
+        # both layers ran in forward, and the checkpointed ones again in backward's recompute
+        assert result["layer_calls"] > 2
+        assert result["params"].keys() == expected_params.keys()
+        for name in expected_params:
+            torch.testing.assert_close(result["grads"][name], expected_grads[name], msg=name)
+            torch.testing.assert_close(result["params"][name], expected_params[name], msg=name)
