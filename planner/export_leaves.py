@@ -5,20 +5,23 @@ directly, so hooks on a submodule (FSDP2's ``fully_shard`` per decoder layer: al
 its forward, reshard after, its backward collectives) would never run in the planned module.
 For ``leaf_modules`` the export here keeps their calls:
 
-* the model is exported with ``preserve_module_call_signature`` for every outermost instance of
-  a leaf class, and ``torch.export.unflatten`` turns the program into modules calling each
-  other with the original arguments (``args``, ``kwargs``, tuples, ``None``);
-* ``inline_unflattened`` inlines every module but the leaves back into one flat graph, in
-  which each leaf call is a ``call_module`` node of the user's own instance (same object,
-  hooks and all), called with the arguments eager mode passes it; pytree packing between the
-  modules is resolved while inlining, so the graph holds no spec objects;
-* ``restore_eager_arguments`` gives a leaf the ``None`` eager mode passes where the graph
-  computes a causal mask from sizes alone instead (Hugging Face decoders under export), the
-  same rule ``planner.attention`` applies to SDPA nodes: the leaf then runs exactly as in eager
-  mode and no B x S x S mask is built.
+* the model is exported once, with ``preserve_module_call_signature`` for every outermost
+  instance of a leaf class, and ``torch.export.unflatten`` turns the program into modules
+  calling each other with the original arguments (``args``, ``kwargs``, tuples, ``None``);
+* ``inline_unflattened`` inlines it back into two flat graphs (``export_keeping``). In the
+  first every op is inlined, as in an ordinary export, and the nodes of each kept call are
+  tagged ``LEAF_CALL``: planner profiles and plans this one, op by op, with no cut or keep
+  inside a call (``planner.problem``). In the second each kept call is a ``call_module`` node
+  of the user's own instance (same object, hooks and all): the plan is rewritten on this one,
+  its positions moved by ``positions``. Pytree packing between the modules is resolved while
+  inlining, so neither graph holds spec objects;
+* ``restore_eager_arguments`` gives a kept module the ``None`` eager mode passes where the
+  graph computes a causal mask from sizes alone instead (Hugging Face decoders under export),
+  the rule ``planner.attention`` applies to SDPA nodes: the module then runs as in eager mode
+  and no B x S x S mask is built.
 
-The graph takes the exported module's inputs and runs its guards (``torch.export``'s own
-flat module gives both), so calls behave as for any exported plan.
+Both graphs take the exported module's inputs and run its guards (``torch.export``'s own flat
+module gives both), so calls behave as for any exported plan.
 """
 
 from __future__ import annotations

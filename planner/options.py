@@ -21,7 +21,8 @@ class CaptureOptions:
     leaf_modules
         Module classes to keep whole (e.g. a transformer block class): segments then start and
         end at their boundaries, and hooks on them, such as FSDP2 sharding per block, keep
-        running. One class alone is accepted too. Only for models ``symbolic_trace`` captures.
+        running. One class alone is accepted too. Under ``torch.export`` too: see
+        ``planner.export_leaves``.
     dynamic_shapes
         For models captured by ``torch.export``: let the planned module take other sizes of its
         tensor arguments than the example's. Models ``symbolic_trace`` captures take any size.

@@ -211,7 +211,7 @@ def plan(
     leaf_modules
         Module classes to keep whole (e.g. a transformer block class): segments then start and
         end at their boundaries, and hooks on them, such as FSDP2 sharding per block, keep
-        running. Only for models ``symbolic_trace`` captures.
+        running, in recompute too. Under ``symbolic_trace`` and ``torch.export`` alike.
     dynamic_shapes
         For models captured by ``torch.export`` (Hugging Face transformers): let the planned
         module take other batch sizes and sequence lengths than the example's (capture is
