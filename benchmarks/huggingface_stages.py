@@ -6,6 +6,10 @@ attention, ``planner.attention``); the "eager record" column times that forward 
 ``--fit`` adds a second table: a plan made with ``dynamic_shapes=True`` at batch 3, length 16,
 at the budget halfway between the lowest peak and the baseline; its predicted and measured peak
 (CPU live-storage tracker), and the measured peak at the second shape of the tests.
+``--leaf`` prints only a table of the decoder families planned with their decoder layers kept
+whole (``leaf_modules``, as for FSDP2 per layer): the lowest peak against op by op, and the
+predicted against the measured peak of a plan halfway between that lowest peak and the
+baseline.
 """
 
 import argparse
@@ -106,11 +110,51 @@ def fit() -> None:
         )
 
 
+def leaf() -> None:
+    """Decoder layers kept whole (``leaf_modules``, as for FSDP2 per layer) against op by op."""
+    print(
+        "| family | lowest peak MiB, op by op | lowest peak MiB, layers whole | segments "
+        "| budget MiB | predicted MiB | measured MiB | error |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name in FAMILIES:
+        torch.manual_seed(0)
+        model, args, kwargs = FAMILIES[name](labels=True)
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None:
+            continue
+        _, problem = prepare(model, args, kwargs)
+        lowest = lowest_peak(problem).peak_bytes
+        whole = CaptureOptions(leaf_modules=type(layers[0]))
+        captured, problem = prepare(model, args, kwargs, capture_options=whole)
+        low, high = lowest_peak(problem).peak_bytes, simulate(problem, ()).peak_bytes
+        budget = (low + high) // 2
+        solver, segments = choose(problem, budget)
+        p = assemble(
+            model, captured, problem, segments, solver=solver, budget_bytes=budget,
+            solve_seconds=0.0, started=0.0, capture_options=whole,
+        )  # fmt: skip
+        measured = peak_memory(p.module, args, kwargs).peak_bytes
+        error = (p.predicted_peak_bytes - measured) / measured
+        print(
+            f"| {name} | {lowest / MIB:.3f} | {low / MIB:.3f} | {len(p.segments)} | "
+            f"{budget / MIB:.3f} | {p.predicted_peak_bytes / MIB:.3f} | {measured / MIB:.3f} "
+            f"| {error:+.2%} |",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="also the table of plans' fit")
+    parser.add_argument(
+        "--leaf", action="store_true", help="only the table of plans with decoder layers whole"
+    )
     options = parser.parse_args()
     transformers.logging.set_verbosity_error()
+    if options.leaf:
+        leaf()
+        return
     stages()
     if options.fit:
         print()
