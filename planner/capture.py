@@ -433,10 +433,16 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
     of a submodule that tracing inlines (every one but the instances of ``leaf_modules``) run
     once while capturing and never again: their tensor effects are frozen into the graph and
     their Python side effects vanish. Hooks of a module that stays a ``call_module`` node keep
-    running (again when a checkpointed segment is recomputed).
+    running (again when a checkpointed segment is recomputed). Under ``torch.export`` even
+    those are refused while planning: export records a kept module's call after its pre-hooks
+    ran, and the planned module, calling the module, would run them a second time. Hooks
+    registered after planning (``fully_shard``) run once, as in the model.
     """
-    graph_module = captured.graph_module.meta.get(CALLS_KEY, captured.graph_module)
-    kept = {node.target for node in graph_module.graph.find_nodes(op="call_module")}
+    kept = (
+        {node.target for node in captured.graph_module.graph.find_nodes(op="call_module")}
+        if captured.method == "symbolic_trace"
+        else set()
+    )
     dropped = [
         f"{name or '<the model itself>'}.{kind}"
         for name, module in model.named_modules()
@@ -450,7 +456,8 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
             f"{captured.method} traces through them, so a hook that changes a value would be "
             "frozen or lost and one with side effects would stop running. Remove the hooks "
             "before planning (handle.remove()) and put that logic in forward, or keep the "
-            "modules they are on whole: pass their classes as leaf_modules."
+            "modules they are on whole (pass their classes as leaf_modules) and register the "
+            "hooks after planning."
         )
 
 

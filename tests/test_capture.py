@@ -174,3 +174,13 @@ def test_export_with_leaf_modules_and_dynamic_shapes_takes_other_lengths():
     assert p.segments
     _, shorter, shorter_kwargs = _llama(length=11, mask=False)
     assert_equivalent(reference, model, p.module, shorter, shorter_kwargs)
+
+
+def test_hooks_on_kept_layers_are_refused_while_planning_an_export():
+    """Export records a kept module's call after its pre-hooks ran: the planned module, calling
+    the module, would run them twice. Hooks registered after planning run once (above)."""
+    model, args, kwargs = _llama(mask=False)
+    model.model.layers[0].register_forward_pre_hook(lambda module, inputs: None)
+    with pytest.raises(planner.PlanningError, match="register the hooks after planning"):
+        planner.plan(model, args, budget_gb=1, example_kwargs=kwargs,
+                     leaf_modules=_decoder_layer(model))  # fmt: skip
