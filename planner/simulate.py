@@ -5,15 +5,18 @@ The replay follows what PyTorch does with non-reentrant ``torch.utils.checkpoint
 
 * forward: each node allocates the storages it creates (plus a transient workspace); a storage
   dies after its last reader unless something keeps it for backward: a saver outside any
-  checkpointed segment, or a checkpointed segment that takes it as input (the segment holds its
-  inputs until its backward is done). The graph's outputs live until the loss has read them
-  (``planner.step.training_step`` drops them before backward).
-* backward, in reverse order: on reaching the last node of a checkpointed segment, the segment's
-  forward runs again up to its last node that saves anything (early stop: autograd saves inputs
-  before an op runs and outputs after, so when that last node saves only inputs its outputs are
-  never re-created), re-creating its saved storages. Each node's backward then allocates what
-  the profile's fake backward measured for it (gradients, temporaries), and frees what it
-  measured plus the saved storages no earlier node needs.
+  checkpointed segment, or a checkpointed segment that takes it as input and saves anything
+  (its checkpoint frame holds its inputs until the backward of its first saving node, where the
+  last saved tensor that keeps the frame alive goes). The graph's outputs live until the loss
+  has read them (``planner.step.training_step`` drops them before backward).
+* backward, in reverse order: the nodes after a segment's last saving node unpack nothing, so
+  their backward runs first; on reaching that node, the segment's forward runs again up to it
+  (early stop: autograd saves inputs before an op runs and outputs after, so when that last
+  node saves only inputs its outputs are never re-created), re-creating its saved storages.
+  The segment's body is one Python frame, and the stop an exception raised inside it: what a
+  node beyond the stop reads, or the segment returns, stays alive until the stop. Each node's
+  backward then allocates what the profile's fake backward measured for it (gradients,
+  temporaries), and frees what it measured plus the saved storages no earlier node needs.
 * optimizer step: on what backward leaves (parameter gradients), ``optimizer.step()`` holds its
   temporaries (``Problem.optimizer_step_bytes``); its state is fixed memory, live all along.
 
@@ -85,7 +88,15 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     """
     n, a = problem.size, problem.storage_arrays
     never = n  # beyond every position: "no such node"
-    starts = np.array([start for start, _ in segments] + [never], dtype=np.int64)
+    # A segment holds its inputs until the backward of its first saving node, where autograd
+    # drops the last saved tensor that keeps its checkpoint frame alive; one that saves nothing
+    # holds nothing.
+    first_saving = [np.flatnonzero(problem.saves[start:stop]) for start, stop in segments]
+    holds_to = np.array(
+        [start + int(f[0]) if f.size else never for (start, _), f in zip(segments, first_saving)]
+        + [never],
+        dtype=np.int64,
+    )
     ends = np.array([last_recomputed(problem, *segment) for segment in segments] + [-1], np.int64)
     home = segment_of[a.producer]
 
@@ -96,14 +107,14 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
 
     saver_segment = segment_of[a.save_node]
     reader_segment = segment_of[a.read_node]
-    elsewhere = np.where(saver_segment != home[a.save_storage], starts[saver_segment], never)
+    elsewhere = np.where(saver_segment != home[a.save_storage], holds_to[saver_segment], never)
     release = np.minimum(
         first(a.save_storage, np.where(saver_segment < 0, a.save_node, elsewhere)),
         first(
             a.read_storage,
             np.where(
                 (reader_segment >= 0) & (reader_segment != home[a.read_storage]),
-                starts[reader_segment],
+                holds_to[reader_segment],
                 never,
             ),
         ),
@@ -122,12 +133,13 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     )
     by_saver = recomputed & (inner_saver < never)
     backward_free += _total_at(inner_saver[by_saver], a.nbytes[by_saver], n)
+    # The segment's body is one Python frame: what a node beyond the stop reads, or the segment
+    # returns, stays in a variable until the recompute stops. autocast's cache holds a
+    # recomputed weight cast until the recompute ends too (problem.py).
     last_read = a.producer.copy()
-    np.maximum.at(
-        last_read, a.read_storage, np.where(a.read_node <= end[a.read_storage], a.read_node, -1)
-    )
-    # autocast's cache holds a recomputed weight cast until the recompute ends (problem.py).
-    last_read = np.where(a.cast_cache & recomputed, np.maximum(last_read, end), last_read)
+    np.maximum.at(last_read, a.read_storage, np.minimum(a.read_node, end[a.read_storage]))
+    to_end = (a.cast_cache | a.is_output) & recomputed
+    last_read = np.where(to_end, np.maximum(last_read, end), last_read)
     by_reader = recomputed & (inner_saver == never)
     created = recomputed & ~cached
     recompute_alloc = _total_at(a.producer[created], a.nbytes[created], n)
@@ -162,13 +174,16 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     )
 
     # The order of steps: forward 0..n-1, then from n-1 down to 0 the backward of each node,
-    # preceded by its segment's recompute (start..end) when it is the segment's last node.
+    # preceded by its segment's recompute (start..end) when it is the segment's last saving
+    # node: the first whose backward unpacks a saved tensor.
     phases, positions = [np.zeros(n, np.int8)], [np.arange(n)]
     upper = n
-    for (start, stop), end in zip(reversed(segments), reversed(ends.tolist())):
-        phases += [np.full(upper - stop, 2, np.int8), np.ones(end - start + 1, np.int8)]
-        positions += [np.arange(upper - 1, stop - 1, -1), np.arange(start, end + 1)]
-        upper = stop
+    for (start, _), end in zip(reversed(segments), reversed(ends.tolist())):
+        if end < start:
+            continue  # it saves nothing: no recompute
+        phases += [np.full(upper - end - 1, 2, np.int8), np.ones(end - start + 1, np.int8)]
+        positions += [np.arange(upper - 1, end, -1), np.arange(start, end + 1)]
+        upper = end + 1
     phases.append(np.full(upper, 2, np.int8))
     positions.append(np.arange(upper - 1, -1, -1))
     phase, position = np.concatenate(phases), np.concatenate(positions)

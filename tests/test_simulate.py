@@ -31,6 +31,11 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
     segment_of = [-1] * n
     for k, (start, stop) in enumerate(segments):
         segment_of[start:stop] = [k] * (stop - start)
+    # A segment holds its inputs until the backward of its first saving node (its checkpoint
+    # frame dies with its last saved tensor); one that saves nothing holds nothing.
+    holds_to = [
+        next((j for j in range(start, stop) if problem.saves[j]), None) for start, stop in segments
+    ]
     forward_free, backward_free = [0] * n, [0] * n
     recompute_alloc, recompute_free = [0] * n, [0] * n
     for s in problem.storages:
@@ -39,14 +44,14 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
         # Kept for backward until the first trigger: an outside saver, or another segment's
         # start when that segment saves or reads it.
         triggers = [
-            j if segment_of[j] < 0 else segments[segment_of[j]][0]
+            j if segment_of[j] < 0 else holds_to[segment_of[j]]
             for j in s.savers
             if segment_of[j] != home or segment_of[j] < 0
         ]
         triggers += [
-            segments[segment_of[j]][0]
+            holds_to[segment_of[j]]
             for j in s.readers
-            if segment_of[j] >= 0 and segment_of[j] != home
+            if segment_of[j] >= 0 and segment_of[j] != home and holds_to[segment_of[j]] is not None
         ]
         if cached:
             pass  # the recompute frees it, below
@@ -68,9 +73,10 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
         if inner_savers:
             backward_free[min(inner_savers)] += s.nbytes
         else:
-            last = max([j for j in s.readers if j <= end], default=s.producer)
-            # autocast's cache holds a recomputed weight cast until the recompute ends
-            recompute_free[max(last, end) if s.cast_cache else last] += s.nbytes
+            # A reader beyond the early stop, or the loss (a graph output): the segment's frame
+            # holds the value until the recompute stops; so does autocast's cache a weight cast.
+            last = max([min(j, end) for j in s.readers], default=s.producer)
+            recompute_free[max(last, end) if s.cast_cache or s.is_output else last] += s.nbytes
 
     live = peak = 0
     seconds, timeline = 0.0, []
@@ -93,9 +99,10 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
         )
     for i in range(n - 1, -1, -1):
         k = segment_of[i]
-        if k >= 0 and i == segments[k][1] - 1:
-            start = segments[k][0]
-            end = last_recomputed(problem, start, i + 1)
+        # The recompute runs before the backward of the segment's last saving node, the first
+        # to unpack a saved tensor.
+        if k >= 0 and i == last_recomputed(problem, *segments[k]):
+            start, end = segments[k][0], i
             for j in range(start, end + 1):
                 if j in keep:  # taken from the cache: nothing runs, its temporaries go
                     step("recompute", j, 0, 0, recompute_free[j] + held[j])

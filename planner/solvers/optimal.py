@@ -188,8 +188,9 @@ def _recompute_peaks(problem: Problem, t: _Tables, c: int, stop: int) -> np.ndar
 
     Index ``b - c - 1``; 0 where the segment saves nothing (no recompute). Recomputed copies are
     alive from their producer until the segment's last saving node when saved inside the
-    segment, else until their last reader that is recomputed. The recompute stops early, at the
-    last saving node; outputs of that node are made again only if it saves one of them.
+    segment, else until their last reader that is recomputed, or until the stop when something
+    beyond it reads them. The recompute stops early, at the last saving node; outputs of that
+    node are made again only if it saves one of them.
     """
     width = stop - c
     peaks = np.zeros(width, dtype=np.int64)
@@ -228,6 +229,11 @@ def _recompute_peaks(problem: Problem, t: _Tables, c: int, stop: int) -> np.ndar
                     for k in t.made_at[y]:
                         if k not in saved_inside:
                             start(k)
+            for k, last in until.items():  # read beyond the stop: the frame holds it until then
+                if t.last_use[k] > x > last:
+                    transient[last - c + 1] += t.nbytes[k]
+                    transient[x - c + 1] -= t.nbytes[k]
+                    until[k] = x
             pending = () if problem.saves_own[x] else t.made_at[x]
             end = x
             span = end - c + 1
@@ -266,18 +272,19 @@ def _last_saving(problem: Problem, c: int, stop: int) -> np.ndarray:
 def _segment_costs(problem: Problem, t: _Tables, c: int, stop: int, exact: bool):
     """Mask-independent parts of the segments ``[c, b)`` for every ``b`` in ``(c, stop]``.
 
-    Returns the recompute peak plus the gradients alive then, and the recompute cost: the
-    forward time of the nodes the recompute runs (``recompute_stop``), as ``simulate`` charges
-    it.
+    Returns the recompute peak plus the gradients alive then (backward has passed the nodes
+    after the last saving one), and the recompute cost: the forward time of the nodes the
+    recompute runs (``recompute_stop``), as ``simulate`` charges it.
     """
     bound = _recompute_peaks if exact else _recompute_bound
     peaks = bound(problem, t, c, stop)
     last = _last_saving(problem, c, stop)
+    grads = np.where(last >= 0, t.after_backward[c + last + 1], 0)
     before = np.concatenate(([0.0], np.cumsum(problem.seconds[c:stop])))
     at_stop = c + np.maximum(last, 0)
     runs_to = np.where(problem.saves_own[at_stop], last + 1, last)  # recompute_stop - c
     cost = np.where(last >= 0, before[np.maximum(runs_to, 0)], 0.0)
-    return peaks + t.after_backward[c + 1 : stop + 1], cost
+    return peaks + grads, cost
 
 
 def _segment_locals(
@@ -285,13 +292,19 @@ def _segment_locals(
 ):
     """Charged bytes, local peak and its monotone part for the segments ``[c, b)``.
 
-    Arrays are indexed ``b - c - 1`` for ``b`` in ``(c, stop]``. The monotone part (forward and
-    backward peaks) never decreases with ``b``, so once it overflows the budget no longer
-    segment from ``c`` can fit: the search stops extending there.
+    Arrays are indexed ``b - c - 1`` for ``b`` in ``(c, stop]``. A segment holds its inputs
+    from its forward until the backward of its first saving node, and only if it saves
+    anything. Backward passes the nodes after its last saving node before the recompute runs,
+    so their backward sees no recomputed copies. The monotone part (forward and backward peaks)
+    never decreases with ``b``, so once it overflows the budget no longer segment from ``c``
+    can fit: the search stops extending there.
     """
     width = stop - c
     forward = t.forward_live[c:stop].copy()
+    held = np.zeros(width, dtype=np.int64)  # inputs held after their last reader
     charged = np.zeros(width, dtype=np.int64)
+    saving = np.flatnonzero(problem.saves[c:stop])
+    first = int(saving[0]) if saving.size else width  # offset of the first saving node
     saved_here = t.saved_prefix[c:stop] - (t.saved_prefix[c - 1] if c else 0)
     for k in t.crossing[c]:
         if c <= t.first_saver[k] < stop:  # recomputed copies only come from inside
@@ -299,12 +312,29 @@ def _segment_locals(
         if k in mask:  # charged to an earlier block: do not count it twice while it is read
             forward[: t.last_use[k] - c + 1] -= t.nbytes[k]
         else:  # a segment input: charged here, alive until the segment's backward ends
-            forward[t.last_use[k] - c + 1 :] += t.nbytes[k]
-            first = next((j for j in t.touches[k] if j >= c), NEVER)
-            if first < stop:
-                charged[first - c :] += t.nbytes[k]
-    backward = np.maximum.accumulate(t.backward_live[c:stop] + saved_here) + charged
-    monotone = np.maximum(np.maximum.accumulate(forward), backward)
+            held[t.last_use[k] - c + 1 :] += t.nbytes[k]
+            touch = next((j for j in t.touches[k] if j >= c), NEVER)
+            if touch < stop:
+                charged[max(touch - c, first) :] += t.nbytes[k]
+    index = np.arange(width)
+    saves = index >= first
+    forward_peak = np.where(
+        saves, np.maximum.accumulate(forward + held), np.maximum.accumulate(forward)
+    )
+    grads = t.backward_live[c:stop]
+    before = np.maximum.accumulate(grads)  # the backward of nodes before the first saving one
+    before = np.where(saves, before[max(first - 1, 0)] if first else 0, before)
+    last = _last_saving(problem, c, stop)
+    with_saved = np.maximum.accumulate(np.where(saves, grads + saved_here, 0))
+    # The highest gradients after the last saving node: a running maximum that restarts at each
+    # saving node (group offsets larger than any value keep groups apart).
+    group = np.cumsum(problem.saves[c:stop])
+    scale = int(grads.max(initial=0)) + 1
+    tail_values = np.where(problem.saves[c:stop], 0, grads) + group * scale
+    tail = np.maximum.accumulate(tail_values) - group * scale
+    after = np.maximum(with_saved[np.maximum(last, 0)], tail) + charged
+    backward = np.maximum(before, np.where(saves, after, 0))
+    monotone = np.maximum(forward_peak, backward)
     return charged, np.maximum(monotone, recompute + charged), monotone
 
 
@@ -401,6 +431,8 @@ class _Search:
                 first_touch = [
                     (k, next((j for j in t.touches[k] if j >= c), NEVER)) for k in t.crossing[c]
                 ]
+                # a segment holds (charges) its inputs only once it saves something
+                saving = c + int(np.argmax(np.append(problem.saves[c:stop], True)))
             for mask, state in here:
                 charged = self.states[state][1]
                 local, held, after = self._stored_run(c, following, mask)
@@ -420,7 +452,7 @@ class _Search:
                 reach = c + 1 + (int(overflow[0]) if overflow.size else stop)
                 reachable = ends[ends < reach]
                 masks = [
-                    _next_mask(t, b, mask, {k for k, j in first_touch if j < b})
+                    _next_mask(t, b, mask, {k for k, j in first_touch if max(j, saving) < b})
                     for b in reachable.tolist()
                 ]
                 i = reachable - c - 1
