@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from planner.pipeline import assemble, prepare
 from planner.rewrite import rewrite
 from planner.simulate import Choice, recompute_stop, simulate, validate_choice
 from planner.step import peak_memory
-from strategies import assert_equivalent
+from strategies import assert_equivalent, build, inputs, model_specs, random_choices
 
 
 def _plan(model, args, choice):
@@ -254,3 +257,71 @@ def test_the_drawing_and_memory_plot_name_the_kept_nodes():
     axes = plan.plot_memory().axes[0]
     assert any("2 kept nodes" in t.get_text() for t in axes.get_legend().get_texts())
     plt.close("all")
+
+
+# -- the simulator against the CPU tracker, on random plans with kept nodes ----------------------
+
+
+def _restored_bytes(module) -> int:
+    """Bytes of the buffers the planned module's segments copy to restore them in the recompute
+    (``planner.rewrite.Segment``; not modelled by the simulator yet): a copy lives from a
+    segment's forward to the end of its recompute, a second one during the recompute."""
+    from planner.rewrite import Segment
+
+    segments = {
+        id(v): v for m in module.modules() for v in vars(m).values() if isinstance(v, Segment)
+    }
+    return sum(b.untyped_storage().nbytes() for s in segments.values() for b in s.buffers())
+
+
+def _prediction_error(model, args, kwargs, captured, problem, choice) -> tuple[int, int]:
+    """(predicted minus measured peak, bytes the segments copy to restore buffers), the
+    measurement taken against the rewritten graph's with nothing checkpointed (its loss
+    scalars are not in the replay)."""
+    plain = rewrite(captured.graph_module, model, ())
+    peak_memory(plain, args, kwargs)
+    offset = peak_memory(plain, args, kwargs).peak_bytes - simulate(problem, ()).peak_bytes
+    planned = rewrite(captured.graph_module, model, choice)
+    peak_memory(planned, args, kwargs)  # warm up: first steps allocate lazily
+    measured = peak_memory(planned, args, kwargs).peak_bytes - offset
+    return simulate(problem, choice).peak_bytes - measured, _restored_bytes(planned)
+
+
+_GPT: dict = {}
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_simulated_peak_equals_the_measured_peak_of_random_selective_plans_on_the_zoo_gpt(data):
+    """Random segments with random kept nodes. Two effects are left out of the replay, each
+    bounded here by what it measured: the copies of the causal-mask buffer the rewrite makes
+    per segment (4096 bytes each, under the measurement) and a node's backward taken as one
+    step (the last Linear's bias gradient counts with its matmuls, up to 2048 bytes over).
+    Before the frame of a recompute was modelled, the replay was 287 KB under the measurement
+    and, for segments that save nothing or end in views, 381 KB over it."""
+    from planner import zoo
+
+    if not _GPT:
+        model, args = zoo.build("gpt")
+        _GPT["prepared"] = (model, args, *prepare(model, args))
+    model, args, captured, problem = _GPT["prepared"]
+    choice = data.draw(random_choices(problem), label="choice")
+    error, restored = _prediction_error(model, args, {}, captured, problem, choice)
+    assert -2 * restored <= error <= 2048, (error, restored)
+
+
+@settings(max_examples=20, deadline=None)
+@given(spec=model_specs(untraceable=None), data=st.data())
+def test_simulated_peak_is_never_below_the_measured_peak_of_random_selective_plans(spec, data):
+    """The same on generated models (BatchNorm, dropout, in-place ReLU, shared layers, traced
+    or exported), in the direction that matters for a budget: the replay is never under the
+    measurement but for the buffer copies the rewrite makes. (It can be over: by up to 576
+    bytes on the generated models measured, causes not yet found.)"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = build(spec)
+        args, kwargs = inputs(spec)
+        captured, problem = prepare(model, args, kwargs)
+        choice = data.draw(random_choices(problem), label="choice")
+        error, restored = _prediction_error(model, args, kwargs, captured, problem, choice)
+    assert error >= -2 * restored, (error, restored)
