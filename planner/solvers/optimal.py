@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -847,6 +848,27 @@ def _exhaustive(problem: Problem, budget: int) -> Segments | Choice:
     the lowest peak."""
     best = None
     lowest = None
+    for key, choice in _every_choice(problem):
+        if key[1] <= budget and (best is None or key < best[0]):
+            best = key, choice
+        low = (key[1], *key)
+        if lowest is None or low < lowest[0]:
+            lowest = low, choice
+    assert lowest is not None  # no segments at all is always a valid choice
+    choice = (best or lowest)[1]
+    return choice if choice.keep else choice.segments
+
+
+_EVERY_CHOICE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _every_choice(problem: Problem) -> list[tuple[tuple, Choice]]:
+    """Every valid (segments, keep set) of a tiny problem with its sort key (recompute seconds,
+    peak, kept nodes, segments), replayed once per problem: planning at many budgets (a
+    frontier, the tests) scans the list again instead of replaying every choice."""
+    if problem in _EVERY_CHOICE:
+        return _EVERY_CHOICE[problem]
+    found = []
     for segments in _all_segments(problem):
         nodes = [
             x
@@ -862,11 +884,6 @@ def _exhaustive(problem: Problem, budget: int) -> Segments | Choice:
                 continue
             result = simulate(problem, choice)
             key = (result.recompute_seconds, result.peak_bytes, len(keep), len(segments))
-            if result.peak_bytes <= budget and (best is None or key < best[0]):
-                best = key, choice
-            low = (result.peak_bytes, *key)
-            if lowest is None or low < lowest[0]:
-                lowest = low, choice
-    assert lowest is not None  # no segments at all is always a valid choice
-    choice = (best or lowest)[1]
-    return choice if choice.keep else choice.segments
+            found.append((key, choice))
+    _EVERY_CHOICE[problem] = found
+    return found
