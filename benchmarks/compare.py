@@ -50,6 +50,7 @@ from benchmarks import baselines, hf, instruments  # noqa: E402
 from benchmarks.report import render_page  # noqa: E402
 from planner import costs, step, zoo  # noqa: E402
 from planner.costs import CostModel  # noqa: E402
+from planner.nested import NestedChoice  # noqa: E402
 from planner.pipeline import plan, prepare  # noqa: E402
 from planner.rewrite import rewrite  # noqa: E402
 from planner.simulate import as_choice, simulate  # noqa: E402
@@ -240,7 +241,14 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
             begin = time.perf_counter()
             ran, chosen = choose(problem, budget, solver)
             solve_seconds = time.perf_counter() - begin
-            choice = as_choice(chosen)
+            if isinstance(chosen, NestedChoice) and chosen.flat() is not None:
+                chosen = chosen.flat()
+            nested = isinstance(chosen, NestedChoice)  # only where no flat plan fits
+            choice = chosen if nested else as_choice(chosen)
+            segments = (
+                tuple((s.start, s.stop) for s in chosen.segments) if nested else choice.segments
+            )
+            kept = frozenset() if nested else choice.keep
             sim = simulate(problem, choice)
             row = dict(
                 solver=solver,
@@ -248,8 +256,8 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
                 budget=label,
                 budget_bytes=int(budget),
                 solve_seconds=solve_seconds,
-                segments=len(choice.segments),
-                kept=len(choice.keep),
+                segments=len(segments),
+                kept=len(kept),
                 predicted_peak_bytes=int(sim.peak_bytes),
                 predicted_overhead=sim.recompute_seconds / problem.step_seconds,
             )
@@ -258,7 +266,7 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
                 plans.append(row)
                 continue
             row["status"] = "ok"
-            key = (choice.segments, choice.keep)
+            key = (segments, kept, nested and chosen)
             if key not in by_segments:
                 begin = time.perf_counter()
                 module = rewrite(captured.graph_module, model, choice)
@@ -267,8 +275,8 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
                     f"planner#{len(by_segments)}",
                     "planner",
                     module,
-                    segments=[list(s) for s in choice.segments],
-                    kept=sorted(choice.keep),
+                    segments=[list(s) for s in segments],
+                    kept=sorted(kept),
                     predicted_peak_bytes=int(sim.peak_bytes),
                     predicted_overhead=row["predicted_overhead"],
                     rewrite_seconds=rewrite_seconds,
