@@ -25,7 +25,7 @@ class ModelCall:
     arguments planner fixed such as ``use_cache=False``) and puts the output's container types
     back. Calls the captured graph cannot compute like the model (another non-tensor value, a
     tensor added) raise instead of computing something else; a tensor argument left out is
-    passed on as None (the planned module then runs the model itself).
+    passed on as None (the planned module then runs that call form's own plan).
     """
 
     def __init__(

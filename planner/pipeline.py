@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import time
 import warnings
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -18,7 +20,7 @@ from planner.errors import PlanningError, short_repr
 from planner.nested import NestedChoice
 from planner.optimizer import optimizer_memory
 from planner.options import CaptureOptions
-from planner.planned_module import tensor_arguments
+from planner.planned_module import PlannedModule, tensor_arguments
 from planner.plans import Plan
 from planner.problem import Problem, build_problem
 from planner.profile import profile
@@ -287,7 +289,7 @@ def plan(
             + _floor_advice(problem, lowest.peak_bytes)
             + (f" (solver {name} found {mib(result.peak_bytes)})" if solver != "auto" else "")
         )
-    return assemble(
+    planned = assemble(
         model,
         captured,
         problem,
@@ -299,6 +301,21 @@ def plan(
         input_spec=input_spec(example_inputs, example_kwargs),
         capture_options=options,
     )
+    # A call leaving out a tensor argument (attention_mask) is planned like this one when first
+    # seen (see planner.planned_module.Snapshot.run_without).
+    cast(PlannedModule, planned.module)._planner.plan_call = functools.partial(
+        plan,
+        model,
+        budget_bytes=budget,
+        solver=solver,
+        optimizer_state_bytes=optimizer_state_bytes,
+        cost_model=cost_model,
+        leaf_modules=leaf_modules,
+        dynamic_shapes=dynamic_shapes,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+    )
+    return planned
 
 
 def assemble(

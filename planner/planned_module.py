@@ -15,8 +15,10 @@ import functools
 import inspect
 import os
 import sys
+import threading
 import types
 import warnings
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -24,6 +26,9 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
 from planner.errors import PlanningError
+
+# One call form is planned at a time, in whichever thread first makes that call.
+_PLANNING_CALL_FORM = threading.Lock()
 
 
 def share_user_state(planned: nn.Module, model: nn.Module) -> None:
@@ -147,6 +152,10 @@ class Snapshot:
         self.tensor_arguments = tensor_arguments
         self.warned = False
         self.warned_left_out = False
+        # ``plan_call(args, example_kwargs=kwargs)`` plans another call form with the options of
+        # the planning call (set by ``planner.pipeline.plan``; None for loaded plans).
+        self.plan_call: Callable | None = None
+        self.call_forms: dict[tuple[str, ...], nn.Module | None] = {}
 
     def training_flags(self) -> list[bool]:
         # A plain loop, not map(itemgetter): torch.compile traces this on every call.
@@ -197,9 +206,14 @@ class Snapshot:
             is None
         ]
 
-    def run_model_without(self, left_out: list[str], args: tuple, kwargs: dict):
-        """The model itself, for a call without tensor arguments the graph computes with."""
-        if torch.is_grad_enabled() and not self.warned_left_out:
+    def run_without(self, left_out: list[str], args: tuple, kwargs: dict):
+        """A call without tensor arguments the graph computes with: that call form's own plan
+        (made the first time it is seen), else the model itself (exact, not planned)."""
+        if torch.is_grad_enabled() and self.plan_call is not None:
+            planned = self._call_form(tuple(left_out), args, kwargs)
+            if planned is not None:
+                return planned(*args, **kwargs)
+        elif torch.is_grad_enabled() and not self.warned_left_out:
             self.warned_left_out = True
             warnings.warn(
                 f"the planned {type(self.model).__name__} was planned with "
@@ -209,6 +223,33 @@ class Snapshot:
                 stacklevel=_callers_stacklevel(),
             )
         return self.model(*args, **kwargs)
+
+    def _call_form(self, left_out: tuple[str, ...], args: tuple, kwargs: dict):
+        """The planned module of the calls that leave out ``left_out``, planned once with the
+        planning call's budget, solver and options; None where no plan fits (the model runs)."""
+        assert self.plan_call is not None
+        with _PLANNING_CALL_FORM:
+            if left_out in self.call_forms:
+                return self.call_forms[left_out]
+            name = type(self.model).__name__
+            try:
+                planned = self.plan_call(args, example_kwargs=kwargs).module
+            except PlanningError as error:
+                planned = None
+                message = (
+                    f"the planned {name} was planned with {', '.join(left_out)} given and is "
+                    f"called without; planning that call form failed ({error}), so calls "
+                    "without them run the model directly (exact, memory not reduced)."
+                )
+            else:
+                message = (
+                    f"the planned {name} was planned with {', '.join(left_out)} given and is "
+                    "called without: planner planned this call form once, with the same "
+                    "budget, solver and options, and runs its plan for every such call."
+                )
+            warnings.warn(message, UserWarning, stacklevel=_callers_stacklevel())
+            self.call_forms[left_out] = planned
+            return planned
 
     def run_model(self, args: tuple, kwargs: dict):
         """The model itself, for a mode the plan was not made in."""
@@ -263,7 +304,10 @@ class PlannedModule(fx.GraphModule):
     exactly, with a warning (once) when gradients are enabled. Otherwise a module replaced,
     added or removed, or a plain attribute its code reads (``self.scale = ...``) changed in a
     part of the model the graph traced through raises a ``PlanningError``. A call that leaves
-    out a tensor argument of the planning call runs the model itself (exact, not planned).
+    out a tensor argument of the planning call (``attention_mask``) is a call form of its own:
+    the first such call plans it (same budget, solver and options; a warning says so) and
+    every later one runs that plan; a loaded plan, or a call form no plan fits, runs the model
+    itself (exact, not planned).
     ``train()`` sets the model's mode (through the model's own ``train``); ``.to()``,
     ``.double()``... convert the model's tensors, root ones included.
     Pickling and ``copy.copy`` refuse: the module is tied to the model object it was planned
@@ -291,7 +335,7 @@ class PlannedModule(fx.GraphModule):
         snapshot.check_unchanged(type(self).__name__)
         left_out = snapshot.left_out(args, kwargs)
         if left_out:
-            return snapshot.run_model_without(left_out, args, kwargs)
+            return snapshot.run_without(left_out, args, kwargs)
         # Root parameters and buffers are entries of both modules' own dicts, and the graph
         # reads the planned module's. The model's are the reference: what replaces them
         # (model.double(), model.load_state_dict(..., assign=True), model.to_empty()) is read

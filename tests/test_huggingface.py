@@ -153,13 +153,22 @@ def test_a_planned_module_takes_keywords_in_any_form_and_refuses_new_tensor_inpu
         p.module(*args, **kwargs, labels=args[0])
 
 
-def test_leaving_out_the_attention_mask_computes_as_the_model_does_without_it():
+def test_a_call_without_the_attention_mask_is_planned_once_and_fits_the_budget():
     model, args, kwargs = build("gpt2", labels=True)
     reference = copy.deepcopy(model)
-    p = plan(model, args, budget_gb=1, example_kwargs={**kwargs, "use_cache": False})
+    halfway = plan_between_lowest_and_baseline(model, args, kwargs).budget_bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # use_cache=False, said once per plan
+        p = plan(model, args, budget_bytes=halfway, example_kwargs=kwargs)
     without_mask = {"labels": kwargs["labels"], "use_cache": False}
-    with pytest.warns(UserWarning, match="planned with attention_mask given and is called without"):
-        assert_equivalent(reference, model, p.module, args, without_mask)
+    with pytest.warns(UserWarning, match="called without: planner planned this call form once"):
+        p.module(*args, **without_mask)
+    form = p.module._planner.call_forms[("attention_mask",)]
+    assert form is not None
+    assert [name for name, _ in form._planner.tensor_arguments] == ["input_ids", "labels"]
+    measured = peak_memory(p.module, args, without_mask).peak_bytes
+    assert measured <= p.budget_bytes + TRACKER_EXTRA
+    assert_equivalent(reference, model, p.module, args, without_mask)
 
 
 def test_activation_checkpointing_advice_uses_the_current_name():

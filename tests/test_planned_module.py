@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_map_only
 import planner
 from planner import zoo
 from planner.pipeline import prepare
+from planner.planned_module import PlannedModule
 from planner.rewrite import rewrite
 from planner.solvers.auto import lowest_peak
 from strategies import ModelSpec, assert_equivalent, build, inputs, model_specs, random_segments
@@ -455,14 +456,41 @@ class ExportedMasked(Masked):
     ],
     ids=["left out", "None by position", "None by keyword"],
 )
-def test_leaving_out_a_tensor_argument_given_at_planning_runs_the_model_and_says_so(cls, call):
+def test_a_call_leaving_out_a_tensor_argument_is_planned_once_as_a_call_form_of_its_own(cls, call):
     model, x = cls(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
     p = tight_plan(model, (x,), {"mask": torch.ones(4, 8), "scale": 0.5})
-    with pytest.warns(UserWarning, match=r"planned with mask given and is called without"):
+    with pytest.warns(UserWarning, match=r"called without: planner planned this call form once"):
         out = call(p.module, x)
     torch.testing.assert_close(out, model(x, scale=0.5), rtol=0, atol=0)
+    form = p.module._planner.call_forms[("mask",)]
+    assert isinstance(form, PlannedModule) and form is not p.module
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(call(p.module, x), model(x, scale=0.5), rtol=0, atol=0)
+    assert not [w for w in caught if "call form" in str(w.message)], "planned only once"
+    assert p.module._planner.call_forms[("mask",)] is form
+    assert_equivalent(reference, model, p.module, (x,), {"scale": 0.5})
     mask = torch.zeros(4, 8)
     torch.testing.assert_close(p.module(x, mask, 0.5), model(x, mask, 0.5), rtol=0, atol=0)
+
+
+def test_a_loaded_plan_runs_the_model_for_a_call_leaving_out_a_tensor_argument(tmp_path):
+    model, x, kwargs = Masked(), torch.randn(4, 8), {"mask": torch.ones(4, 8), "scale": 0.5}
+    tight_plan(model, (x,), kwargs).save(tmp_path / "p.json")
+    loaded = planner.load(tmp_path / "p.json", model, (x,), kwargs)
+    with pytest.warns(UserWarning, match=r"planned with mask given and is called without"):
+        out = loaded.module(x, scale=0.5)
+    torch.testing.assert_close(out, model(x, scale=0.5), rtol=0, atol=0)
+    assert loaded.module._planner.call_forms == {}
+
+
+def test_a_call_leaving_out_a_tensor_argument_under_no_grad_plans_nothing():
+    model, x = Masked(), torch.randn(4, 8)
+    p = tight_plan(model, (x,), {"mask": torch.ones(4, 8), "scale": 0.5})
+    with torch.no_grad():
+        torch.testing.assert_close(p.module(x, scale=0.5), model(x, scale=0.5), rtol=0, atol=0)
+    assert p.module._planner.call_forms == {}
 
 
 # --------------------------------------------------------------------------------------------
