@@ -6,12 +6,12 @@ The vision matrix once reported the ``torch.autograd.grad`` step of a ConvNeXt-t
 on main's code, ``convnext_tiny`` with labels gave bit-identical gradients (``.backward()``
 and ``torch.autograd.grad``, 64 and 48 px) for the test's plan, for the ``auto``, ``sqrt_n`` and
 ``greedy`` plans at four budgets, for 12 random segment sets and for 10 random sets with kept
-nodes, also while the machine's load was 8.5-12. One thing the last bits depend on besides the
-plan is the number of threads: the same unplanned model computes other gradients with 1 thread
-than with 2 (69 of its 182 differ, by up
-to 1.5e-7). These tests keep the parts of that model in the default suite, for any plan: the
-stem, the permuted ``LayerNorm`` of ``LayerNorm2d``, depthwise convolutions, layer scale,
-stochastic depth (random per sample), the downsampling and the head, with a cross-entropy loss.
+nodes; the test's plan again in 10 comparisons at a load average of 8.5-12. One thing the last
+bits depend on besides the plan is the number of threads: the same unplanned model computes
+other gradients with 1 thread than with 2 (69 of its 182 differ, by up to 1.5e-7).
+These tests keep the parts of that model in the default suite, for any plan: the stem, the
+permuted ``LayerNorm`` of ``LayerNorm2d``, depthwise convolutions, layer scale, stochastic depth
+(random per sample), the downsampling and the head, with a cross-entropy loss.
 """
 
 from __future__ import annotations
