@@ -94,7 +94,7 @@ def _is_causal_argument(node: fx.Node) -> bool:
     return bool(node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False))
 
 
-def _size_only(mask: fx.Node) -> list[fx.Node] | None:
+def size_only(mask: fx.Node) -> list[fx.Node] | None:
     """The nodes computing ``mask`` in graph order if it depends on tensor sizes only (reads
     no input value, parameter, buffer or random op); else None."""
     found: set[fx.Node] = set()
@@ -172,7 +172,7 @@ def _heads(node: fx.Node) -> int:
     return int(node.meta["val"].shape[-3])
 
 
-def _is_causal_mask(mask: torch.Tensor) -> bool:
+def is_causal_mask(mask: torch.Tensor) -> bool:
     """Whether ``mask`` is SDPA's ``is_causal`` mask (lower triangle, upper-left aligned)."""
     if mask.dtype != torch.bool or mask.dim() < 2:
         return False
@@ -211,7 +211,7 @@ class CausalMaskCheck:
             return
         with torch.no_grad():
             masks = self.probe(*sizes)
-        if not all(_is_causal_mask(mask) for mask in masks):
+        if not all(is_causal_mask(mask) for mask in masks):
             raise PlanningError(
                 "at these input sizes the model masks attention with more than the causal "
                 "mask (a sliding window, for instance), and the plan computes attention with "
@@ -254,7 +254,7 @@ def _chosen(gm: fx.GraphModule, calls: list[EagerCall]) -> list[_Rewrite]:
             continue
         if _heads(query) != call.query_heads or _is_causal_argument(node):
             continue
-        computing = _size_only(mask)
+        computing = size_only(mask)
         dropped: tuple[fx.Node, ...] = ()
         if call.enable_gqa:
             key_chain, value_chain = _repeat_chain(key), _repeat_chain(value)
@@ -271,7 +271,9 @@ def _chosen(gm: fx.GraphModule, calls: list[EagerCall]) -> list[_Rewrite]:
     return chosen
 
 
-def _probe(gm: fx.GraphModule, masks: list[fx.Node], computing: set[fx.Node]) -> CausalMaskCheck:
+def probe_masks(
+    gm: fx.GraphModule, masks: list[fx.Node], computing: set[fx.Node]
+) -> CausalMaskCheck:
     """A ``CausalMaskCheck`` computing ``masks`` (from the nodes ``computing``, in ``gm``)."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     graph = fx.Graph()
@@ -301,14 +303,14 @@ def restore_causal_attention(
         return None
     chosen = _chosen(gm, calls)
     if chosen:  # only masks that are causal at the example's sizes
-        check = _probe(gm, [c.mask for c in chosen], {n for c in chosen for n in c.computing})
+        check = probe_masks(gm, [c.mask for c in chosen], {n for c in chosen for n in c.computing})
         example = check.sizes_of(args, kwargs)
         with torch.no_grad():
             masks = check.probe(*example) if example is not None else ()
-        chosen = [c for c, mask in zip(chosen, masks) if _is_causal_mask(mask)]
+        chosen = [c for c, mask in zip(chosen, masks) if is_causal_mask(mask)]
     if not chosen:
         return None
-    check = _probe(gm, [c.mask for c in chosen], {n for c in chosen for n in c.computing})
+    check = probe_masks(gm, [c.mask for c in chosen], {n for c in chosen for n in c.computing})
     for c in chosen:
         dropout = c.node.args[4] if len(c.node.args) > 4 else c.node.kwargs.get("dropout_p", 0.0)
         kwargs_kept = {
@@ -319,7 +321,7 @@ def restore_causal_attention(
         c.node.args = (c.node.args[0], c.key, c.value, None, dropout, True)
         c.node.kwargs = {**kwargs_kept, **({"enable_gqa": True} if c.enable_gqa else {})}
     removed = {n for c in chosen for n in (*c.computing, *c.repeats)}
-    _erase_unused(gm, removed | _unused_size_only(gm))
+    erase_unused(gm, removed | _unused_size_only(gm))
     gm.graph.lint()
     gm.recompile()
     if example is not None:  # it is: the masks were evaluated at it
@@ -335,11 +337,11 @@ def _unused_size_only(gm: fx.GraphModule) -> set[fx.Node]:
     for node in gm.graph.nodes:
         if node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor):
             if all(u.target is _ASSERT_METADATA for u in node.users):
-                unused.update(_size_only(node) or ())
+                unused.update(size_only(node) or ())
     return unused
 
 
-def _erase_unused(gm: fx.GraphModule, candidates: set[fx.Node]) -> None:
+def erase_unused(gm: fx.GraphModule, candidates: set[fx.Node]) -> None:
     """Erase the nodes of ``candidates`` left without users, last first (with the metadata
     asserts export adds on them)."""
     asserts = {u for n in candidates for u in n.users if u.target is _ASSERT_METADATA}

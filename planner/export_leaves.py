@@ -34,7 +34,7 @@ from torch import fx, nn
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-from planner.attention import CausalMaskCheck, _erase_unused, _is_causal_mask, _probe, _size_only
+from planner.attention import CausalMaskCheck, erase_unused, is_causal_mask, probe_masks, size_only
 from planner.errors import PlanningError
 
 
@@ -328,27 +328,27 @@ def restore_eager_arguments(
             else:
                 was_none = none_kwargs.get(key, False)
             if was_none and isinstance(value, fx.Node):
-                computing = _size_only(value)
+                computing = size_only(value)
                 if computing is not None and value.meta["val"].dtype == torch.bool:
                     chosen.append((node, key, value, computing))
     if not chosen:
         return None
-    check = _probe(gm, [mask for *_, mask, _ in chosen], {n for *_, c in chosen for n in c})
+    check = probe_masks(gm, [mask for *_, mask, _ in chosen], {n for *_, c in chosen for n in c})
     example = check.sizes_of(args, kwargs)
     if example is None:
         return None
     with torch.no_grad():
         masks = check.probe(*example)
-    chosen = [c for c, mask in zip(chosen, masks, strict=True) if _is_causal_mask(mask)]
+    chosen = [c for c, mask in zip(chosen, masks, strict=True) if is_causal_mask(mask)]
     if not chosen:
         return None
-    check = _probe(gm, [mask for *_, mask, _ in chosen], {n for *_, c in chosen for n in c})
+    check = probe_masks(gm, [mask for *_, mask, _ in chosen], {n for *_, c in chosen for n in c})
     for node, key, _, _ in chosen:
         if isinstance(key, int):
             node.args = (*node.args[:key], None, *node.args[key + 1 :])
         else:
             node.kwargs = {**node.kwargs, key: None}
-    _erase_unused(gm, {n for *_, computing in chosen for n in computing})
+    erase_unused(gm, {n for *_, computing in chosen for n in computing})
     gm.graph.lint()
     gm.recompile()
     check.checked.add(example)
