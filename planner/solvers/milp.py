@@ -29,6 +29,7 @@ nodes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.problem import Problem
-from planner.simulate import Segments, simulate
+from planner.simulate import Choice, Segments, simulate
 from planner.solvers import register
 
 __all__ = ["MilpResult", "milp_plan", "solve"]
@@ -62,8 +63,9 @@ class MilpResult:
 
     Attributes
     ----------
-    segments
-        The decoded plan; ``()`` when the solver found none.
+    segments, keep
+        The decoded plan: its segments, ``()`` when the solver found none, and the nodes kept
+        inside them (empty unless solved with ``keep=True``); ``choice`` is both together.
     status
         ``"optimal"`` (proven within the relative gap), ``"time limit"`` (stopped early; the
         plan, if any, is the best found), ``"infeasible"`` (proven: no plan fits the budget).
@@ -84,6 +86,12 @@ class MilpResult:
     peak_bytes: int
     recompute_seconds: float
     bound_seconds: float
+    keep: frozenset[int] = frozenset()
+
+    @property
+    def choice(self) -> Choice:
+        """The plan as a ``Choice`` (segments and kept nodes), as ``simulate`` takes it."""
+        return Choice(self.segments, self.keep)
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,8 @@ class _Storage:
 class _Formulation:
     """The program, in scipy's terms, plus how to read a plan out of a solution.
 
-    ``z`` maps ``(c, i)`` to the column of ``z[c, i]``; ``peak`` is the column of the peak (in
+    ``z`` maps ``(c, i)`` to the column of ``z[c, i]``, ``y`` a node to the column of
+    ``y[k]`` (kept); ``peak`` is the column of the peak (in
     units of ``scale`` bytes above fixed memory); ``seconds`` the objective coefficients of the
     recompute time (in units of ``time_scale`` seconds).
     """
@@ -114,16 +123,19 @@ class _Formulation:
     row_upper: np.ndarray
     integrality: np.ndarray
     z: dict[tuple[int, int], int]
+    y: dict[int, int]
     scale: float
     time_scale: float
 
-    def decode(self, x: np.ndarray) -> Segments:
-        """Segments from a solution: ``[c, b)`` where ``z[c, b-1]`` is the last 1 from ``c``."""
+    def decode(self, x: np.ndarray) -> Choice:
+        """The plan of a solution: segments ``[c, b)`` where ``z[c, b-1]`` is the last 1 from
+        ``c``, and the nodes whose ``y`` is 1."""
         last: dict[int, int] = {}
         for (c, i), column in self.z.items():
             if x[column] > 0.5:
                 last[c] = max(last.get(c, c), i)
-        return tuple(sorted((c, i + 1) for c, i in last.items()))
+        segments = tuple(sorted((c, i + 1) for c, i in last.items()))
+        return Choice(segments, frozenset(k for k, column in self.y.items() if x[column] > 0.5))
 
 
 class _Rows:
@@ -161,13 +173,14 @@ def _storages(problem: Problem) -> list[_Storage]:
     ]
 
 
-def _recompute_peak(problem: Problem, storages: list[_Storage], made_at, c: int, end: int) -> int:
-    """Peak bytes the recompute of a segment from ``c`` adds, when it runs up to ``end``.
+def _recompute_steps(problem: Problem, storages: list[_Storage], made_at, c: int, end: int):
+    """Bytes the recompute of a segment from ``c`` adds at each of its steps ``c..end``.
 
     As in the simulator: each recomputed storage is allocated by its producer; one saved inside
     the segment stays (its saver is at or before ``end``, the last saving node), the others are
     freed after their last reader that is recomputed. The outputs of ``end`` itself are made
-    again only when ``end`` saves one of them (early stop), and only then does it run.
+    again only when ``end`` saves one of them (early stop), and only then does it run. Nothing
+    is kept here: ``_formulate`` adds what kept nodes change, step by step.
     """
     width = end - c + 1
     allocated = np.zeros(width, dtype=np.int64)
@@ -184,11 +197,15 @@ def _recompute_peak(problem: Problem, storages: list[_Storage], made_at, c: int,
     live = np.cumsum(allocated) - np.concatenate(([0], np.cumsum(freed)[:-1]))
     work = problem.workspace[c : end + 1].copy()
     work[-1] *= bool(problem.saves_own[end])  # nor does ``end`` run then: no workspace
-    return int((live + work).max())
+    return live + work
 
 
-def _formulate(problem: Problem) -> _Formulation:
-    """Build the program for ``problem``; the budget only bounds the peak column later."""
+def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
+    """Build the program for ``problem``; the budget only bounds the peak column later.
+
+    With ``keep``, nodes kept inside segments are chosen too (``y``), and each segment's
+    recompute is one row per step instead of one row at its peak, since keeps move the peak.
+    """
     _, _, _, csr_array = _scipy_milp()
     n = problem.size
     storages = _storages(problem)
@@ -224,6 +241,33 @@ def _formulate(problem: Problem) -> _Formulation:
     for c, i in z:
         starts_covering[i].append(c)
 
+    # The segments [c, b) a plan may choose, each with the last node its recompute reaches.
+    last_saving = np.maximum.accumulate(np.where(problem.saves, np.arange(n), -1))
+    segment_end: dict[tuple[int, int], int] = {}
+    for c, end_cut in last_end.items():
+        for b in range(c + 1, end_cut + 1):
+            if problem.cut_allowed[b]:
+                segment_end[c, b] = int(last_saving[b - 1])
+
+    def runs_to(c: int, b: int) -> int:  # as planner.choice.recompute_stop
+        end = segment_end[c, b]
+        if end < c:
+            return c
+        return end + 1 if problem.saves_own[end] else end
+
+    # y[k]: node k kept (keepable, and some segment's recompute runs it).
+    y: dict[int, int] = {}
+    if keep:
+        for k in range(n):
+            if problem.keepable[k] and any(c <= k < runs_to(c, b) for c, b in segment_end if b > k):
+                y[k] = new_columns(1)[0]
+    # t[b, k]: k kept in the segment that ends at b (a product of binaries, bounded below).
+    t: dict[tuple[int, int], int] = {}
+    for c, b in segment_end:
+        for k in y:
+            if c <= k < runs_to(c, b) and (b, k) not in t:
+                t[b, k] = new_columns(1)[0]
+
     # a[s, i] for i from the producer to the last touch; kept[s] = a[s, last touch].
     a: dict[tuple[int, int], int] = {}
     for k, s in enumerate(storages):
@@ -232,10 +276,12 @@ def _formulate(problem: Problem) -> _Formulation:
                 range(s.producer, s.touches[-1] + 1), new_columns(s.touches[-1] - s.producer + 1)
             ):
                 a[k, i] = column
-    # Running sums of kept bytes: freed-in-forward before i (forward rows), and last touch
-    # before i (backward rows), so that each memory row stays short.
+    # Running sums of kept bytes: freed-in-forward before i (forward rows), last touch before
+    # i (backward rows), and cached bytes of kept nodes whose segment's recompute comes after
+    # backward i (backward rows), so that each memory row stays short.
     kept_forward = new_columns(n)
     kept_backward = new_columns(n)
+    cached = new_columns(n) if y else None
     peak = new_columns(1)[0]
 
     rows = _Rows()
@@ -248,57 +294,86 @@ def _formulate(problem: Problem) -> _Formulation:
             terms.append((z[c, b], -value))
         return terms
 
-    last_saving = np.maximum.accumulate(np.where(problem.saves, np.arange(n), -1))
     prefix_seconds = np.concatenate(([0.0], np.cumsum(problem.seconds)))
-    recompute_peaks: dict[tuple[int, int], int] = {}
-    ending_at: list[list[tuple[int, int]]] = [[] for _ in range(n + 1)]  # b -> [(c, peak)]
+    recompute_steps: dict[tuple[int, int], np.ndarray] = {}
+    ending_at: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n + 1)]  # b -> [(c, L)]
     for c, end_cut in last_end.items():
-        for b in range(c + 1, end_cut + 1):
-            if b < end_cut:  # z[c, .] never increases, and cannot drop at a forbidden cut
-                upper = math.inf if problem.cut_allowed[b] else 0.0
-                rows.add([(z[c, b - 1], 1.0), (z[c, b], -1.0)], 0.0, upper)
-            if not problem.cut_allowed[b]:
-                continue
-            end = int(last_saving[b - 1])
-            if end < c:
-                continue  # saves nothing: no recompute, nothing to pay
-            runs_to = end + 1 if problem.saves_own[end] else end  # simulate.recompute_stop
-            for column, value in segment_terms(c, b, prefix_seconds[runs_to] - prefix_seconds[c]):
-                seconds[column] += value / time_scale
-            if (c, end) not in recompute_peaks:
-                recompute_peaks[c, end] = _recompute_peak(problem, storages, made_at, c, end)
-            ending_at[b].append((c, recompute_peaks[c, end]))
+        for b in range(c + 1, end_cut):  # z[c, .] never increases, nor drops at a forbidden cut
+            upper = math.inf if problem.cut_allowed[b] else 0.0
+            rows.add([(z[c, b - 1], 1.0), (z[c, b], -1.0)], 0.0, upper)
+    for (c, b), end in segment_end.items():
+        if end < c:
+            continue  # saves nothing: no recompute, nothing to pay
+        for column, value in segment_terms(c, b, prefix_seconds[runs_to(c, b)] - prefix_seconds[c]):
+            seconds[column] += value / time_scale
+        if (c, end) not in recompute_steps:
+            recompute_steps[c, end] = _recompute_steps(problem, storages, made_at, c, end)
+        ending_at[b].append((c, recompute_steps[c, end]))
+    for k, column in y.items():  # a kept node is not run again
+        seconds[column] -= problem.seconds[k] / time_scale
 
     for i in range(n):  # a node lies in at most one segment
         if starts_covering[i]:
             rows.add([(z[c, i], 1.0) for c in starts_covering[i]], -math.inf, 1.0)
 
+    # Which keeps are valid (planner.choice.validate_choice): inside a segment whose recompute
+    # runs the node, and a kept random node after every recomputed one of its segment.
+    for k, column in y.items():
+        runs_k = [(c, b) for c, b in segment_end if c <= k < runs_to(c, b)]
+        rows.add(
+            [(column, 1.0)] + [tm for c, b in runs_k for tm in segment_terms(c, b, -1.0)],
+            -math.inf,
+            0.0,
+        )
+        for b in {b for _, b in runs_k}:
+            terms = [(t[b, k], 1.0), (column, -1.0)]
+            terms += [tm for c, b2 in runs_k if b2 == b for tm in segment_terms(c, b, -1.0)]
+            rows.add(terms, -1.0, math.inf)
+    random = [int(r) for r in np.flatnonzero(problem.random)]
+    for first in (r for r in random if r in y):
+        for later in (r for r in random if r > first):
+            both_run = [(c, b) for c, b in segment_end if c <= first and later < runs_to(c, b)]
+            if not both_run:
+                continue
+            terms = [(y[first], 1.0)] + ([(y[later], -1.0)] if later in y else [])
+            terms += [tm for c, b in both_run for tm in segment_terms(c, b, 1.0)]
+            rows.add(terms, -math.inf, 1.0)
+
     held_at: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # i -> [(a column, bytes)]
     for k, s in enumerate(storages):
         if not s.touches:
             continue
+        # A storage of a kept node stays in the cache instead: nothing holds it for backward.
+        cache = [(y[s.producer], 1.0)] if s.producer in y else []
         for i in range(s.producer, s.touches[-1] + 1):
             held_at[i].append((a[k, i], s.nbytes))
             if i > s.producer:
                 rows.add([(a[k, i], 1.0), (a[k, i - 1], -1.0)], 0.0, math.inf)  # stays held
                 first = next(j for j in s.touches if j >= i)
                 if (i, first) in z:  # another segment starting at i reads or saves s
-                    rows.add([(a[k, i], 1.0), (z[i, first], -1.0)], 0.0, math.inf)
+                    rows.add([(a[k, i], 1.0), (z[i, first], -1.0)] + cache, 0.0, math.inf)
         for j in s.savers:  # a saver outside every segment keeps s
-            rows.add([(a[k, j], 1.0)] + [(z[c, j], 1.0) for c in starts_covering[j]], 1.0, math.inf)
+            terms = [(a[k, j], 1.0)] + [(z[c, j], 1.0) for c in starts_covering[j]]
+            rows.add(terms + cache, 1.0, math.inf)
 
     def kept(k: int) -> int:
         return a[k, storages[k].touches[-1]]
 
+    # What a kept node holds: its storages (cached) and its temporaries (``held``).
+    made_bytes = np.array([sum(storages[k].nbytes for k in made) for made in made_at])
+    held = problem.kept_bytes - problem.created_bytes
     for i in range(n):
         terms = [(kept_forward[i], 1.0)]
         if i:
             terms.append((kept_forward[i - 1], -1.0))
-        terms += [
-            (kept(k), -storages[k].nbytes / scale)
-            for k, s in enumerate(storages)
-            if s.touches and s.freed_in_forward == i - 1
-        ]
+        for k, s in enumerate(storages):
+            if s.freed_in_forward == i - 1:
+                if s.touches:
+                    terms.append((kept(k), -s.nbytes / scale))
+                if s.producer in y:  # cached: not freed in forward
+                    terms.append((y[s.producer], -s.nbytes / scale))
+        if i - 1 in y:
+            terms.append((y[i - 1], -held[i - 1] / scale))
         rows.add(terms, 0.0, 0.0)
         terms = [(kept_backward[i], 1.0)]
         if i:
@@ -309,6 +384,16 @@ def _formulate(problem: Problem) -> _Formulation:
             if s.touches and s.touches[-1] == i - 1
         ]
         rows.add(terms, 0.0, 0.0)
+        if cached is not None:  # the cache of a segment ending at i + 1 or before is still full
+            terms = [(cached[i], 1.0)]
+            if i:
+                terms.append((cached[i - 1], -1.0))
+            terms += [
+                (column, -(made_bytes[k] + held[k]) / scale)
+                for (b, k), column in t.items()
+                if b == i
+            ]
+            rows.add(terms, 0.0, 0.0)
 
     # Plan-independent parts of the replay, in bytes above fixed memory.
     created = np.cumsum(problem.created_bytes)
@@ -330,19 +415,47 @@ def _formulate(problem: Problem) -> _Formulation:
         rows.add(terms + [(peak, -1.0)], -math.inf, -constant / scale)
 
     for i in range(n):
-        memory_row([(kept_forward[i], 1.0)], created[i] - freed_before[i] + problem.workspace[i])
-        held = [(column, nbytes / scale) for column, nbytes in held_at[i]]
-        held.append((kept_backward[i], 1.0))
+        forward = [(kept_forward[i], 1.0)]
+        if i in y:  # a kept node's temporaries replace its workspace, where larger
+            forward.append((y[i], max(0, held[i] - problem.workspace[i]) / scale))
+        memory_row(forward, created[i] - freed_before[i] + problem.workspace[i])
+        before = [(column, nbytes / scale) for column, nbytes in held_at[i]]
+        before.append((kept_backward[i], 1.0))
+        if cached is not None:
+            before.append((cached[i], 1.0))
         recomputed = [(z[c, i], saved_weight[c, i] / scale) for c in starts_covering[i]]
-        memory_row(held + recomputed, grads_after[i + 1] + grads[i])
-        recompute = [
-            t for c, value in ending_at[i + 1] for t in segment_terms(c, i + 1, value / scale)
-        ]
-        if recompute:
-            memory_row(held + recompute, grads_after[i + 1])
+        memory_row(before + recomputed, grads_after[i + 1] + grads[i])
+        if not ending_at[i + 1]:
+            continue
+        b = i + 1
+        if not keep:  # one row at each segment's recompute peak
+            recompute = [
+                tm for c, steps in ending_at[b] for tm in segment_terms(c, b, steps.max() / scale)
+            ]
+            memory_row(before + recompute, grads_after[b])
+            continue
+        # One row per recompute step q: the step's bytes in the segment [c, b) with c <= q,
+        # plus the cache of nodes kept in it: storages until their producer's step, temporaries
+        # through it; a kept node runs no workspace. (With no segment [c <= q, b), the row is
+        # below the one of the first step of the segment ending at b, if any.)
+        end = int(last_saving[i])
+        for q in range(min(c for c, _ in ending_at[b]), end + 1):
+            terms = [
+                tm
+                for c, steps in ending_at[b]
+                if c <= q
+                for tm in segment_terms(c, b, steps[q - c] / scale)
+            ]
+            for k in range(q, b):
+                if (b, k) in t:
+                    terms.append((t[b, k], (held[k] + (made_bytes[k] if k > q else 0)) / scale))
+            if q in y:
+                terms.append((y[q], -problem.workspace[q] / scale))
+            memory_row(before + terms, grads_after[b])
 
     integrality = np.zeros(columns)
     integrality[list(z.values())] = 1
+    integrality[list(y.values())] = 1
     matrix = csr_array((rows.values, (rows.rows, rows.columns)), shape=(len(rows.lower), columns))
     return _Formulation(
         seconds=seconds,
@@ -352,6 +465,7 @@ def _formulate(problem: Problem) -> _Formulation:
         row_upper=np.array(rows.upper),
         integrality=integrality,
         z=z,
+        y=y,
         scale=scale,
         time_scale=time_scale,
     )
@@ -377,18 +491,21 @@ _STATUS = {0: "optimal", 1: "time limit", 2: "infeasible"}
 def _least_recompute(
     problem: Problem, form: _Formulation, budget_bytes: int, deadline: float, retries: int
 ) -> MilpResult:
-    limit = budget_bytes - problem.fixed_bytes
+    # Half a byte over: peaks are whole bytes, so this admits the same plans, while a peak row
+    # that the budget meets exactly is no longer at the bound (HiGHS's presolve then cut off
+    # an optimum: tests/test_milp.py, random_problem(30, 8) at 138 bytes).
+    limit = budget_bytes - problem.fixed_bytes + 0.5
     answer = _run(form, form.seconds, limit / form.scale, deadline - time.perf_counter())
     status = _STATUS.get(answer.status, "failed")
     dual = answer.mip_dual_bound if answer.mip_dual_bound is not None else 0.0
     bound = math.inf if status == "infeasible" else form.time_scale * max(0.0, dual)
-    segments: Segments = ()
+    choice = Choice(())
     simulated = None
     for attempt in range(retries + 1):
         if answer.x is None:
             break
-        segments = form.decode(answer.x)
-        simulated = simulate(problem, segments)
+        choice = form.decode(answer.x)
+        simulated = simulate(problem, choice)
         if simulated.peak_bytes <= budget_bytes or attempt == retries:
             break
         limit -= simulated.peak_bytes - budget_bytes  # take the overshoot off and solve again
@@ -396,12 +513,13 @@ def _least_recompute(
     if simulated is None:
         return MilpResult((), status, False, 0, 0.0, bound)
     return MilpResult(
-        segments,
+        choice.segments,
         status,
         simulated.peak_bytes <= budget_bytes,
         simulated.peak_bytes,
         simulated.recompute_seconds,
         bound,
+        choice.keep,
     )
 
 
@@ -411,6 +529,7 @@ def milp_plan(
     *,
     time_limit: float = 60.0,
     retries: int = 3,
+    keep: bool = True,
 ) -> MilpResult:
     """Solve the program for one budget and check the plan with ``simulate``.
 
@@ -429,6 +548,9 @@ def milp_plan(
         HiGHS accepts a row violated within its feasibility tolerance, so a plan can exceed the
         budget by a few bytes in ``simulate``; it is then solved again with the budget lowered
         by the excess, at most this many times.
+    keep
+        Also choose nodes to keep inside the segments (``Choice.keep``), jointly with the
+        segments; ``False`` formulates segments alone (smaller, faster).
 
     Returns
     -------
@@ -449,7 +571,7 @@ def milp_plan(
     if budget_bytes is not None and baseline.peak_bytes <= budget_bytes:
         return MilpResult((), "optimal", True, baseline.peak_bytes, 0.0, 0.0)
     deadline = time.perf_counter() + time_limit
-    form = _formulate(problem)
+    form = _formulate(problem, keep)
     if budget_bytes is not None:
         return _least_recompute(problem, form, budget_bytes, deadline, retries)
     objective = np.zeros(len(form.seconds))
@@ -465,19 +587,16 @@ def milp_plan(
     result = _least_recompute(problem, form, peak, deadline, retries)
     if lowest.status == 0:
         return result
-    return MilpResult(
-        result.segments,
-        _STATUS.get(lowest.status, "failed"),
-        result.fits,
-        result.peak_bytes,
-        result.recompute_seconds,
-        result.bound_seconds,
-    )
+    return dataclasses.replace(result, status=_STATUS.get(lowest.status, "failed"))
 
 
 @register("milp")
-def solve(problem: Problem, budget_bytes: int, *, time_limit: float = 60.0, **options) -> Segments:
+def solve(
+    problem: Problem, budget_bytes: int, *, time_limit: float = 60.0, keep: bool = True, **options
+) -> Segments | Choice:
     """Least recompute whose simulated peak fits ``budget_bytes``; else the lowest peak.
+
+    Returns plain segments, or a ``Choice`` when the plan keeps nodes inside them.
 
     Parameters
     ----------
@@ -489,14 +608,16 @@ def solve(problem: Problem, budget_bytes: int, *, time_limit: float = 60.0, **op
         Seconds for HiGHS. When it finds no plan that fits in time (or none exists), the answer
         is the MILP's lowest-peak plan, or, when that too fails, the greedy solver's, with a
         warning: a plan is never passed off as fitting without ``simulate`` agreeing.
+    keep
+        Choose kept nodes too (see ``milp_plan``).
     """
-    result = milp_plan(problem, budget_bytes, time_limit=time_limit)
+    result = milp_plan(problem, budget_bytes, time_limit=time_limit, keep=keep)
     if result.fits:
-        return result.segments
+        return result.choice if result.keep else result.segments
     if result.status == "infeasible":
-        lowest = milp_plan(problem, None, time_limit=time_limit)
+        lowest = milp_plan(problem, None, time_limit=time_limit, keep=keep)
         if lowest.status == "optimal":
-            return lowest.segments
+            return lowest.choice if lowest.keep else lowest.segments
     from planner.solvers.greedy import solve as greedy
 
     warnings.warn(
