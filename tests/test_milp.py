@@ -13,13 +13,14 @@ in time).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 
 import numpy as np
 import pytest
 
-from planner.problem import Problem
+from planner.problem import Problem, Storage
 from planner.simulate import Choice, as_choice, simulate, validate_choice
 from planner.solvers import (
     SOLVERS,
@@ -102,6 +103,44 @@ def test_program_peak_equals_simulated_peak_for_every_choice_with_keeps(seed):
     form = milp_solver._formulate(problem, keep=True)
     for choice in evenly(all_choices(problem), 80):
         assert pinned_peak(problem, form, choice) == simulate(problem, choice).peak_bytes, choice
+
+
+def with_a_storage_made_after_the_last_save(problem: Problem) -> Problem:
+    """``problem`` where each node that saves its own storage also makes a second one, read by
+    the next node, after that save (``Storage.before_last_save`` false): a recompute stopping
+    at that node does not make it again."""
+    extra = [
+        Storage(
+            nbytes=3,
+            producer=k,
+            readers=(k + 1,),
+            savers=(),
+            is_output=False,
+            requires_grad=True,
+            before_last_save=False,
+        )
+        for k in range(problem.size - 1)
+        if problem.saves_own[k]
+    ]
+    created = problem.created_bytes.copy()
+    for s in extra:
+        created[s.producer] += s.nbytes
+    return dataclasses.replace(
+        problem,
+        storages=problem.storages + tuple(extra),
+        created_bytes=created,
+        kept_bytes=problem.kept_bytes + (created - problem.created_bytes),
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_program_peak_is_exact_when_the_early_stop_node_makes_storages_after_its_save(seed):
+    problem = with_a_storage_made_after_the_last_save(random_problem(seed))
+    for keep in (False, True):
+        form = milp_solver._formulate(problem, keep=keep)
+        choices = all_choices(problem) if keep else all_plans(problem)
+        for choice in evenly(choices, 60):
+            assert pinned_peak(problem, form, choice) == simulate(problem, choice).peak_bytes
 
 
 @pytest.mark.parametrize("seed", SEEDS)

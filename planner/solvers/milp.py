@@ -3,7 +3,9 @@
 An independent second exact solver: it shares no code with the dynamic program of
 ``planner.solvers.optimal``, so on small graphs each checks the other, and its dual bound is a
 certified lower bound on the least recompute for the budget even when a time limit stops it.
-The formulation reproduces ``planner.simulate`` exactly; docs/solvers.md derives it. In short:
+It chooses segments and, with ``keep=True`` (the default), the nodes kept inside them
+(``planner.simulate.Choice``) together. The formulation reproduces ``planner.simulate``
+exactly; docs/solvers.md derives it. In short:
 
 * ``z[c, i]`` (binary) is 1 when node ``i`` lies in a checkpointed segment that starts at cut
   ``c``; it is non-increasing in ``i``, and the segment ``[c, b)`` is chosen exactly when
@@ -18,13 +20,19 @@ The formulation reproduces ``planner.simulate`` exactly; docs/solvers.md derives
   storages held, and recomputed copies kept by a saver at or before it in the same segment),
   and the recompute of each segment (what is held then plus the segment's own recompute peak,
   a constant of the segment).
+* With keeps, ``y[k]`` (binary) is 1 when node ``k`` is kept, within the rules of
+  ``validate_choice`` (rows); ``t[b, k]`` (continuous, bounded below like ``a``) when it is
+  kept in the segment ending at ``b``. A kept node's cache is held from its forward to its
+  segment's recompute, which then runs it not, and moves the recompute's peak: the recompute
+  is one row per step instead of one at its peak.
 
-The objective is the recompute time of the chosen segments (each a constant of its segment).
-With ``budget_bytes=None`` the program minimises the peak instead.
+The objective is the recompute time of the chosen segments (each a constant of its segment),
+less that of the kept nodes. With ``budget_bytes=None`` the program minimises the peak instead.
 
 scipy is optional: ``pip install scipy`` (or ``pip install 'torch-activation-planner[milp]'``).
-The model has about n**2 / 2 binaries for ``n`` nodes: use it on graphs of up to a few hundred
-nodes.
+The model has about n**2 / 2 binaries for ``n`` nodes (plus ``n`` and about n**2 / 2 more
+variables with keeps, and n**2 / 2 recompute rows instead of ``n``): use it on graphs of up to
+a few hundred nodes (segments alone) or a few dozen (with keeps).
 """
 
 from __future__ import annotations
@@ -104,6 +112,7 @@ class _Storage:
     savers: tuple[int, ...]
     first_saver: int  # n when nothing saves it
     freed_in_forward: int  # where the forward frees it when nothing keeps it
+    before_last_save: bool  # made again by a recompute that stops at its producer
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,7 @@ def _storages(problem: Problem) -> list[_Storage]:
             savers=tuple(sorted(set(s.savers))),
             first_saver=min(s.savers, default=n),
             freed_in_forward=n - 1 if s.is_output else s.last_reader,
+            before_last_save=s.before_last_save,
         )
         for s in problem.storages
     ]
@@ -179,7 +189,8 @@ def _recompute_steps(problem: Problem, storages: list[_Storage], made_at, c: int
     As in the simulator: each recomputed storage is allocated by its producer; one saved inside
     the segment stays (its saver is at or before ``end``, the last saving node), the others are
     freed after their last reader that is recomputed. The outputs of ``end`` itself are made
-    again only when ``end`` saves one of them (early stop), and only then does it run. Nothing
+    again only when ``end`` saves one of them (early stop), and only then does it run; even
+    then, not those it makes after its last save (``Storage.before_last_save``). Nothing
     is kept here: ``_formulate`` adds what kept nodes change, step by step.
     """
     width = end - c + 1
@@ -190,6 +201,8 @@ def _recompute_steps(problem: Problem, storages: list[_Storage], made_at, c: int
             continue
         for k in made_at[p]:
             s = storages[k]
+            if p == end and not s.before_last_save:
+                continue
             allocated[p - c] += s.nbytes
             if s.first_saver > end:  # no saver up to end: its touches there are readers
                 after = max((j for j in s.touches if j <= end), default=p)
@@ -359,9 +372,18 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
     def kept(k: int) -> int:
         return a[k, storages[k].touches[-1]]
 
-    # What a kept node holds: its storages (cached) and its temporaries (``held``).
+    # What a kept node holds: its storages (cached) and its temporaries (``held``). When it is
+    # where its segment's recompute stops, the storages it makes after its last save are never
+    # made again, so the simulator never frees their cache (``leaks``: to the end of the step).
     made_bytes = np.array([sum(storages[k].nbytes for k in made) for made in made_at])
     held = problem.kept_bytes - problem.created_bytes
+    stays = {
+        (b, k): sum(storages[j].nbytes for j in made_at[k] if not storages[j].before_last_save)
+        for b, k in t
+        if last_saving[b - 1] == k
+    }
+    cache_bytes = {key: made_bytes[key[1]] - stays.get(key, 0) for key in t}
+    leaks = [(t[key], nbytes / scale) for key, nbytes in stays.items() if nbytes]
     for i in range(n):
         terms = [(kept_forward[i], 1.0)]
         if i:
@@ -389,7 +411,7 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
             if i:
                 terms.append((cached[i - 1], -1.0))
             terms += [
-                (column, -(made_bytes[k] + held[k]) / scale)
+                (column, -(cache_bytes[b, k] + held[k]) / scale)
                 for (b, k), column in t.items()
                 if b == i
             ]
@@ -423,6 +445,7 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
         before.append((kept_backward[i], 1.0))
         if cached is not None:
             before.append((cached[i], 1.0))
+        before += leaks
         recomputed = [(z[c, i], saved_weight[c, i] / scale) for c in starts_covering[i]]
         memory_row(before + recomputed, grads_after[i + 1] + grads[i])
         if not ending_at[i + 1]:
@@ -448,10 +471,13 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
             ]
             for k in range(q, b):
                 if (b, k) in t:
-                    terms.append((t[b, k], (held[k] + (made_bytes[k] if k > q else 0)) / scale))
+                    terms.append((t[b, k], (held[k] + (cache_bytes[b, k] if k > q else 0)) / scale))
             if q in y:
                 terms.append((y[q], -problem.workspace[q] / scale))
             memory_row(before + terms, grads_after[b])
+
+    # optimizer.step() on what backward leaves: the same for every plan, but for the leaks.
+    memory_row(leaks, simulate(problem, ()).optimizer_step_bytes - problem.fixed_bytes)
 
     integrality = np.zeros(columns)
     integrality[list(z.values())] = 1
