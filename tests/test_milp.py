@@ -282,6 +282,27 @@ def test_zoo_models_agree_with_the_dynamic_program(zoo_problem, fraction):
         assert dp.recompute_seconds <= found.recompute_seconds * 1.01
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.7])
+def test_keeps_on_a_zoo_model_never_cost_more_and_bound_the_joint_search(fraction):
+    """ResNet block, 14 nodes (the keep program on the MLP and U-Net takes 3-17 s per budget:
+    benchmarks/milp_keeps.py). Keeping is a superset of segments alone, so its optimum is never
+    costlier; ``optimal(keep=True)`` fits and is never below the program's bound."""
+    from planner import zoo
+    from planner.pipeline import prepare
+
+    problem = prepare(*zoo.build("resnet", blocks=1))[1]
+    lowest = milp_plan(problem, None, time_limit=20).peak_bytes
+    budget = int(lowest + fraction * (simulate(problem, ()).peak_bytes - lowest))
+    joint = milp_plan(problem, budget, time_limit=20)
+    alone = milp_plan(problem, budget, time_limit=20, keep=False)
+    assert joint.fits and simulate(problem, joint.choice).peak_bytes <= budget
+    if joint.status == "optimal" and alone.fits:
+        assert joint.recompute_seconds <= alone.recompute_seconds * (1 + 1e-4) + 1e-12
+    dp = simulate(problem, SOLVERS["optimal"](problem, budget))
+    if dp.peak_bytes <= budget:
+        assert dp.recompute_seconds >= joint.bound_seconds * (1 - 1e-9)
+
+
 def test_bert_layer_beyond_the_exact_size_of_the_dynamic_program():
     """52 nodes: past ``optimal.EXACT_NODES`` the DP approximates (on the safe side). At the
     lowest peak, where every byte counts, it still finds the MILP's optimum: thinned fronts keep
