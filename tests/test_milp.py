@@ -198,7 +198,7 @@ def test_optimum_with_keeps_equals_exhaustive_search_over_segments_and_keep_sets
     check_against_every_choice(random_problem(seed))
 
 
-@pytest.mark.parametrize("seed", range(30, 34))
+@pytest.mark.parametrize("seed", range(30, 32))
 def test_optimum_with_keeps_equals_exhaustive_search_on_eight_nodes(seed):
     """Beyond ``optimal.EXACT_KEEP_NODES``. Seed 30 is the graph on which HiGHS's presolve
     returned a costlier plan as optimal while the budget row was met with equality."""
@@ -236,7 +236,8 @@ def test_joint_choice_of_the_dynamic_program_agrees_where_exact(seed):
     it costs what the program's optimum costs, within 1%. Above, its keep search is a
     heuristic: it must still fit where the program fits and never beat the program's bound."""
     problem = random_problem(seed)
-    for budget in budgets(problem, all_choices(problem)):
+    # Eight budgets: on 6 nodes optimal's own exhaustive keep search takes about 1.4 s each.
+    for budget in evenly(budgets(problem, all_choices(problem)), 8):
         found = milp_plan(problem, budget)
         dp = simulate(problem, SOLVERS["optimal"](problem, budget))
         if not found.fits:
@@ -325,7 +326,7 @@ def test_bert_layer_beyond_the_exact_size_of_the_dynamic_program():
 def test_registered_and_fits_the_budget():
     problem = random_problem(3)
     choices = all_choices(problem)
-    for budget in budgets(problem, choices):
+    for budget in evenly(budgets(problem, choices), 16):
         plan = SOLVERS["milp"](problem, budget)
         result = simulate(problem, plan)
         assert result.peak_bytes <= budget or all(
