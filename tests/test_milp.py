@@ -85,8 +85,10 @@ def pinned_peak(problem: Problem, form, choice) -> int | None:
 
 
 def evenly(items: list, count: int) -> list:
-    """At most ``count`` of ``items``, spread over the whole list."""
-    return items[:: max(1, len(items) // count)]
+    """At most ``count`` of ``items``, spread over the whole list (first and last included)."""
+    if len(items) <= count:
+        return items
+    return [items[i] for i in np.linspace(0, len(items) - 1, count).round().astype(int)]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
