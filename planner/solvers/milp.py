@@ -109,6 +109,7 @@ class _Storage:
     nbytes: int
     producer: int
     touches: tuple[int, ...]  # readers and savers, sorted: where a release can come from
+    cast_cache: bool  # a recomputed copy lives to the recompute's stop (autocast's weight cast)
     savers: tuple[int, ...]
     first_saver: int  # n when nothing saves it
     freed_in_forward: int  # where the forward frees it when nothing keeps it
@@ -174,6 +175,7 @@ def _storages(problem: Problem) -> list[_Storage]:
             nbytes=s.nbytes,
             producer=s.producer,
             touches=tuple(sorted({*s.readers, *s.savers})),
+            cast_cache=s.cast_cache,
             savers=tuple(sorted(set(s.savers))),
             first_saver=min(s.savers, default=n),
             freed_in_forward=n - 1 if s.is_output else s.last_reader,
@@ -206,6 +208,8 @@ def _recompute_steps(problem: Problem, storages: list[_Storage], made_at, c: int
             allocated[p - c] += s.nbytes
             if s.first_saver > end:  # no saver up to end: its touches there are readers
                 after = max((j for j in s.touches if j <= end), default=p)
+                if s.cast_cache:  # autocast's cache holds it until the recompute ends
+                    after = end
                 freed[after - c] += s.nbytes
     live = np.cumsum(allocated) - np.concatenate(([0], np.cumsum(freed)[:-1]))
     work = problem.workspace[c : end + 1].copy()
