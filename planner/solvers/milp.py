@@ -109,7 +109,8 @@ class _Storage:
     nbytes: int
     producer: int
     touches: tuple[int, ...]  # readers and savers, sorted: where a release can come from
-    cast_cache: bool  # a recomputed copy lives to the recompute's stop (autocast's weight cast)
+    readers: tuple[int, ...]
+    to_stop: bool  # a recomputed copy lives to the recompute's stop (graph output, weight cast)
     savers: tuple[int, ...]
     first_saver: int  # n when nothing saves it
     freed_in_forward: int  # where the forward frees it when nothing keeps it
@@ -175,7 +176,8 @@ def _storages(problem: Problem) -> list[_Storage]:
             nbytes=s.nbytes,
             producer=s.producer,
             touches=tuple(sorted({*s.readers, *s.savers})),
-            cast_cache=s.cast_cache,
+            readers=tuple(s.readers),
+            to_stop=s.is_output or s.cast_cache,
             savers=tuple(sorted(set(s.savers))),
             first_saver=min(s.savers, default=n),
             freed_in_forward=n - 1 if s.is_output else s.last_reader,
@@ -206,10 +208,9 @@ def _recompute_steps(problem: Problem, storages: list[_Storage], made_at, c: int
             if p == end and not s.before_last_save:
                 continue
             allocated[p - c] += s.nbytes
-            if s.first_saver > end:  # no saver up to end: its touches there are readers
-                after = max((j for j in s.touches if j <= end), default=p)
-                if s.cast_cache:  # autocast's cache holds it until the recompute ends
-                    after = end
+            if s.first_saver > end:  # no saver up to end: freed after its last reader
+                # The body's frame holds what a node beyond the stop reads until the stop.
+                after = max([p] + [min(j, end) for j in s.readers] + [end] * s.to_stop)
                 freed[after - c] += s.nbytes
     live = np.cumsum(allocated) - np.concatenate(([0], np.cumsum(freed)[:-1]))
     work = problem.workspace[c : end + 1].copy()
@@ -285,13 +286,20 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
             if c <= k < runs_to(c, b) and (b, k) not in t:
                 t[b, k] = new_columns(1)[0]
 
-    # a[s, i] for i from the producer to the last touch; kept[s] = a[s, last touch].
+    # A segment holds its inputs until the backward of its first saving node (none when it
+    # saves nothing), so a storage can be released up to the first saving node at or after its
+    # last touch: ``last_release``. a[s, i] for i from the producer to there; kept[s] is its last.
+    next_saving = np.full(n + 1, -1, dtype=np.int64)  # -1: no saving node at or after i
+    for i in range(n - 1, -1, -1):
+        next_saving[i] = i if problem.saves[i] else next_saving[i + 1]
+    last_release = [
+        max(s.touches[-1], int(next_saving[s.touches[-1]])) if s.touches else -1 for s in storages
+    ]
     a: dict[tuple[int, int], int] = {}
     for k, s in enumerate(storages):
         if s.touches:
-            for i, column in zip(
-                range(s.producer, s.touches[-1] + 1), new_columns(s.touches[-1] - s.producer + 1)
-            ):
+            span = range(s.producer, last_release[k] + 1)
+            for i, column in zip(span, new_columns(len(span))):
                 a[k, i] = column
     # Running sums of kept bytes: freed-in-forward before i (forward rows), last touch before
     # i (backward rows), and cached bytes of kept nodes whose segment's recompute comes after
@@ -362,19 +370,22 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
             continue
         # A storage of a kept node stays in the cache instead: nothing holds it for backward.
         cache = [(y[s.producer], 1.0)] if s.producer in y else []
-        for i in range(s.producer, s.touches[-1] + 1):
+        for i in range(s.producer, last_release[k] + 1):
             held_at[i].append((a[k, i], s.nbytes))
             if i > s.producer:
                 rows.add([(a[k, i], 1.0), (a[k, i - 1], -1.0)], 0.0, math.inf)  # stays held
-                first = next(j for j in s.touches if j >= i)
-                if (i, first) in z:  # another segment starting at i reads or saves s
-                    rows.add([(a[k, i], 1.0), (z[i, first], -1.0)] + cache, 0.0, math.inf)
+        for c in range(s.producer + 1, s.touches[-1] + 1):
+            # Another segment, from c, that reads or saves s (it then holds the first touch at
+            # or after c) holds it until the backward of its first saving node f, if it has one.
+            touch, f = next(j for j in s.touches if j >= c), int(next_saving[c])
+            if f >= 0 and (c, max(touch, f)) in z:
+                rows.add([(a[k, f], 1.0), (z[c, max(touch, f)], -1.0)] + cache, 0.0, math.inf)
         for j in s.savers:  # a saver outside every segment keeps s
             terms = [(a[k, j], 1.0)] + [(z[c, j], 1.0) for c in starts_covering[j]]
             rows.add(terms + cache, 1.0, math.inf)
 
     def kept(k: int) -> int:
-        return a[k, storages[k].touches[-1]]
+        return a[k, last_release[k]]
 
     # What a kept node holds: its storages (cached) and its temporaries (``held``). When it is
     # where its segment's recompute stops, the storages it makes after its last save are never
@@ -407,17 +418,17 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
         terms += [
             (kept(k), -storages[k].nbytes / scale)
             for k, s in enumerate(storages)
-            if s.touches and s.touches[-1] == i - 1
+            if s.touches and last_release[k] == i - 1
         ]
         rows.add(terms, 0.0, 0.0)
-        if cached is not None:  # the cache of a segment ending at i + 1 or before is still full
+        if cached is not None:  # caches of segments whose recompute comes after backward i
             terms = [(cached[i], 1.0)]
             if i:
                 terms.append((cached[i - 1], -1.0))
             terms += [
                 (column, -(cache_bytes[b, k] + held[k]) / scale)
                 for (b, k), column in t.items()
-                if b == i
+                if last_saving[b - 1] + 1 == i
             ]
             rows.add(terms, 0.0, 0.0)
 
@@ -440,32 +451,19 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
     def memory_row(terms, constant: float) -> None:
         rows.add(terms + [(peak, -1.0)], -math.inf, -constant / scale)
 
-    for i in range(n):
-        forward = [(kept_forward[i], 1.0)]
-        if i in y:  # a kept node's temporaries replace its workspace, where larger
-            forward.append((y[i], max(0, held[i] - problem.workspace[i]) / scale))
-        memory_row(forward, created[i] - freed_before[i] + problem.workspace[i])
-        before = [(column, nbytes / scale) for column, nbytes in held_at[i]]
-        before.append((kept_backward[i], 1.0))
-        if cached is not None:
-            before.append((cached[i], 1.0))
-        before += leaks
-        recomputed = [(z[c, i], saved_weight[c, i] / scale) for c in starts_covering[i]]
-        memory_row(before + recomputed, grads_after[i + 1] + grads[i])
-        if not ending_at[i + 1]:
-            continue
-        b = i + 1
-        if not keep:  # one row at each segment's recompute peak
+    def recompute_rows(b: int, before, grads_alive: float) -> None:
+        """The recompute of the segment ending at ``b``, on top of what is held then."""
+        if not keep:  # one row at the recompute's peak
             recompute = [
                 tm for c, steps in ending_at[b] for tm in segment_terms(c, b, steps.max() / scale)
             ]
-            memory_row(before + recompute, grads_after[b])
-            continue
+            memory_row(before + recompute, grads_alive)
+            return
         # One row per recompute step q: the step's bytes in the segment [c, b) with c <= q,
         # plus the cache of nodes kept in it: storages until their producer's step, temporaries
         # through it; a kept node runs no workspace. (With no segment [c <= q, b), the row is
         # below the one of the first step of the segment ending at b, if any.)
-        end = int(last_saving[i])
+        end = int(last_saving[b - 1])
         for q in range(min(c for c, _ in ending_at[b]), end + 1):
             terms = [
                 tm
@@ -478,7 +476,33 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
                     terms.append((t[b, k], (held[k] + (cache_bytes[b, k] if k > q else 0)) / scale))
             if q in y:
                 terms.append((y[q], -problem.workspace[q] / scale))
-            memory_row(before + terms, grads_after[b])
+            memory_row(before + terms, grads_alive)
+
+    recompute_at: list[list[int]] = [[] for _ in range(n)]  # the last saving node -> ends b
+    for b in range(1, n + 1):
+        if ending_at[b]:
+            recompute_at[int(last_saving[b - 1])].append(b)
+
+    for i in range(n):
+        forward = [(kept_forward[i], 1.0)]
+        if i in y:  # a kept node's temporaries replace its workspace, where larger
+            forward.append((y[i], max(0, held[i] - problem.workspace[i]) / scale))
+        memory_row(forward, created[i] - freed_before[i] + problem.workspace[i])
+        before = [(column, nbytes / scale) for column, nbytes in held_at[i]]
+        before.append((kept_backward[i], 1.0))
+        if cached is not None:
+            before.append((cached[i], 1.0))
+        before += leaks
+        # Copies the recompute made: it runs at the backward of the segment's last saving node,
+        # so only when the segment holds a saving node at or after i.
+        recomputed = [
+            (z[c, int(next_saving[i])], saved_weight[c, i] / scale)
+            for c in starts_covering[i]
+            if (c, int(next_saving[i])) in z
+        ]
+        memory_row(before + recomputed, grads_after[i + 1] + grads[i])
+        for b in recompute_at[i]:
+            recompute_rows(b, before, grads_after[i + 1])
 
     # optimizer.step() on what backward leaves: the same for every plan, but for the leaks.
     memory_row(leaks, simulate(problem, ()).optimizer_step_bytes - problem.fixed_bytes)
