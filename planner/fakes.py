@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
@@ -199,6 +200,26 @@ class MetaCopies:
         result = torch.empty((), dtype=tensor.dtype, device="meta")
         result.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
         return result.requires_grad_(tensor.requires_grad)
+
+
+class FakeOnDevice:
+    """Fake tensors on ``device`` like the given tensors, with ``MetaCopies``' storage sharing.
+
+    Autocast casts only the ops of tensors on its own device, never those of meta tensors: a
+    meta model profiled under autocast would run in float32 where the real one runs in low
+    precision. Its fake copies on autocast's device are cast as the real model's tensors are.
+    """
+
+    def __init__(self, mode: FakeTensorMode, device: str):
+        self.mode = mode
+        self.device = torch.device(device)
+        self.meta = MetaCopies()
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        with _disable_current_modes():  # plain meta tensors, not fakes, and no op counted
+            meta = self.meta(tensor).requires_grad_(False)
+        fake = self.mode.fake_tensor_converter.from_meta_and_device(self.mode, meta, self.device)
+        return fake.requires_grad_(tensor.requires_grad)
 
 
 class Copies:

@@ -76,6 +76,7 @@ from planner.errors import PlanningError
 from planner.fakes import (
     Copies,
     FakeCall,
+    FakeOnDevice,
     MetaCopies,
     MetaKernels,
     all_on_meta,
@@ -83,7 +84,7 @@ from planner.fakes import (
     quiet_fake_failures,
     tensors_in,
 )
-from planner.regions import closing_regions
+from planner.regions import closing_regions, enter_autocast
 from planner.step import training_loss
 
 META_KEYS = (
@@ -256,6 +257,21 @@ class _CostMode(TorchDispatchMode):
         if not facts.aliasing:
             self.bytes_moved += sum(t.nbytes for t in inputs + outputs)
         return out
+
+
+def _autocast_device(gm: fx.GraphModule) -> str | None:
+    """The device whose ops autocast casts in this step, if any: the device of an autocast
+    region around the call, else of the first region of forward that turns autocast on."""
+    for device in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device):
+            return device
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.find_nodes(op="call_function", target=enter_autocast):
+                device, _, enabled, _ = node.args
+                if enabled:
+                    return device
+    return None
 
 
 def autocast_on() -> bool:
@@ -463,9 +479,13 @@ class _StandIns(TorchDispatchMode):
     def __init__(self, copies: Copies):
         super().__init__()
         self.copies = copies
+        # A meta run's tensors are meta; a fake run's are fakes (a meta label is the user's).
+        self.meta_run = isinstance(copies.convert, MetaCopies)
 
     def _stand_in(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if isinstance(tensor, FakeTensor) or tensor.is_meta else self.copies(tensor)
+        if isinstance(tensor, FakeTensor) or (tensor.is_meta and self.meta_run):
+            return tensor
+        return self.copies(tensor)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         args, kwargs = tree_map_only(torch.Tensor, self._stand_in, (args, kwargs or {}))
@@ -521,7 +541,9 @@ def profile(
     ``gm`` itself is not run: a copy on fake tensors is, so neither real memory nor the user's
     parameters are touched. When every input, parameter and buffer is already on the ``meta``
     device, the copy is made of fresh meta tensors and runs without ``FakeTensorMode``, whose
-    per-op dispatch is most of the cost on large graphs; the annotations are the same.
+    per-op dispatch is most of the cost on large graphs; the annotations are the same. Under
+    autocast (around the call or in forward) such a copy is made of fake tensors on autocast's
+    device instead, since autocast does not cast the ops of meta tensors.
     Savings are deduplicated by storage; parameter storages are fixed, never saved.
     """
     start = time.perf_counter()
@@ -532,11 +554,15 @@ def profile(
     call: Callable[[Any, tuple, dict], Any]
     with contextlib.ExitStack() as stack:
         stack.enter_context(quiet_fake_failures())
-        if all_on_meta(gm, args, kwargs):
+        on_meta, autocast_device = all_on_meta(gm, args, kwargs), _autocast_device(gm)
+        if on_meta and autocast_device is None:
             copies, call = Copies(MetaCopies()), MetaKernels()
         else:
             mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
-            copies = Copies(functools.partial(mode.from_tensor, static_shapes=True))
+            if on_meta:  # autocast would not act on meta tensors (see FakeOnDevice)
+                copies = Copies(FakeOnDevice(mode, autocast_device))
+            else:
+                copies = Copies(functools.partial(mode.from_tensor, static_shapes=True))
             call = FakeCall(mode)
         args, kwargs = tree_map_only(torch.Tensor, copies, (args, kwargs))
         # Every stand-in now, before the run: meta copies are made by ops that the cost mode

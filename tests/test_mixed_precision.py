@@ -196,6 +196,33 @@ def test_no_node_is_kept_inside_a_segment_under_autocast():
         validate_choice(problem, Choice(((0, 8),), frozenset({2})))
 
 
+@pytest.mark.parametrize("precision", ["around", "inside"])
+def test_a_meta_model_under_autocast_is_profiled_like_the_same_model_on_the_cpu(precision):
+    """Autocast casts the ops of tensors on its own device, never of meta tensors: a meta model
+    is profiled on fake tensors of autocast's device, so it is planned in the precision it will
+    train in, with the same cached casts and low-precision saved tensors."""
+    problems = {}
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            layers = [m for _ in range(3) for m in (nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU())]
+            model, x = nn.Sequential(*layers), torch.randn(32, 64)
+            labels = torch.randint(0, 64, (32,))
+        if precision == "inside":
+            model = AutocastingMLP(model)
+        with around(precision):
+            _, problems[device] = prepare(
+                model, (x,), loss_fn=lambda out, labels=labels: F.cross_entropy(out, labels)
+            )
+    cpu, meta = problems["cpu"], problems["meta"]
+    assert meta.autocast_cache_bytes == cpu.autocast_cache_bytes
+    assert (meta.created_bytes == cpu.created_bytes).all()
+    assert simulate(meta, ()).peak_bytes == simulate(cpu, ()).peak_bytes
+    assert lowest_peak(meta).peak_bytes == lowest_peak(cpu).peak_bytes
+    if precision == "around":
+        assert meta.autocast_cache_bytes == 3 * 64 * 64 * 2 + 3 * 64 * 2  # bf16 weights, biases
+
+
 # --------------------------------------------------------------------------------------------
 # Hugging Face models with cross-entropy over their vocabulary
 # --------------------------------------------------------------------------------------------
