@@ -83,7 +83,7 @@ def validate_choice(problem: Problem, choice) -> Choice:
         if not problem.keepable[k]:
             raise ValueError(
                 f"node {k} ({problem.names[k]}) cannot be kept: it creates no memory, mutates a "
-                "tensor in place, what it creates is mutated later, or it runs under autocast"
+                "tensor in place, or what it creates is mutated later"
             )
     for start, stop in segments:
         runs_to = recompute_stop(problem, start, stop)

@@ -368,10 +368,6 @@ def build_problem(
     moved = np.array([require_meta(node, "planner.bytes_moved") for node in nodes], np.float64)
     fixed_bytes = sum(profile.storage_bytes[k] for k in profile.fixed_kind)
     kept_bytes = np.array([require_meta(nd, "planner.kept_bytes") for nd in nodes], np.int64)
-    # No keeps under autocast: a selective-checkpoint cache answers a recompute's calls of each
-    # op in forward order, and a recompute under the step's autocast skips the weight casts
-    # that autocast's own cache answers: later answers come out of order (wrong gradients).
-    under_autocast = np.array([bool(require_meta(nd, "planner.autocast")) for nd in nodes])
     return Problem(
         names=tuple(node.name for node in nodes),
         labels=tuple("loss_fn" if node is profile.loss else _label(node) for node in nodes),
@@ -396,7 +392,7 @@ def build_problem(
         optimizer_state_bytes=optimizer_state_bytes,
         kept_bytes=kept_bytes,
         random=np.array([bool(require_meta(nd, "planner.random")) for nd in nodes], dtype=bool),
-        keepable=_keepable(created, writes, kept_bytes) & ~pinned & ~under_autocast & ~inside_call,
+        keepable=_keepable(created, writes, kept_bytes) & ~pinned & ~inside_call,
         optimizer_step_bytes=optimizer_step_bytes,
         has_loss=profile.loss is not None,
         module_paths=module_paths(nodes),

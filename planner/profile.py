@@ -42,8 +42,6 @@ Keys written into ``node.meta`` (the one place they are documented):
     tensor is back): the node's other storages, such as an output that only later nodes
     save, are never re-created by it. (Under autocast a node casts its input and saves the
     cast before its op runs and makes the output.)
-``planner.autocast``
-    whether autocast was on when the node ran (it may cast; see ``planner.problem`` on keeps).
 ``planner.cast_cache``
     storages among ``planner.created`` that ``torch.autocast``'s weight-cast cache holds: the
     low-precision copies of leaf tensors that require grad (weights), which live until the
@@ -103,7 +101,6 @@ META_KEYS = (
     "planner.backward_net",
     "planner.cast_cache",
     "planner.made_before_last_save",
-    "planner.autocast",
 )
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 # ``tensor.device`` of a fake tensor, dispatched like an op; it reads and moves no memory, and
@@ -409,7 +406,6 @@ class _Recorder(fx.Interpreter):
         self.cost.reset()
         # Read before the node runs: autocast hides its own state from the ops it dispatches.
         self.cost.caching_casts = caching_casts()
-        node.meta["planner.autocast"] = autocast_on()
         self.saved_by_current = set()
         self.made_before_last_save = set()
         with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
@@ -559,7 +555,7 @@ def profile(
             copies, call = Copies(MetaCopies()), MetaKernels()
         else:
             mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
-            if on_meta:  # autocast would not act on meta tensors (see FakeOnDevice)
+            if on_meta and autocast_device is not None:  # autocast ignores meta tensors
                 copies = Copies(FakeOnDevice(mode, autocast_device))
             else:
                 copies = Copies(functools.partial(mode.from_tensor, static_shapes=True))

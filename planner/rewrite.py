@@ -18,6 +18,7 @@ the forward and in the recompute, and the policy saves the ops called between th
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import operator
@@ -27,8 +28,9 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
+    _CachedTorchDispatchMode,
+    _CachingTorchDispatchMode,
     checkpoint,
-    create_selective_checkpoint_contexts,
 )
 
 from planner.capture import updates_in_place
@@ -66,6 +68,52 @@ def _keep_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     if getattr(_KEEPING, "on", False) and not _aliases(op):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _casts_a_leaf(func, args) -> bool:
+    """Whether an op copies a leaf tensor that requires grad (a weight), as autocast casts one.
+
+    Autocast's cache answers such a cast without dispatching it once the region has made it, so
+    a segment's forward and its recompute (which may run under a fresh region, or under the
+    forward's, whose cache holds the casts) can dispatch different numbers of them.
+    """
+    return (
+        func is torch.ops.aten._to_copy.default
+        and bool(args)
+        and isinstance(args[0], torch.Tensor)
+        and args[0].is_leaf
+        and args[0].requires_grad
+    )
+
+
+class _Caching(_CachingTorchDispatchMode):
+    """The forward side of the selective-checkpoint cache, blind to leaf casts.
+
+    The cache matches a recompute's calls of an op to the forward's by their order; a leaf cast
+    that autocast's cache answers on one side only would shift the order of every later cast
+    and hand a kept node another call's result (wrong gradients). Leaf casts therefore run
+    outside the cache on both sides: never saved, recomputed (or answered by autocast's cache).
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _casts_a_leaf(func, args):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _Cached(_CachedTorchDispatchMode):
+    """The recompute side of the selective-checkpoint cache, blind to leaf casts (``_Caching``)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _casts_a_leaf(func, args):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _selective_contexts():
+    """``create_selective_checkpoint_contexts(_keep_policy)``, with leaf casts left out."""
+    storage: dict = collections.defaultdict(dict)
+    return _Caching(_keep_policy, storage), _Cached(None, storage)
 
 
 @contextlib.contextmanager
@@ -127,7 +175,7 @@ class Segment:
         remembering, replaying = self._remembering(at_forward), self._replaying(at_forward)
         if not self.selective:
             return remembering, replaying
-        caching, cached = create_selective_checkpoint_contexts(_keep_policy)
+        caching, cached = _selective_contexts()
         # buffers copied outside the cache: its op counts must match in forward and recompute
         return _nested(remembering, caching), _nested(replaying, cached)
 

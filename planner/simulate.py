@@ -119,7 +119,9 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
             ),
         ),
     )
-    cached = kept[a.producer]
+    # A kept node's weight casts are not in the selective cache: autocast's cache holds them
+    # (planner.rewrite._Caching), and a recompute under a fresh region casts them again.
+    cached = kept[a.producer] & ~a.cast_cache
     triggered = (release < never) & ~cached
     backward_free = _total_at(release[triggered], a.nbytes[triggered], n)
     in_forward = ~triggered & ~cached
