@@ -8,6 +8,7 @@ before ``c`` and read at or after it; the sum of those is the cut's boundary byt
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,8 +16,10 @@ from functools import cached_property
 
 import networkx as nx
 import numpy as np
-from torch import fx
+import torch
+from torch import fx, nn
 
+from planner.capture import updates_in_place
 from planner.costs import CostModel
 from planner.export_leaves import LEAF_CALL
 from planner.profile import COMPUTE_OPS, Profile, require_meta
@@ -142,10 +145,24 @@ class Problem:
     # Low-precision copies of weights that autocast's cache holds all step (part of fixed_bytes:
     # an autocast region around the step; see planner.profile).
     autocast_cache_bytes: int = 0
+    # Per node, the buffers a checkpointed segment holding it copies to restore them after its
+    # recompute (``planner.rewrite.Segment``), as (buffer, bytes, position of the node that
+    # passes it in, or -1): a segment copies it unless that node is one of its own.
+    buffer_copies: tuple[tuple[tuple[int, int, int], ...], ...] = ()
 
     @property
     def size(self) -> int:
         return len(self.names)
+
+    def buffer_copy_bytes(self, start: int, stop: int) -> int:
+        """Bytes of the copies of buffers that segment ``(start, stop)`` makes: once when its
+        forward starts (held until its recompute ends), once more while its recompute runs."""
+        copies = {}
+        for node in self.buffer_copies[start:stop]:
+            for buffer, nbytes, passed_by in node:
+                if not start <= passed_by < stop:
+                    copies[buffer] = nbytes
+        return sum(copies.values())
 
     @property
     def step_seconds(self) -> float:
@@ -250,6 +267,46 @@ def _mutation_pins(storages: dict, writes: list[frozenset], n: int, fixed: Mappi
             elif fixed.get(key) in ("parameter", "input", "constant"):
                 pinned[position] = True
     return forbidden_cuts, pinned
+
+
+def buffer_read(module: nn.Module, node: fx.Node) -> str | None:
+    """The target of the buffer (a tensor of ``module`` that is not a parameter) that ``node``
+    reads, or returns after in-place ops on it (``buffer.mul_(0.9)``: the buffer itself)."""
+    while updates_in_place(node):
+        written = node.args[0]
+        if not isinstance(written, fx.Node):
+            return None
+        node = written
+    if node.op != "get_attr":
+        return None
+    target = str(node.target)
+    value = operator.attrgetter(target)(module)
+    is_buffer = isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+    return target if is_buffer else None
+
+
+def _buffer_copies(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple:
+    """``Problem.buffer_copies``: per node, the buffers of the module it calls, and those it
+    reads (directly, or after in-place updates by the node that passes them in)."""
+    position = {node: i for i, node in enumerate(nodes)}
+    keys: dict[int, int] = {}  # id of a buffer tensor -> its key
+
+    def entry(tensor: torch.Tensor, passed_by: int) -> tuple[int, int, int]:
+        key = keys.setdefault(id(tensor), len(keys))
+        return key, tensor.numel() * tensor.element_size(), passed_by
+
+    result = []
+    for node in nodes:
+        copies = []
+        if node.op == "call_module" and node.graph is gm.graph:
+            copies += [entry(b, -1) for b in gm.get_submodule(str(node.target)).buffers()]
+        for source in node.all_input_nodes if node.graph is gm.graph else ():
+            target = buffer_read(gm, source)
+            if target is not None:
+                tensor = operator.attrgetter(target)(gm)
+                copies.append(entry(tensor, position.get(source, -1)))
+        result.append(tuple(copies))
+    return tuple(result)
 
 
 def _cast_cache_exits(nodes: list[fx.Node]) -> dict[int, int]:
@@ -397,6 +454,7 @@ def build_problem(
         has_loss=profile.loss is not None,
         module_paths=module_paths(nodes),
         autocast_cache_bytes=profile.fixed_bytes("autocast cache"),
+        buffer_copies=_buffer_copies(gm, nodes),
     )
 
 

@@ -10,10 +10,11 @@ parameters read through ``get_attr`` as explicit inputs so that ``.to()`` never 
 The planned module is a :class:`planner.planned_module.PlannedModule`, which checks on every
 call that it still computes what the model computes.
 
-Segments with kept nodes (``planner.simulate.Choice.keep``) run under
-``torch.utils.checkpoint.create_selective_checkpoint_contexts``: the segment's body brackets
-each kept node with two marker calls, ``_keep_on`` and ``_keep_off``, which run identically in
-the forward and in the recompute, and the policy saves the ops called between them.
+Segments with kept nodes (``planner.simulate.Choice.keep``) run under the contexts of
+``torch.utils.checkpoint.create_selective_checkpoint_contexts`` (``_selective_contexts``, which
+leave casts of leaf tensors out: see ``_Caching``): the segment's body brackets each kept node
+with two marker calls, ``_keep_on`` and ``_keep_off``, which run identically in the forward and
+in the recompute, and the policy saves the ops called between them.
 """
 
 from __future__ import annotations
@@ -33,12 +34,11 @@ from torch.utils.checkpoint import (
     checkpoint,
 )
 
-from planner.capture import updates_in_place
 from planner.export_leaves import CALLS_KEY, positions
 from planner.model_call import CALL_KEY
 from planner.nested import Nest, NestedChoice
 from planner.planned_module import PlannedModule, Snapshot, argument_positions, share_user_state
-from planner.problem import compute_nodes
+from planner.problem import buffer_read, compute_nodes
 from planner.regions import closing_regions
 from planner.simulate import Choice, as_choice
 
@@ -129,7 +129,8 @@ class Segment:
     it would update them twice; a forward that reads a buffer it (or a later node) updates would
     read the new value. ``contexts`` remembers the buffers' values when the segment runs,
     recomputes from them, and puts back the values the recompute found, leaving the buffers
-    exactly as one forward leaves them. The buffers are named, not held: ``.double()`` or
+    exactly as one forward leaves them (the simulator counts both copies:
+    ``Problem.buffer_copy_bytes``). The buffers are named, not held: ``.double()`` or
     ``.to(device)`` on the model replace buffer tensors after planning, so they are looked up
     through ``root`` (the planned module) when the segment runs and when it is recomputed.
     A segment that keeps nodes (``selective``) also caches their ops' results in the forward
@@ -246,24 +247,8 @@ def _holder(captured: fx.GraphModule, model: nn.Module) -> nn.Module:
     return holder
 
 
-def _buffer_read(holder: nn.Module, node: fx.Node) -> str | None:
-    """The target of the buffer (a tensor of ``holder`` that is not a parameter) that ``node``
-    reads, or returns after in-place ops on it (``buffer.mul_(0.9)``: the buffer itself)."""
-    while updates_in_place(node):
-        written = node.args[0]
-        if not isinstance(written, fx.Node):
-            return None
-        node = written
-    if node.op != "get_attr":
-        return None
-    target = str(node.target)
-    value = operator.attrgetter(target)(holder)
-    is_buffer = isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
-    return target if is_buffer else None
-
-
 def _is_buffer(holder: nn.Module, node: fx.Node) -> bool:
-    return _buffer_read(holder, node) is not None
+    return buffer_read(holder, node) is not None
 
 
 def _unpacks(node: fx.Node) -> bool:
@@ -285,7 +270,7 @@ def _segment_buffers(holder: nn.Module, members: list[fx.Node], inputs: list[fx.
         if node.op == "call_module"
         and next(holder.get_submodule(str(node.target)).buffers(), None) is not None
     ]
-    tensors = [_buffer_read(holder, node) for node in inputs]
+    tensors = [buffer_read(holder, node) for node in inputs]
     return tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(t for t in tensors if t))
 
 

@@ -17,6 +17,10 @@ The replay follows what PyTorch does with non-reentrant ``torch.utils.checkpoint
   node beyond the stop reads, or the segment returns, stays alive until the stop. Each node's
   backward then allocates what the profile's fake backward measured for it (gradients,
   temporaries), and frees what it measured plus the saved storages no earlier node needs.
+* buffers: a segment that can update buffers (BatchNorm statistics) copies them when its
+  forward starts and again when its recompute starts (``planner.rewrite.Segment``); both copies
+  are freed when the recompute ends (``Problem.buffer_copy_bytes``), or with the segment's
+  forward when it saves nothing.
 * optimizer step: on what backward leaves (parameter gradients), ``optimizer.step()`` holds its
   temporaries (``Problem.optimizer_step_bytes``); its state is fixed memory, live all along.
 
@@ -177,17 +181,33 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
 
     # The order of steps: forward 0..n-1, then from n-1 down to 0 the backward of each node,
     # preceded by its segment's recompute (start..end) when it is the segment's last saving
-    # node: the first whose backward unpacks a saved tensor.
+    # node: the first whose backward unpacks a saved tensor. A segment that restores buffers
+    # copies them when its forward starts and again when its recompute starts; both copies go
+    # when the recompute ends (``planner.rewrite.Segment``).
+    copied = [problem.buffer_copy_bytes(start, stop) for start, stop in segments]
+    copy_alloc, copy_free = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    for (start, stop), end, nbytes in zip(segments, ends.tolist(), copied):
+        copy_alloc[start] += nbytes
+        if end < start:  # no recompute: the copies go with the segment's forward
+            copy_free[stop - 1] += nbytes
     phases, positions = [np.zeros(n, np.int8)], [np.arange(n)]
+    extra_alloc, extra_free = [copy_alloc], [copy_free]
     upper = n
-    for (start, _), end in zip(reversed(segments), reversed(ends.tolist())):
+    backwards = zip(reversed(segments), reversed(ends.tolist()), reversed(copied))
+    for (start, _), end, nbytes in backwards:
         if end < start:
             continue  # it saves nothing: no recompute
-        phases += [np.full(upper - end - 1, 2, np.int8), np.ones(end - start + 1, np.int8)]
+        steps = end - start + 1
+        phases += [np.full(upper - end - 1, 2, np.int8), np.ones(steps, np.int8)]
         positions += [np.arange(upper - 1, end, -1), np.arange(start, end + 1)]
+        extra_alloc += [np.zeros(upper - end - 1, np.int64), np.zeros(steps, np.int64)]
+        extra_free += [np.zeros(upper - end - 1, np.int64), np.zeros(steps, np.int64)]
+        extra_alloc[-1][0], extra_free[-1][-1] = nbytes, 2 * nbytes
         upper = end + 1
     phases.append(np.full(upper, 2, np.int8))
     positions.append(np.arange(upper - 1, -1, -1))
+    extra_alloc.append(np.zeros(upper, np.int64))
+    extra_free.append(np.zeros(upper, np.int64))
     phase, position = np.concatenate(phases), np.concatenate(positions)
 
     recompute = phase == 1
@@ -210,6 +230,8 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
         [forward_transient[position], problem.workspace[position]],
         0,
     )
+    alloc = alloc + np.concatenate(extra_alloc)
+    free = free + np.concatenate(extra_free)
     after = np.cumsum(alloc - free)
     live = after + free + transient  # at each step's high point
     peak = int(live.max(initial=0))
