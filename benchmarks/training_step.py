@@ -2,8 +2,9 @@
 in float32, under bf16 autocast around the call, and under bf16 autocast inside forward.
 
 Small Hugging Face GPT-2, Llama and BERT (masked LM) configs on the CPU, budget halfway from
-the lowest peak to the baseline; peaks measured by the CPU live-storage tracker. Prints one
-markdown table (about a minute)::
+the lowest peak to the baseline; peaks measured by the CPU live-storage tracker. A second table
+plans the same models built on the meta device under autocast around the call, against the
+CPU-built model's measured peak. Prints two markdown tables (about two minutes)::
 
     .venv/bin/python benchmarks/training_step.py
 """
@@ -28,7 +29,12 @@ from planner.step import peak_memory
 VOCAB, BATCH, LENGTH, HIDDEN = 2048, 4, 48, 64
 
 
-def _model(name: str) -> nn.Module:
+def _model(name: str, device: str = "cpu") -> nn.Module:
+    with torch.device(device):
+        return _build(name)
+
+
+def _build(name: str) -> nn.Module:
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if name == "GPT-2":
@@ -100,6 +106,30 @@ def row(name: str, precision: str) -> str:
     )
 
 
+def meta_row(name: str) -> str:
+    """One row: the model built on the meta device, planned under bf16 autocast around the
+    call, against the same model built on the CPU (no checkpointing; budget as in ``row``)."""
+    cells = []
+    for device in ("meta", "cpu"):
+        model = _model(name, device)
+        if name != "BERT":
+            model.config.use_cache = False
+        generator = torch.Generator().manual_seed(1)
+        ids = torch.randint(3, VOCAB, (BATCH, LENGTH), generator=generator).to(device)
+        labels = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=generator).to(device)
+
+        def loss_fn(output, labels=labels):
+            return F.cross_entropy(output.logits.flatten(0, 1).float(), labels.flatten())
+
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, problem = prepare(model, (ids,), loss_fn=loss_fn)
+            cells.append(simulate(problem, ()).peak_bytes)
+            if device == "cpu":
+                measured = peak_memory(model, (ids,), loss_fn=loss_fn).peak_bytes
+    meta, cpu = cells
+    return f"| {name} | {_compare(meta, measured)} | {_compare(cpu, measured)} |"
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
     print("| model | precision | no checkpointing: predicted vs measured | plan at half way |")
@@ -107,6 +137,11 @@ def main() -> None:
     for name in ("GPT-2", "Llama", "BERT"):
         for precision in ("float32", "around", "inside"):
             print(row(name, precision), flush=True)
+    print()
+    print("| model | built on meta: predicted vs measured (CPU-built) | built on the CPU |")
+    print("|---|---|---|")
+    for name in ("GPT-2", "Llama", "BERT"):
+        print(meta_row(name), flush=True)
 
 
 if __name__ == "__main__":

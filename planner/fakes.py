@@ -16,7 +16,7 @@ import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 
@@ -80,12 +80,22 @@ class FakeCall:
     where the kernel may return one storage twice (the two bias gradients of an LSTM layer's
     backward). A profile would then depend on what ran before it in the process (a fresh
     ``nn.LSTM`` profiled 1,024 bytes lower than later ones).
+
+    With ``device``, a ``meta`` device among an op's arguments is replaced by it: a meta model
+    run on fake tensors of another device (``FakeOnDevice``) still has ``device=meta`` in the
+    factory calls and checks that ``torch.export`` recorded.
     """
 
-    def __init__(self, mode: FakeTensorMode):
+    def __init__(self, mode: FakeTensorMode, device: str | None = None):
         self.mode = mode
+        self.device = None if device is None else torch.device(device)
+
+    def _moved(self, device: torch.device) -> torch.device:
+        return self.device if device.type == "meta" and self.device is not None else device
 
     def __call__(self, func, args: tuple, kwargs: dict):
+        if self.device is not None:
+            args, kwargs = tree_map_only(torch.device, self._moved, (args, kwargs))
         if not op_facts(func).several_outputs or not self.mode.cache_enabled:
             return func(*args, **kwargs)
         self.mode.cache_enabled = False

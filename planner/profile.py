@@ -557,9 +557,10 @@ def profile(
             mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
             if on_meta and autocast_device is not None:  # autocast ignores meta tensors
                 copies = Copies(FakeOnDevice(mode, autocast_device))
+                call = FakeCall(mode, autocast_device)
             else:
                 copies = Copies(functools.partial(mode.from_tensor, static_shapes=True))
-            call = FakeCall(mode)
+                call = FakeCall(mode)
         args, kwargs = tree_map_only(torch.Tensor, copies, (args, kwargs))
         # Every stand-in now, before the run: meta copies are made by ops that the cost mode
         # would count as memory of the node that first used the tensor.
