@@ -306,6 +306,25 @@ def test_language_models_under_bfloat16_autocast_fit_and_match_the_prediction(na
     assert math.isclose(_step_bytes(p), step, rel_tol=0.05)
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_a_language_model_built_on_meta_is_planned_under_autocast_like_the_one_on_the_cpu(name):
+    """Exported graphs hold ``device=meta`` in their factory calls and checks: they run on
+    autocast's device too. (Llama's own code takes another path on meta: not compared.)"""
+    predicted = {}
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        with torch.device(device), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, args, kwargs = FAMILIES[name](batch=4, length=64)
+        model.config.use_cache = False
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, problem = prepare(model, args, kwargs)
+        baseline, lowest = simulate(problem, ()).peak_bytes, lowest_peak(problem).peak_bytes
+        predicted[device] = (baseline, lowest, problem.autocast_cache_bytes)
+    assert predicted["meta"] == predicted["cpu"]
+
+
 # --------------------------------------------------------------------------------------------
 # Low-precision models and float32 master weights
 # --------------------------------------------------------------------------------------------
