@@ -336,7 +336,33 @@ def _segment_locals(
     after = np.maximum(with_saved[np.maximum(last, 0)], tail) + charged
     backward = np.maximum(before, np.where(saves, after, 0))
     monotone = np.maximum(forward_peak, backward)
-    return charged, np.maximum(monotone, recompute + charged), monotone
+    # Buffer copies (Problem.buffer_copy_bytes): held from the segment's forward to the end of
+    # its recompute, twice during it; with no recompute they go with the forward. The backward
+    # of the nodes after the last saving one runs before the recompute, copies still held.
+    copies = _copy_bytes(problem, c, stop)
+    held_copies = np.where(last >= 0, copies, 0)
+    monotone = np.maximum(monotone, np.maximum.accumulate(forward_peak) + copies)
+    before_recompute = np.where((index > last) & (last >= 0), tail + charged + held_copies, 0)
+    local = np.maximum(monotone, before_recompute)
+    return (
+        charged + held_copies,
+        np.maximum(local, recompute + charged + 2 * held_copies),
+        monotone,
+    )
+
+
+def _copy_bytes(problem: Problem, c: int, stop: int) -> np.ndarray:
+    """``problem.buffer_copy_bytes(c, b)`` for every ``b`` in ``(c, stop]`` (index ``b - c - 1``):
+    a buffer passed in by a node of the segment is never copied, so only those passed from
+    before ``c`` (or by no node) count, once each."""
+    copies, seen, total = np.zeros(stop - c, dtype=np.int64), set(), 0
+    for x, entries in enumerate(problem.buffer_copies[c:stop]):
+        for buffer, nbytes, passed_by in entries:
+            if passed_by < c and buffer not in seen:
+                seen.add(buffer)
+                total += nbytes
+        copies[x] = total
+    return copies
 
 
 def _stored_local(t: _Tables, c: int, mask: frozenset):
