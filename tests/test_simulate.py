@@ -40,7 +40,8 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
     recompute_alloc, recompute_free = [0] * n, [0] * n
     for s in problem.storages:
         home = segment_of[s.producer]
-        cached = s.producer in keep  # held by the cache from the forward to the recompute
+        # held by the cache from the forward to the recompute (weight casts: autocast's cache)
+        cached = s.producer in keep and not s.cast_cache
         # Kept for backward until the first trigger: an outside saver, or another segment's
         # start when that segment saves or reads it.
         triggers = [
@@ -78,6 +79,18 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
             last = max([min(j, end) for j in s.readers], default=s.producer)
             recompute_free[max(last, end) if s.cast_cache or s.is_output else last] += s.nbytes
 
+    # Buffer copies: made as a segment's forward starts and as its recompute starts, both
+    # freed when the recompute ends (with no recompute, when its forward ends).
+    copy_forward, copy_recompute = [0] * n, [0] * n
+    for start, stop in segments:
+        copies, end = problem.buffer_copy_bytes(start, stop), last_recomputed(problem, start, stop)
+        copy_forward[start] += copies
+        if end < start:
+            forward_free[stop - 1] += copies
+        else:
+            copy_recompute[start] += copies
+            recompute_free[end] += 2 * copies
+
     live = peak = 0
     seconds, timeline = 0.0, []
 
@@ -93,7 +106,7 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
         step(
             "forward",
             i,
-            problem.created_bytes[i] + held[i],
+            problem.created_bytes[i] + held[i] + copy_forward[i],
             max(problem.workspace[i] - held[i], 0),
             forward_free[i],
         )
@@ -104,14 +117,13 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
         if k >= 0 and i == last_recomputed(problem, *segments[k]):
             start, end = segments[k][0], i
             for j in range(start, end + 1):
+                made = recompute_alloc[j] + copy_recompute[j]
                 if j in keep:  # taken from the cache: nothing runs, its temporaries go
-                    step("recompute", j, 0, 0, recompute_free[j] + held[j])
+                    step("recompute", j, copy_recompute[j], 0, recompute_free[j] + held[j])
                 elif j == end and not problem.saves_own[j]:  # stops as it saves the inputs
-                    step("recompute", j, recompute_alloc[j], 0, recompute_free[j])
+                    step("recompute", j, made, 0, recompute_free[j])
                 else:
-                    step(
-                        "recompute", j, recompute_alloc[j], problem.workspace[j], recompute_free[j]
-                    )
+                    step("recompute", j, made, problem.workspace[j], recompute_free[j])
                     seconds += float(problem.seconds[j])
         step(
             "backward",
