@@ -295,6 +295,21 @@ def _is_cached_cast(func, inputs: list[torch.Tensor], outputs: list[torch.Tensor
     )
 
 
+def _computed(func, args: tuple, kwargs: dict, out):
+    """The outputs that ``func`` really computes. A backward op given an ``output_mask``
+    (``native_batch_norm_backward``, ``convolution_backward``) returns no tensor where the mask
+    is False on a real device, but its fake kernel may return a full one (a batch norm's
+    gradient for an input that needs none): those allocate nothing."""
+    names = [argument.name for argument in func._schema.arguments]
+    if "output_mask" not in names or not isinstance(out, tuple):
+        return out
+    position = names.index("output_mask")
+    mask = args[position] if position < len(args) else kwargs.get("output_mask")
+    if mask is None or len(mask) != len(out):
+        return out
+    return tuple(t for t, wanted in zip(out, mask) if wanted)
+
+
 class _BackwardMemory(TorchDispatchMode):
     """Attributes the memory that backward allocates to the node whose backward is running.
 
@@ -336,9 +351,10 @@ class _BackwardMemory(TorchDispatchMode):
         self.live -= self.tracked.pop(cdata)[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = self.call(func, args, kwargs or {})
+        kwargs = kwargs or {}
+        out = self.call(func, args, kwargs)
         grew = False
-        for t in tensors_in(out):
+        for t in tensors_in(_computed(func, args, kwargs, out)):
             if t.layout is not torch.strided:
                 continue
             storage = t.untyped_storage()

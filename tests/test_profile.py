@@ -9,7 +9,11 @@ from torch import nn
 import planner.profile
 from planner import zoo
 from planner.capture import capture
+from planner.pipeline import prepare
 from planner.profile import COMPUTE_OPS, META_KEYS, profile
+from planner.rewrite import rewrite
+from planner.simulate import Choice, simulate
+from planner.step import peak_memory
 
 SMALL = {
     "gpt": lambda device: zoo.gpt(
@@ -112,3 +116,20 @@ def test_tensor_attributes_of_modules_are_annotated_alike_on_meta_and_cpu(leaf):
             annotations(capture(model, inputs, leaf_modules=leaf_modules).graph_module, inputs)
         )
     assert results[0] == results[1]
+
+
+def test_a_batch_norm_whose_input_needs_no_gradient_allocates_none_in_backward():
+    """``native_batch_norm_backward``'s fake kernel returns an input gradient even where its
+    ``output_mask`` asks for none; the CPU kernel makes none. The profile counts what the CPU
+    does, so a checkpointed step's measured peak matches the prediction."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 4))
+    args = (torch.randn(256, 4),)  # needs no gradient, so neither does the norm's input
+    captured, problem = prepare(model, args)
+    norm = problem.labels.index("0")
+    assert problem.activation_grad_alloc[norm] == 0  # its weight and bias gradients only
+    whole = Choice(((norm, problem.size),))
+    module = rewrite(captured.graph_module, model, whole)
+    measured = peak_memory(module, args).activation_peak_bytes
+    predicted = simulate(problem, whole).peak_bytes - problem.fixed_bytes
+    assert abs(predicted - measured) <= 16, (predicted, measured)
