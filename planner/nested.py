@@ -269,6 +269,36 @@ class _Replay:
             reads.append(self.run_end[segment])
         return max(reads, default=created_at)
 
+    def _buffer_copies(self, alloc: np.ndarray, free: np.ndarray) -> None:
+        """The copies of buffers each run of a segment's body makes (``planner.rewrite.Segment``):
+        one when the body starts, held by its checkpoint until its recompute ends (or, when
+        nothing is saved through it, until the body returns: an inner segment in its parent's
+        forward, whose saves go through the parent), and one more during each recompute."""
+        copies = {s: self.problem.buffer_copy_bytes(s.start, s.stop) for s in self.end}
+
+        def body(segment: Nest, started: int, returned: int, holds: bool) -> None:
+            if copies[segment]:
+                alloc[started] += copies[segment]
+                free[self.run_end[segment] if holds else returned] += copies[segment]
+
+        for top in self.top:
+            body(top, top.start, top.stop - 1, top in self.runs)
+            for inner in top.walk():
+                if inner is not top:
+                    body(inner, inner.start, inner.stop - 1, False)
+        for segment, executed in self.runs.items():
+            if not executed:
+                continue
+            if copies[segment]:
+                alloc[executed[0][1]] += copies[segment]
+                free[self.run_end[segment]] += copies[segment]
+            at = dict(executed)
+            for child in segment.inner:
+                if child.start in at:
+                    body(child, at[child.start], at[child.stop - 1], child in self.runs)
+                    for deeper in list(child.walk())[1:]:  # saves go through ``child``
+                        body(deeper, at[deeper.start], at[deeper.stop - 1], False)
+
     # -- the replay ----------------------------------------------------------------------------
     def run(self, record: bool) -> Simulation:
         problem, steps = self.problem, len(self.phases)
@@ -301,6 +331,7 @@ class _Replay:
                         continue  # made after the last save: the recompute stopped first
                     alloc[step] += s.nbytes
                     free[self._release(segment, s, step, at, -1)] += s.nbytes
+        self._buffer_copies(alloc, free)
         for p, step in self.backward_step.items():
             alloc[step] += problem.activation_grad_alloc[p] + problem.grad_bytes_at[p]
             free[step] += problem.activation_grad_free[p]

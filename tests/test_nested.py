@@ -242,14 +242,29 @@ def _buffer_copies(planned) -> int:
 def test_replay_equals_the_measured_peak_on_zoo_dags(name, data):
     """Random nested plans on DAGs with skips, BatchNorm and attention: the replay never reads
     under the measured peak, short of the buffer copies the rewrite makes (0 on the U-Net; up
-    to a few KiB on ResNet and GPT), which it does not model. It may read over it: see
-    ``test_replay_equals_the_measured_peak_where_backward_accumulates``."""
+    to a few KiB on ResNet and GPT; the replay now counts them, the bound still allows them).
+    It may read over it: see ``test_replay_equals_the_measured_peak_where_backward_accumulates``;
+    and three levels nested inside one segment can read far under it: see
+    ``test_replay_under_three_levels_nested_in_one_segment``."""
     model, args, captured, problem, offset = _zoo(name)
     choice = data.draw(nested_choices(problem), label="choice")
     planned = rewrite(captured.graph_module, model, choice)
     measured = peak_memory(planned, args).peak_bytes - offset
     simulated = simulate_nested(problem, choice).peak_bytes
     assert measured - simulated <= _buffer_copies(planned) + 8
+
+
+@pytest.mark.xfail(strict=True, reason="replay 1,020,672 bytes under the measured peak")
+def test_replay_under_three_levels_nested_in_one_segment():
+    """Not yet exact, and on the unsafe side: on the U-Net, segment (29, 38) holding (32, 36)
+    holding (33, 36) holding (34, 36) measures 1,020,672 bytes over its replay, while (32, 36)
+    with the same nesting inside, as a top-level segment, replays to the tracker's 8 bytes.
+    Found by Hypothesis on the property test above; the cause is not known yet."""
+    model, args, captured, problem, offset = _zoo("unet")
+    choice = nested_choice([(29, 38, [(32, 36, [(33, 36, [(34, 36)])])])])
+    planned = rewrite(captured.graph_module, model, choice)
+    measured = peak_memory(planned, args).peak_bytes - offset
+    assert measured - simulate_nested(problem, choice).peak_bytes <= 8
 
 
 @pytest.mark.xfail(strict=True, reason="the profile's backward high point (measured 128 KiB over)")
