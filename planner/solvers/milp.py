@@ -273,11 +273,15 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
             return c
         return end + 1 if problem.saves_own[end] else end
 
-    # y[k]: node k kept (keepable, and some segment's recompute runs it).
+    # y[k]: node k kept (keepable, and some segment's recompute runs it). Not offered: nodes
+    # that make weight casts autocast caches (``simulate`` leaves those out of the selective
+    # cache; the program does not model that yet).
     y: dict[int, int] = {}
     if keep:
+        casting = {s.producer for s in problem.storages if s.cast_cache}
         for k in range(n):
-            if problem.keepable[k] and any(c <= k < runs_to(c, b) for c, b in segment_end if b > k):
+            runs = any(c <= k < runs_to(c, b) for c, b in segment_end if b > k)
+            if problem.keepable[k] and runs and k not in casting:
                 y[k] = new_columns(1)[0]
     # t[b, k]: k kept in the segment that ends at b (a product of binaries, bounded below).
     t: dict[tuple[int, int], int] = {}
