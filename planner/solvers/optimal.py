@@ -341,7 +341,7 @@ def _segment_locals(
     # of the nodes after the last saving one runs before the recompute, copies still held.
     copies = _copy_bytes(problem, c, stop)
     held_copies = np.where(last >= 0, copies, 0)
-    monotone = np.maximum(monotone, np.maximum.accumulate(forward_peak) + copies)
+    monotone = np.maximum(monotone, forward_peak + copies)  # forward_peak already runs up
     before_recompute = np.where((index > last) & (last >= 0), tail + charged + held_copies, 0)
     local = np.maximum(monotone, before_recompute)
     return (
