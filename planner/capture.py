@@ -31,10 +31,11 @@ from planner.export_leaves import (
 from planner.model_call import CALL_KEY, ModelCall, container_types
 from planner.regions import (
     CAPTURE_LOCK,
+    InexactRegions,
     capturing,
     in_capturing_thread,
-    inline_autocast,
     recording_regions,
+    regions_from_export,
     watching_exported_regions,
 )
 
@@ -285,7 +286,7 @@ def _export(
             gm = program.module()
     for graph_module in (gm, calls) if calls is not None else (gm,):
         # torch.export traces with autocast's cache off and records that; the model runs with it.
-        inline_autocast(graph_module, cache_enabled=torch.is_autocast_cache_enabled())
+        regions_from_export(graph_module, cache_enabled=torch.is_autocast_cache_enabled())
         _guard_write_backs(graph_module)
     causal = [exact_attention(gm, model, args, kwargs_fixed)]
     if calls is not None and not _on_meta(model, args, kwargs_fixed):
@@ -507,6 +508,14 @@ def _trace_or_export(
                 captured = Captured(gm, "export")
         except PlanningError:
             raise
+        except InexactRegions as inexact:
+            raise _inexact(
+                model,
+                trace_error,
+                str(inexact),
+                "switch grad mode with torch.no_grad(), torch.enable_grad() or "
+                "torch.set_grad_enabled(...) instead",
+            ) from inexact
         except Exception as export_error:
             raise PlanningError(
                 f"cannot capture {type(model).__name__} as a graph.\n"
@@ -523,17 +532,25 @@ def _trace_or_export(
                 "plan the traceable submodules (leaf blocks) separately and call them from "
                 "your own forward."
             ) from export_error
-        if regions.inside_autocast:
-            raise PlanningError(
-                f"cannot capture {type(model).__name__} exactly. torch.fx.symbolic_trace "
-                f"failed ({type(trace_error).__name__}: {trace_error}), and torch.export, the "
-                f"fallback, does not keep a region nested inside torch.autocast "
-                f"({', '.join(dict.fromkeys(regions.inside_autocast))} inside autocast in "
-                f"forward; torch {torch.__version__} drops a no_grad there). Make forward "
-                "symbolically traceable (symbolic_trace keeps such regions exactly), or move "
-                "that region out of the autocast block."
+        if regions.inference_in_autocast:
+            raise _inexact(
+                model,
+                trace_error,
+                "torch.export records no node for a torch.inference_mode region, and one lies "
+                "inside torch.autocast in forward",
+                "use torch.no_grad() for that region, or move it out of the autocast block",
             ) from trace_error
         return captured
+
+
+def _inexact(model: nn.Module, trace_error: Exception, why: str, advice: str) -> PlanningError:
+    """The refusal of an exported graph that would not compute as ``model`` does."""
+    return PlanningError(
+        f"cannot capture {type(model).__name__} exactly. torch.fx.symbolic_trace failed "
+        f"({type(trace_error).__name__}: {trace_error}), and the graph of torch.export, the "
+        f"fallback, would not compute as forward does: {why}. Make forward symbolically "
+        f"traceable (symbolic_trace keeps grad-mode and autocast regions exactly), or {advice}."
+    )
 
 
 def capture(

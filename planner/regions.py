@@ -4,9 +4,11 @@
 proxies, and records no trace of the switch. While a capture runs, the context managers are
 patched (``recording_regions``) so that entering and exiting one is recorded as a node calling
 ``enter_grad_mode``, ``enter_inference_mode``, ``enter_autocast`` or ``exit_region``, which do
-at run time what the context manager does. ``torch.export`` records an autocast block as one
-``wrap_with_autocast`` node, which ``inline_autocast`` turns back into such a region.
-Every patch acts only in the capturing thread (``capturing``), one capture at a time
+at run time what the context manager does. ``torch.export`` records each switch as a node of its
+own (``_set_grad_enabled``, ``_enter_autocast``, ``_exit_autocast``) before its passes fold the
+regions into higher-order-op nodes, wrongly when one region lies inside ``torch.autocast``;
+capture skips those passes and ``regions_from_export`` turns the switches into the same region
+nodes. Every patch acts only in the capturing thread (``capturing``), one capture at a time
 (``CAPTURE_LOCK``).
 """
 
@@ -137,35 +139,85 @@ def _inside_patched_method():
         capturing.depth -= 1
 
 
+GRAD_SWITCH = "planner.grad_switch"  # node.meta of an exported _set_grad_enabled: (role, key)
+
+
 class _ExportedRegions:
-    """Regions that forward enters while torch.export captures it, and the nestings torch.export
-    (2.13) captures wrongly: a grad-mode region inside ``torch.autocast`` is dropped (the
-    exported module computes gradients that the model does not), an autocast inside autocast
-    fails when run."""
+    """What forward's own context managers did while torch.export captured it: which of the
+    exported ``_set_grad_enabled`` nodes each grad-mode region's entry and exit made (tagged
+    ``GRAD_SWITCH``: export's nodes name a mode, not the region), and the regions export
+    records no node for (``torch.inference_mode``) found inside ``torch.autocast``."""
 
     def __init__(self):
         self.open: list = []
-        self.inside_autocast: list[str] = []
+        self.keys: dict[int, tuple[object, list[int]]] = {}  # id(manager) -> (it, open keys)
+        self.count = 0
+        self.inference_in_autocast = False
+
+    def entered(self, manager, switches: list[fx.Node]) -> None:
+        if isinstance(manager, torch.autograd.grad_mode.inference_mode) and any(
+            isinstance(m, torch.amp.autocast_mode.autocast) for m in self.open
+        ):
+            self.inference_in_autocast = True
+        self.open.append(manager)
+        if switches:
+            self.count += 1
+            self.keys.setdefault(id(manager), (manager, []))[1].append(self.count)
+            for node in switches:
+                node.meta[GRAD_SWITCH] = ("enter", self.count)
+
+    def exited(self, manager, switches: list[fx.Node]) -> None:
+        if manager in self.open:
+            self.open.remove(manager)
+        keys = self.keys.get(id(manager), (None, []))[1]
+        if switches and keys:
+            key = keys.pop()
+            for node in switches:
+                node.meta[GRAD_SWITCH] = ("exit", key)
 
 
 def _exported_regions() -> _ExportedRegions | None:
     return None if getattr(capturing, "depth", 0) else getattr(capturing, "exporting", None)
 
 
+def _export_graph() -> fx.Graph | None:
+    """The graph torch.export's pre-dispatch tracing is recording, if it is running."""
+    from torch.fx.experimental.proxy_tensor import PreDispatchTorchFunctionMode
+
+    for mode in torch.overrides._get_current_function_mode_stack():
+        if isinstance(mode, PreDispatchTorchFunctionMode):
+            return mode.tracer.graph
+    return None
+
+
+@contextlib.contextmanager
+def _grad_switches_made(exported: _ExportedRegions | None):
+    """Yields a list, filled when the block ends, of the ``_set_grad_enabled`` nodes torch.export
+    recorded during it (while ``exported`` watches a capture)."""
+    graph = _export_graph() if exported is not None else None
+    last = next(iter(reversed(graph.nodes)), None) if graph is not None else None
+    made: list[fx.Node] = []
+    yield made
+    if graph is not None:
+        for node in reversed(graph.nodes):
+            if node is last:
+                break
+            if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+                made.insert(0, node)
+
+
 def _recording_entry(original, node_of):
     @functools.wraps(original)
     def entry(manager, *args, **kwargs):
         tracer, exported = _region_tracer(), _exported_regions()
-        with _inside_patched_method():
+        with _inside_patched_method(), _grad_switches_made(exported) as switches:
             result = original(manager, *args, **kwargs)
         if tracer is not None:
             target, node_args = node_of(manager)
             node = tracer.create_node("call_function", target, node_args, {})
             tracer.open_regions[id(manager)] = (manager, node)
         if exported is not None:
-            if any(isinstance(m, torch.amp.autocast_mode.autocast) for m in exported.open):
-                exported.inside_autocast.append(type(manager).__name__)
-            exported.open.append(manager)
+            exported.entered(manager, switches)
         return result
 
     return entry
@@ -183,10 +235,11 @@ def _recording_exit(original):
                 )
             tracer.create_node("call_function", exit_region, (entered[1],), {})
         exported = _exported_regions()
-        if exported is not None and manager in exported.open:
-            exported.open.remove(manager)
-        with _inside_patched_method():
-            return original(manager, *args, **kwargs)
+        with _inside_patched_method(), _grad_switches_made(exported) as switches:
+            result = original(manager, *args, **kwargs)
+        if exported is not None:
+            exported.exited(manager, switches)
+        return result
 
     return exit_
 
@@ -241,54 +294,92 @@ def recording_regions():
             setattr(cls, name, original)
 
 
-def inline_autocast(gm: fx.GraphModule, *, cache_enabled: bool) -> None:
-    """Replace each ``wrap_with_autocast`` node of an exported graph (one node that runs a
-    whole ``torch.autocast`` block of forward as a submodule) by the block's own nodes between
-    ``enter_autocast`` and ``exit_region`` nodes, as ``symbolic_trace`` records a region.
+class InexactRegions(RuntimeError):
+    """An exported graph switches grad mode where no region of forward's entered or exited."""
 
-    As one node, the block could not be cut: a forward run entirely under autocast had no
-    segment to checkpoint. ``cache_enabled`` replaces the weight-cast cache setting that
-    torch.export recorded (off: it traces without the cache), so that the module caches as the
-    model does (a region that turns the cache off itself is not told apart).
+
+def regions_from_export(gm: fx.GraphModule, *, cache_enabled: bool) -> None:
+    """Turn torch.export's switch nodes into the region nodes ``symbolic_trace`` records.
+
+    ``_enter_autocast``/``_exit_autocast`` (the exit reads its entry) become ``enter_autocast``
+    and ``exit_region``; ``cache_enabled`` replaces the weight-cast cache setting export recorded
+    (off: it traces without the cache), so that the module caches as the model does (a region
+    that turns the cache off itself is not told apart). A ``_set_grad_enabled`` node names a
+    mode, not a region: the tags ``GRAD_SWITCH`` that capture put on it say which region's entry
+    or exit made it, so that the exit restores the mode current on entry (the caller's, say)
+    rather than the mode export traced under. An untagged switch to the mode just entered (the
+    ``__enter__`` of ``torch.set_grad_enabled(b)`` after its ``__init__``) changes nothing and
+    goes; any other raises ``InexactRegions``.
     """
-    from torch._higher_order_ops.wrap import wrap_with_autocast
-
     graph = gm.graph
-    for node in graph.find_nodes(op="call_function", target=wrap_with_autocast):
-        device, dtype, enabled, _, body, *operands = node.args
-        block = getattr(gm, body.target)
-        inline_autocast(block, cache_enabled=cache_enabled)  # regions nested in the block
-        env: dict[fx.Node, fx.node.Argument] = dict(
-            zip(block.graph.find_nodes(op="placeholder"), operands, strict=True)
-        )
+    entries: dict[int, fx.Node] = {}
+    entered_mode = None  # the grad mode the last switch entered, while no exit followed
+
+    def replace(node: fx.Node, target, args: tuple) -> fx.Node:
         with graph.inserting_before(node):
-            entry = graph.call_function(enter_autocast, (device, dtype, enabled, cache_enabled))
-            for inner in block.graph.nodes:
-                if inner.op == "get_attr":
-                    name = f"{body.target}_{inner.target}".replace(".", "_")
-                    setattr(gm, name, getattr(block, inner.target))
-                    env[inner] = graph.get_attr(name)
-                elif inner.op == "output":
-                    results = fx.map_arg(inner.args[0], env.__getitem__)
-                elif inner.op != "placeholder":
-                    env[inner] = graph.node_copy(inner, env.__getitem__)
-            graph.call_function(exit_region, (entry,))
-        for user in list(node.users):  # getitem nodes: the block returns a tuple
-            user.replace_all_uses_with(results[user.args[1]])
-            graph.erase_node(user)
+            region = graph.call_function(target, args)  # named after its target, as traced
+        node.replace_all_uses_with(region)
         graph.erase_node(node)
-        if not body.users:
-            graph.erase_node(body)
-            delattr(gm, body.target)
+        return region
+
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch.amp.autocast_mode._enter_autocast:
+            device, dtype, enabled, _ = node.args
+            replace(node, enter_autocast, (device, dtype, enabled, cache_enabled))
+        elif node.target is torch.amp.autocast_mode._exit_autocast:
+            replace(node, exit_region, node.args)
+        elif node.target is torch._C._set_grad_enabled:
+            (mode,) = node.args
+            role, key = node.meta.get(GRAD_SWITCH, (None, None))
+            if role == "enter":
+                entries[key], entered_mode = replace(node, enter_grad_mode, (mode,)), mode
+            elif role == "exit" and key in entries:
+                replace(node, exit_region, (entries.pop(key),))
+                entered_mode = None
+            elif role is None and mode == entered_mode:
+                graph.erase_node(node)
+            else:
+                raise InexactRegions(
+                    f"the exported graph switches grad mode to {mode} at {node.format_node()} "
+                    "where no grad-mode region of forward begins or ends (a direct "
+                    "torch._C._set_grad_enabled call?)"
+                )
     graph.lint()
     gm.recompile()
 
 
+def _skipped_when_exporting(name: str):
+    """torch.export's pass ``name``, made to leave the graph as it is in the capturing thread."""
+    import importlib
+
+    module = importlib.import_module(f"torch._export.passes.{name}")
+    original = getattr(module, name)
+
+    @functools.wraps(original)
+    def skipped(gm, signature):
+        return (gm, signature) if _exported_regions() is not None else original(gm, signature)
+
+    return module, name, original, skipped
+
+
 @contextlib.contextmanager
 def watching_exported_regions():
+    """Watch the regions of a torch.export capture in this thread, and keep its switch nodes:
+    its passes would fold each region into one higher-order-op node, and (torch 2.13) drop a
+    grad-mode region inside ``torch.autocast`` while doing so."""
+    passes = [
+        _skipped_when_exporting(name)
+        for name in ("replace_set_grad_with_hop_pass", "replace_autocast_with_hop_pass")
+    ]
     regions = _ExportedRegions()
     capturing.exporting = regions
+    for module, name, _, skipped in passes:
+        setattr(module, name, skipped)
     try:
         yield regions
     finally:
+        for module, name, original, _ in reversed(passes):
+            setattr(module, name, original)
         capturing.exporting = None

@@ -19,6 +19,7 @@ from torch import nn
 
 import planner
 from planner.pipeline import prepare
+from planner.regions import enter_autocast, enter_grad_mode, exit_region
 from planner.rewrite import rewrite
 from planner.solvers.auto import lowest_peak
 from strategies import (
@@ -49,14 +50,6 @@ def _exported(spec: RegionSpec) -> bool:
     return spec.untraceable or updates(spec.body)
 
 
-def _region_in_autocast(body, inside: bool = False) -> bool:
-    return any(
-        item[0] == "region"
-        and (inside or _region_in_autocast(item[2], item[1].startswith("autocast")))
-        for item in body
-    )
-
-
 def _check_random_segments(spec: RegionSpec, data) -> None:
     model = build_region_model(spec)
     args, kwargs = region_inputs(spec)
@@ -64,12 +57,6 @@ def _check_random_segments(spec: RegionSpec, data) -> None:
     before = model_state(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        if _exported(spec) and _region_in_autocast(spec.body):
-            # torch.export (2.13) drops a no_grad nested in autocast: refused, not planned.
-            with pytest.raises(planner.PlanningError, match=r"nested inside torch\.autocast"):
-                prepare(model, args, kwargs)
-            assert_same_state(before, model_state(model))
-            return
         captured, problem = prepare(model, args, kwargs)
     assert captured.method == ("export" if _exported(spec) else "symbolic_trace")
     assert_same_state(before, model_state(model))  # planning ran nothing on the user's buffers
@@ -79,8 +66,10 @@ def _check_random_segments(spec: RegionSpec, data) -> None:
 
 
 @settings(max_examples=EXAMPLES)
-@given(spec=region_specs(buffers=False), data=st.data())
+@given(spec=region_specs(buffers=False, untraceable=None), data=st.data())
 def test_grad_mode_and_autocast_regions_train_exactly_like_the_original(spec, data):
+    """Regions nested at random, on either capture path (torch.export included: its own
+    passes dropped a no_grad nested in autocast)."""
     _check_random_segments(spec, data)
 
 
@@ -188,6 +177,126 @@ def test_segments_fit_inside_an_autocast_region_but_never_across_its_ends():
     assert problem.cut_allowed[entry + 1 : exit_ + 1].all()
     assert problem.is_valid_segment(entry + 1, exit_)
     assert not problem.checkpointable[[entry, exit_]].any()
+
+
+# --------------------------------------------------------------------------------------------
+# Regions nested in autocast through torch.export (Hugging Face Llama's rotary embedding runs
+# under autocast(enabled=False) inside a wrapper's bfloat16 region).
+# --------------------------------------------------------------------------------------------
+
+
+class NestedInAutocast(nn.Module):
+    """A bfloat16 region holding a float32 block (``autocast(enabled=False)``), a ``no_grad``
+    block and, in that, an ``enable_grad`` block; symbolic_trace rejects it (a Python ``if``
+    on a size), so capture takes torch.export."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d, self.e = (nn.Linear(8, 8) for _ in range(5))
+
+    def forward(self, x):
+        if x.size(0) > 0:
+            x = x * 1.0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.tanh(self.a(x))
+            with torch.autocast("cpu", enabled=False):
+                exact = torch.tanh(self.b(h.float()))  # float32: b's weights are not cast
+            with torch.no_grad():
+                scale = self.c(h).std()  # no gradient for c
+                with torch.enable_grad():
+                    gate = torch.sigmoid(self.d(h))  # a gradient again, to d and a
+            h = torch.tanh(self.e(h)) * gate
+        return (h.float() * exact / scale, exact)
+
+
+def test_regions_nested_in_autocast_are_captured_exactly_through_export():
+    torch.manual_seed(0)
+    model, x = NestedInAutocast(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    captured, problem = prepare(model, (x,))
+    assert captured.method == "export"
+    graph = captured.graph_module.graph
+    for entry, count in ((enter_autocast, 2), (enter_grad_mode, 2), (exit_region, 4)):
+        assert len(graph.find_nodes(op="call_function", target=entry)) == count
+    out, exact = captured.graph_module(x)
+    expected = reference(x)
+    assert exact.dtype == torch.float32 and out.dtype == torch.float32
+    assert torch.equal(out, expected[0]) and torch.equal(exact, expected[1])
+    n = problem.size
+    segments = [
+        (a, b) for a in range(n) for b in range(a + 1, n + 1) if problem.is_valid_segment(a, b)
+    ]
+    assert len(segments) > n
+    for segment in segments:
+        planned = rewrite(captured.graph_module, model, (segment,))
+        assert_equivalent(reference, model, planned, (x,), {})
+    model.zero_grad(set_to_none=True)
+    sum(t.sum() for t in planned(x)).backward()
+    assert model.c.weight.grad is None and model.d.weight.grad is not None
+
+
+def test_a_region_exported_inside_autocast_restores_the_callers_modes():
+    """Each exit restores the mode its entry found, not the one export traced under: called
+    under the caller's no_grad, only the enable_grad block records gradients, as in the model."""
+    torch.manual_seed(0)
+    model, x = NestedInAutocast(), torch.randn(4, 8)
+    p = planner.plan(model, (x,), budget_gb=1)
+    assert p.capture_method == "export"
+    with torch.no_grad():
+        out, exact = p.module(x)
+        expected = model(x)
+        assert not torch.is_grad_enabled()
+    assert out.requires_grad == expected[0].requires_grad and not exact.requires_grad
+    assert torch.equal(out, expected[0])
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.equal(p.module(x)[0], model(x)[0])
+        assert torch.get_autocast_dtype("cpu") == torch.float16
+
+
+class DirectGradSwitch(nn.Module):
+    """Switches grad mode by ``torch._C._set_grad_enabled``, which no region records."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.size(0) > 0:
+            x = x * 1.0
+        torch._C._set_grad_enabled(False)
+        h = self.a(x)
+        torch._C._set_grad_enabled(True)
+        return self.a(h)
+
+
+class InferenceInAutocast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.size(0) > 0:
+            x = x * 1.0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.inference_mode():
+                k = self.a(x).std().item()
+            return self.a(x) * k
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (DirectGradSwitch, r"exactly.*switches grad mode to False.*torch\.no_grad\(\)"),
+        (InferenceInAutocast, r"exactly.*inference_mode region.*inside torch\.autocast"),
+    ],
+)
+def test_a_mode_switch_torch_export_cannot_keep_exactly_is_refused(make, match):
+    model = make()
+    before = model_state(model)
+    with pytest.raises(planner.PlanningError, match=match):
+        planner.plan(model, (torch.randn(4, 8),), budget_gb=1)
+    assert_same_state(before, model_state(model))
+    assert torch.is_grad_enabled()
 
 
 # --------------------------------------------------------------------------------------------
