@@ -295,7 +295,7 @@ def recording_regions():
 
 
 class InexactRegions(RuntimeError):
-    """An exported graph switches grad mode where no region of forward's entered or exited."""
+    """An exported graph switches grad mode where no region of forward begins or ends."""
 
 
 def regions_from_export(gm: fx.GraphModule, *, cache_enabled: bool) -> None:
