@@ -186,18 +186,19 @@ def test_segments_fit_inside_an_autocast_region_but_never_across_its_ends():
 
 
 class NestedInAutocast(nn.Module):
-    """A bfloat16 region holding a float32 block (``autocast(enabled=False)``), a ``no_grad``
+    """A low-precision region holding a float32 block (``autocast(enabled=False)``), a ``no_grad``
     block and, in that, an ``enable_grad`` block; symbolic_trace rejects it (a Python ``if``
     on a size), so capture takes torch.export."""
 
-    def __init__(self):
+    def __init__(self, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.a, self.b, self.c, self.d, self.e = (nn.Linear(8, 8) for _ in range(5))
+        self.dtype = dtype
 
     def forward(self, x):
         if x.size(0) > 0:
             x = x * 1.0
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=self.dtype):
             h = torch.tanh(self.a(x))
             with torch.autocast("cpu", enabled=False):
                 exact = torch.tanh(self.b(h.float()))  # float32: b's weights are not cast
@@ -209,9 +210,10 @@ class NestedInAutocast(nn.Module):
         return (h.float() * exact / scale, exact)
 
 
-def test_regions_nested_in_autocast_are_captured_exactly_through_export():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_regions_nested_in_autocast_are_captured_exactly_through_export(dtype):
     torch.manual_seed(0)
-    model, x = NestedInAutocast(), torch.randn(4, 8)
+    model, x = NestedInAutocast(dtype), torch.randn(4, 8)
     reference = copy.deepcopy(model)
     captured, problem = prepare(model, (x,))
     assert captured.method == "export"
