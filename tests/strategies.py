@@ -473,6 +473,8 @@ class RegionModel(nn.Module):
                 self.n_buffer += 1
             else:
                 with _region(item[1]):
+                    if item[1] == "autocast(off)":
+                        h = h.float()  # full precision inside, where weights are no longer cast
                     h = self._run(item[2], h)
                 h = h.float()  # back from an autocast dtype
         return h
