@@ -390,6 +390,7 @@ class _Recorder(fx.Interpreter):
         self.fixed_casts: set[int] = set()
         nodes = [n for n in module.graph.nodes if n.op in COMPUTE_OPS]
         self.backward = _BackwardMemory(storages, nodes, cost.call)
+        self.hooked: set = set()  # grad_fns whose backward is charged to a node already
 
     def fetch_attr(self, target: str):
         return self.copies(super().fetch_attr(target))
@@ -449,7 +450,11 @@ class _Recorder(fx.Interpreter):
         node.meta["planner.bytes_moved"] = self.cost.bytes_moved
         node.meta["planner.requires_grad"] = any(t.requires_grad for t in tensors)
         node.meta["planner.tensor_output"] = bool(tensors)
-        for grad_fn in {t.grad_fn for t in tensors if t.grad_fn is not None}:
+        # A node that returns a tensor it was given (dropout with p=0, ``to`` to the same dtype)
+        # shares its grad_fn: that backward is the maker's, and runs where the maker's does
+        # (after the maker's recompute when it is checkpointed), so it is charged to the maker.
+        for grad_fn in {t.grad_fn for t in tensors if t.grad_fn is not None} - self.hooked:
+            self.hooked.add(grad_fn)
             grad_fn.register_prehook(lambda grads, node=node: self.backward.enter(node))
         return out
 
