@@ -1,8 +1,9 @@
 """Small torchvision and timm models (random weights, train mode) for the vision matrix.
 
 torchvision and timm are not in the ``test`` extra (see docs/huggingface.md, "Vision models"):
-install them with ``.venv/bin/pip install torchvision==0.28.0 timm``. The tests skip without
-them. ``tests/torchvision_shim.py`` (run by conftest) lets the CPU torch import torchvision.
+install them with ``.venv/bin/pip install --no-deps torchvision==0.28.0 timm==1.0.31``. The
+tests skip without them. ``tests/torchvision_shim.py`` (run by conftest) lets the CPU torch
+import torchvision.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import pytest
 import torch
 
 torchvision = pytest.importorskip(
-    "torchvision", reason="torchvision is not installed: pip install torchvision==0.28.0 timm"
+    "torchvision",
+    reason="torchvision is not installed: pip install --no-deps torchvision==0.28.0 timm==1.0.31",
 )
-timm = pytest.importorskip("timm", reason="timm is not installed: pip install timm")
+timm = pytest.importorskip(
+    "timm", reason="timm is not installed: pip install --no-deps timm==1.0.31"
+)
 
 
 def _classifier(build, **options):
