@@ -298,6 +298,9 @@ def test_accumulation_under_fsdp2_gives_the_single_process_gradients(fsdp_result
 
 def tiny_llama():
     """The same small Llama (no dropout) and global batch ``(ids,)`` in every process."""
+    from torchvision_shim import define_torchvision_operators
+
+    define_torchvision_operators()  # a spawned rank runs no conftest (torchvision installed)
     from hf_families import FAMILIES
 
     torch.manual_seed(0)
