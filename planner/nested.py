@@ -15,6 +15,10 @@ segments is a flat plan and simulates through ``planner.simulate``'s vectorised 
   saved-tensor hooks, so the forward holds only the top-level segments' inputs. A checkpoint
   holds its inputs for as long as anything saved through it lives: until the backward of the
   first node inside it (at any depth) that saves; a segment where no node saves holds nothing;
+* a checkpoint call, at any depth and in any run (the forward or a recompute), holds its
+  arguments until it returns: the calling body's variable and ``checkpoint``'s own arguments
+  keep them, whatever the callee saves (measured on the U-Net: a recompute running three
+  nested levels held 1 MiB more than a rule that freed them after their last reader);
 * the recompute of a segment runs its own nodes and its inner segments (whose nodes save
   nothing: they run under the inner segments' hooks), and stops early after the last thing it
   saves: a node of its own level that saves (which runs only when it saves something it
@@ -30,6 +34,9 @@ segments is a flat plan and simulates through ``planner.simulate``'s vectorised 
   any depth), the segments whose last saver it is recompute, outermost first (an inner
   segment's inputs come from its parent's recompute); each segment recomputes once, and one
   where nothing saves never does;
+* buffer copies (``planner.rewrite.Segment``): every run of a segment's body copies the buffers
+  it may update, and its recompute copies them once more; the checkpoint frame of the call
+  holds the first copy, see ``_Replay._buffer_copies``;
 * the random state: each checkpoint restores the state of its own start, so inner recomputes
   draw what the forward drew, at any depth (tests check it bit for bit).
 """
@@ -254,6 +261,22 @@ class _Replay:
         """The last step an input of ``segment``'s recompute stays alive through its level."""
         return max([self.run_end[segment], *self._holds(segment, storage, None, segment.inner)])
 
+    def _call_returns(self, children, storage, executed: dict[int, int]) -> list[int]:
+        """Steps where the checkpoint calls that take ``storage`` as an argument return, in a
+        run of the body holding ``children``: the calling body's variable and ``checkpoint``'s
+        own arguments hold it until then, whatever the callee saves. The outermost such call,
+        among the segments of any depth that run whole here, returns last."""
+        steps = []
+        for j in storage.readers:
+            nests = children
+            while (child := self._inside(nests).get(j)) is not None:
+                if not child.start <= storage.producer < child.stop:
+                    if child.stop - 1 in executed:  # not run when the recompute stops at it
+                        steps.append(executed[child.stop - 1])
+                    break
+                nests = child.inner
+        return steps
+
     def _release(self, segment, storage, created_at: int, executed: dict[int, int], last) -> int:
         children = self.top if segment is None else segment.inner
         home = self._inside(children).get(storage.producer)
@@ -261,6 +284,7 @@ class _Replay:
         if holds:
             return max(holds)
         reads = [executed[j] for j in storage.readers if j in executed]
+        reads += self._call_returns(children, storage, executed)
         if storage.is_output and segment is None:
             reads.append(last)
         if segment is not None and len(reads) < len(storage.readers):
@@ -271,21 +295,23 @@ class _Replay:
 
     def _buffer_copies(self, alloc: np.ndarray, free: np.ndarray) -> None:
         """The copies of buffers each run of a segment's body makes (``planner.rewrite.Segment``):
-        one when the body starts, held by its checkpoint until its recompute ends (or, when
-        nothing is saved through it, until the body returns: an inner segment in its parent's
-        forward, whose saves go through the parent), and one more during each recompute."""
+        one when the body starts, held by that call's checkpoint frame (its recompute context)
+        while something saved through it lives, and one more during each recompute.
+
+        A frame made in the forward, at any depth, lives until its recompute ends; one made
+        inside a parent's recompute lives only as long as the graph that recompute builds,
+        which goes when the recompute ends; one where nothing saves goes when its body returns.
+        """
         copies = {s: self.problem.buffer_copy_bytes(s.start, s.stop) for s in self.end}
 
-        def body(segment: Nest, started: int, returned: int, holds: bool) -> None:
+        def body(segment: Nest, started: int, held_to: int) -> None:
             if copies[segment]:
                 alloc[started] += copies[segment]
-                free[self.run_end[segment] if holds else returned] += copies[segment]
+                free[held_to] += copies[segment]
 
-        for top in self.top:
-            body(top, top.start, top.stop - 1, top in self.runs)
-            for inner in top.walk():
-                if inner is not top:
-                    body(inner, inner.start, inner.stop - 1, False)
+        for segment in (s for top in self.top for s in top.walk()):
+            saves = self.saving[segment] is not None
+            body(segment, segment.start, self.run_end[segment] if saves else segment.stop - 1)
         for segment, executed in self.runs.items():
             if not executed:
                 continue
@@ -294,10 +320,12 @@ class _Replay:
                 free[self.run_end[segment]] += copies[segment]
             at = dict(executed)
             for child in segment.inner:
-                if child.start in at:
-                    body(child, at[child.start], at[child.stop - 1], child in self.runs)
-                    for deeper in list(child.walk())[1:]:  # saves go through ``child``
-                        body(deeper, at[deeper.start], at[deeper.stop - 1], False)
+                if child.start not in at:
+                    continue  # the recompute stops at its inputs: it does not run
+                for inner in child.walk():
+                    returned = at[inner.stop - 1]
+                    saves = self.saving[inner] is not None
+                    body(inner, at[inner.start], self.run_end[segment] if saves else returned)
 
     # -- the replay ----------------------------------------------------------------------------
     def run(self, record: bool) -> Simulation:

@@ -7,8 +7,10 @@ The replay follows what PyTorch does with non-reentrant ``torch.utils.checkpoint
   dies after its last reader unless something keeps it for backward: a saver outside any
   checkpointed segment, or a checkpointed segment that takes it as input and saves anything
   (its checkpoint frame holds its inputs until the backward of its first saving node, where the
-  last saved tensor that keeps the frame alive goes). The graph's outputs live until the loss
-  has read them (``planner.step.training_step`` drops them before backward).
+  last saved tensor that keeps the frame alive goes); a segment that saves nothing still holds
+  its inputs until it returns (the caller's variable and the checkpoint call's arguments).
+  The graph's outputs live until the loss has read them (``planner.step.training_step`` drops
+  them before backward).
 * backward, in reverse order: the nodes after a segment's last saving node unpack nothing, so
   their backward runs first; on reaching that node, the segment's forward runs again up to it
   (early stop: autograd saves inputs before an op runs and outputs after, so when that last
@@ -128,8 +130,14 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     cached = kept[a.producer] & ~a.cast_cache
     triggered = (release < never) & ~cached
     backward_free = _total_at(release[triggered], a.nbytes[triggered], n)
+    # A checkpoint call holds its arguments until it returns (the caller's variable and the
+    # call's own), whatever its segment saves.
+    returns = np.array([stop - 1 for _, stop in segments] + [-1], dtype=np.int64)
+    argument = (reader_segment >= 0) & (reader_segment != home[a.read_storage])
+    last_use = a.last_use.copy()
+    np.maximum.at(last_use, a.read_storage[argument], returns[reader_segment[argument]])
     in_forward = ~triggered & ~cached
-    forward_free = _total_at(a.last_use[in_forward], a.nbytes[in_forward], n)
+    forward_free = _total_at(last_use[in_forward], a.nbytes[in_forward], n)
 
     end = ends[home]  # -1 outside segments: nothing is recomputed
     made = a.before_last_save & problem.saves_own[end]
