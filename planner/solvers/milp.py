@@ -315,6 +315,12 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
 
     rows = _Rows()
     seconds = np.zeros(columns)
+    # A segment that saves nothing is not offered: it frees nothing, yet its checkpoint call
+    # holds its inputs until it returns (planner.simulate); the same plan without it is better.
+    for c in last_end:
+        f = int(next_saving[c])
+        reaches = [(z[c, f], -1.0)] if f >= 0 and (c, f) in z else []
+        rows.add([(z[c, c], 1.0), *reaches], -math.inf, 0.0)
 
     def segment_terms(c: int, b: int, value: float):
         """``value * x[c, b]`` as terms in z."""
