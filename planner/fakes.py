@@ -258,9 +258,9 @@ class Copies:
             return self.convert(value)
         if isinstance(value, nn.Module):
             module = copy.copy(value)
-            for table in ("_parameters", "_buffers", "_modules"):
+            for table in ("_parameters", "_buffers", "_modules"):  # plain attributes of a Module
                 entries = getattr(value, table).items()
-                setattr(module, table, {k: v if v is None else self(v) for k, v in entries})
+                module.__dict__[table] = {k: v if v is None else self(v) for k, v in entries}
             for name, attribute in vars(value).items():
                 if isinstance(attribute, torch.Tensor):
                     module.__dict__[name] = self(attribute)

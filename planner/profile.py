@@ -82,6 +82,7 @@ from planner.fakes import (
     quiet_fake_failures,
     tensors_in,
 )
+from planner.gcpause import paused_collection
 from planner.regions import closing_regions, enter_autocast
 from planner.step import training_loss
 
@@ -197,6 +198,16 @@ def _cpu_statistics(out: tuple, inputs: list[torch.Tensor]) -> tuple:
     return (out[0], *(statistic.float() for statistic in out[1:]))
 
 
+def _shapes(value):
+    """``value`` with tensors replaced by their shapes (all a shape-only FLOP formula sees),
+    lists by tuples and other values by (type, value), to be hashed."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    if isinstance(value, (list, tuple)):
+        return (type(value), *map(_shapes, value))
+    return type(value), value
+
+
 class _CostMode(TorchDispatchMode):
     """Counts FLOPs and bytes moved of every ATen op, and which storages each op creates."""
 
@@ -205,7 +216,24 @@ class _CostMode(TorchDispatchMode):
         self.storages = storages
         self.call = call
         self.caching_casts = False  # set per node: autocast's state before the node ran
+        self.flop_counts: dict[tuple, int] = {}  # see _flops
         self.reset()
+
+    def _flops(self, func, formula: Callable, args: tuple, kwargs: dict, out) -> int:
+        """``formula``'s FLOPs for this call. A formula of ``torch.utils.flop_counter`` that
+        reads only shapes (``shape_wrapper``, which sets ``__wrapped__``) is computed once per
+        distinct call: a long model repeats a few shapes, and the formulas are slow Python."""
+        count = lambda: int(formula(*args, **kwargs, out_val=out))  # noqa: E731
+        if not hasattr(formula, "__wrapped__"):
+            return count()
+        try:
+            call = (func, _shapes(args), _shapes(tuple(kwargs.items())), _shapes(out))
+            known = self.flop_counts.get(call)
+        except TypeError:  # an argument that cannot be hashed
+            return count()
+        if known is None:
+            known = self.flop_counts[call] = count()
+        return known
 
     def reset(self):
         self.flops = 0
@@ -250,7 +278,7 @@ class _CostMode(TorchDispatchMode):
             if cast is not None:
                 self.casts.add(cast)
         if facts.flops is not None:
-            self.flops += int(facts.flops(*args, **kwargs, out_val=out))
+            self.flops += self._flops(func, facts.flops, args, kwargs, out)
         if not facts.aliasing:
             self.bytes_moved += sum(t.nbytes for t in inputs + outputs)
         return out
@@ -295,15 +323,21 @@ def _is_cached_cast(func, inputs: list[torch.Tensor], outputs: list[torch.Tensor
     )
 
 
+@functools.cache
+def _output_mask_position(func) -> int | None:
+    """Where ``func`` takes an ``output_mask`` argument, if it does (read once per op)."""
+    names = [argument.name for argument in func._schema.arguments]
+    return names.index("output_mask") if "output_mask" in names else None
+
+
 def _computed(func, args: tuple, kwargs: dict, out):
     """The outputs that ``func`` really computes. A backward op given an ``output_mask``
     (``native_batch_norm_backward``, ``convolution_backward``) returns no tensor where the mask
     is False on a real device, but its fake kernel may return a full one (a batch norm's
     gradient for an input that needs none): those allocate nothing."""
-    names = [argument.name for argument in func._schema.arguments]
-    if "output_mask" not in names or not isinstance(out, tuple):
+    position = _output_mask_position(func)
+    if position is None or not isinstance(out, tuple):
         return out
-    position = names.index("output_mask")
     mask = args[position] if position < len(args) else kwargs.get("output_mask")
     if mask is None or len(mask) != len(out):
         return out
@@ -499,13 +533,19 @@ class _StandIns(TorchDispatchMode):
         # A meta run's tensors are meta; a fake run's are fakes (a meta label is the user's).
         self.meta_run = isinstance(copies.convert, MetaCopies)
 
+    def _is_stand_in(self, tensor: torch.Tensor) -> bool:
+        return isinstance(tensor, FakeTensor) or (tensor.is_meta and self.meta_run)
+
     def _stand_in(self, tensor: torch.Tensor) -> torch.Tensor:
-        if isinstance(tensor, FakeTensor) or (tensor.is_meta and self.meta_run):
-            return tensor
-        return self.copies(tensor)
+        return tensor if self._is_stand_in(tensor) else self.copies(tensor)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        args, kwargs = tree_map_only(torch.Tensor, self._stand_in, (args, kwargs or {}))
+        kwargs = kwargs or {}
+        # Nearly every op (all of backward) sees stand-ins only: call it as it is, without
+        # rebuilding its arguments (ATen arguments hold tensors in lists and tuples only).
+        if all(map(self._is_stand_in, tensors_in(args) + tensors_in(tuple(kwargs.values())))):
+            return func(*args, **kwargs)
+        args, kwargs = tree_map_only(torch.Tensor, self._stand_in, (args, kwargs))
         return func(*args, **kwargs)
 
 
@@ -545,6 +585,7 @@ def check_loss(loss) -> None:
         )
 
 
+@paused_collection()
 def profile(
     gm: fx.GraphModule, args: tuple, kwargs: dict | None = None, *, loss_fn: Callable | None = None
 ) -> Profile:
@@ -586,7 +627,8 @@ def profile(
         # Every stand-in now, before the run: meta copies are made by ops that the cost mode
         # would count as memory of the node that first used the tensor.
         for module in gm.modules():
-            copies(module)
+            if module is not gm:  # the graph runs here, not gm: a copy would only recompile it
+                copies(module)
         for p in gm.parameters():
             key = storages.key(copies(p))
             if key is None:  # not strided (sparse): no storage to count
@@ -619,7 +661,9 @@ def profile(
                     loss_at, functools.partial(_run_loss, loss_fn, output, copies)
                 )
         del output
-        with recorder.backward, _StandIns(copies):  # the loss's labels, saved for backward
+        # A loss_fn's labels, saved for backward, are the user's: replaced there as well.
+        labels = _StandIns(copies) if loss_fn is not None else contextlib.nullcontext()
+        with recorder.backward, labels:
             loss.backward()
         recorder.backward.finish()
     produced, read = set(), set()
