@@ -28,6 +28,7 @@ from planner.export_leaves import (
     leaf_paths,
     restore_eager_arguments,
 )
+from planner.gcpause import paused_collection
 from planner.model_call import CALL_KEY, ModelCall, container_types
 from planner.regions import (
     CAPTURE_LOCK,
@@ -553,6 +554,7 @@ def _inexact(model: nn.Module, trace_error: Exception, why: str, advice: str) ->
     )
 
 
+@paused_collection()
 def capture(
     model: nn.Module,
     args: tuple,

@@ -9,6 +9,7 @@ reports.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,7 +76,8 @@ def validate_choice(problem: Problem, choice) -> Choice:
     keep = frozenset(int(k) for k in choice.keep)
     if not keep:
         return Choice(segments)
-    for k in sorted(keep):
+    ordered = sorted(keep)
+    for k in ordered:
         if not 0 <= k < problem.size:
             raise ValueError(
                 f"kept position {k} is not a node of this graph (0..{problem.size - 1})"
@@ -85,9 +87,11 @@ def validate_choice(problem: Problem, choice) -> Choice:
                 f"node {k} ({problem.names[k]}) cannot be kept: it creates no memory, mutates a "
                 "tensor in place, or what it creates is mutated later"
             )
+    in_segments: list[int] = []
     for start, stop in segments:
         runs_to = recompute_stop(problem, start, stop)
-        inside = sorted(k for k in keep if start <= k < stop)
+        inside = ordered[bisect.bisect_left(ordered, start) : bisect.bisect_left(ordered, stop)]
+        in_segments += inside
         late = [k for k in inside if k >= runs_to]
         if late:
             raise ValueError(
@@ -105,7 +109,7 @@ def validate_choice(problem: Problem, choice) -> Choice:
                 "which is recomputed: the recompute would draw different random numbers. Keep "
                 "random nodes only after every recomputed one in the segment"
             )
-    outside = keep - {k for start, stop in segments for k in range(start, stop)}
+    outside = keep.difference(in_segments)
     if outside:
         k = min(outside)
         raise ValueError(f"node {k} ({problem.names[k]}) is kept but lies in no segment")
@@ -114,8 +118,8 @@ def validate_choice(problem: Problem, choice) -> Choice:
 
 def last_recomputed(problem: Problem, start: int, stop: int) -> int:
     """The last position a recompute of ``(start, stop)`` runs to (early stop), or start - 1."""
-    saving = np.flatnonzero(problem.saves[start:stop])
-    return start + int(saving[-1]) if saving.size else start - 1
+    last = int(problem.last_saving[stop - 1]) if stop > start else -1
+    return last if last >= start else start - 1
 
 
 def recompute_stop(problem: Problem, start: int, stop: int) -> int:

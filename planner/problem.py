@@ -22,6 +22,7 @@ from torch import fx, nn
 from planner.capture import updates_in_place
 from planner.costs import CostModel
 from planner.export_leaves import LEAF_CALL
+from planner.gcpause import paused_collection
 from planner.profile import COMPUTE_OPS, Profile, require_meta
 from planner.regions import enter_autocast, region_spans
 
@@ -147,7 +148,8 @@ class Problem:
     autocast_cache_bytes: int = 0
     # Per node, the buffers a checkpointed segment holding it copies to restore them after its
     # recompute (``planner.rewrite.Segment``), as (buffer, bytes, position of the node that
-    # passes it in, or -1): a segment copies it unless that node is one of its own.
+    # passes it in, or -1): a segment copies it unless that node is one of its own. () when no
+    # node has any (solvers then skip a scan of every segment's nodes).
     buffer_copies: tuple[tuple[tuple[int, int, int], ...], ...] = ()
 
     @property
@@ -175,12 +177,23 @@ class Problem:
         """The storages as flat arrays, for vectorised passes (``simulate``)."""
         return StorageArrays.of(self.storages, self.size)
 
+    @cached_property
+    def last_saving(self) -> np.ndarray:
+        """Per position ``x``, the last position at or before ``x`` whose node saves, or -1:
+        where the recompute of a segment ending at ``x + 1`` stops, for any segment at once."""
+        return np.maximum.accumulate(np.where(self.saves, np.arange(self.size), -1))
+
     def saved_bytes_per_node(self) -> np.ndarray:
         """Bytes each node creates that autograd saves for backward: what checkpointing drops."""
+        return self._saved_bytes_per_node.copy()
+
+    @cached_property
+    def _saved_bytes_per_node(self) -> np.ndarray:
+        a = self.storage_arrays
         saved = np.zeros(self.size, dtype=np.int64)
-        for s in self.storages:
-            if s.savers:
-                saved[s.producer] += s.nbytes
+        has_savers = np.zeros(a.nbytes.size, dtype=bool)
+        has_savers[a.save_storage] = True
+        np.add.at(saved, a.producer[has_savers], a.nbytes[has_savers])
         return saved
 
     def is_valid_segment(self, start: int, stop: int) -> bool:
@@ -287,7 +300,7 @@ def buffer_read(module: nn.Module, node: fx.Node) -> str | None:
 
 def _buffer_copies(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple:
     """``Problem.buffer_copies``: per node, the buffers of the module it calls, and those it
-    reads (directly, or after in-place updates by the node that passes them in)."""
+    reads (directly, or after in-place updates by the node that passes them in); () if none."""
     position = {node: i for i, node in enumerate(nodes)}
     keys: dict[int, int] = {}  # id of a buffer tensor -> its key
 
@@ -306,7 +319,7 @@ def _buffer_copies(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple:
                 tensor = operator.attrgetter(target)(gm)
                 copies.append(entry(tensor, position.get(source, -1)))
         result.append(tuple(copies))
-    return tuple(result)
+    return tuple(result) if any(result) else ()
 
 
 def _cast_cache_exits(nodes: list[fx.Node]) -> dict[int, int]:
@@ -323,6 +336,7 @@ def _cast_cache_exits(nodes: list[fx.Node]) -> dict[int, int]:
     return exits
 
 
+@paused_collection()
 def build_problem(
     gm: fx.GraphModule,
     profile: Profile,
