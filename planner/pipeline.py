@@ -26,8 +26,9 @@ from planner.problem import Problem, build_problem
 from planner.profile import profile
 from planner.rewrite import rewrite
 from planner.serialize import input_spec
-from planner.simulate import Choice, as_choice, simulate
+from planner.simulate import Choice, Simulation, as_choice, simulate
 from planner.solvers.auto import choose, lowest_peak
+from planner.solvers.rotor import replay
 from planner.units import GIB, mib
 
 MAX_BUDGET_BYTES = 2**63  # byte counts are int64
@@ -271,7 +272,7 @@ def plan(
     solve_start = time.perf_counter()
     name, segments = choose(problem, budget, solver)
     solve_seconds = time.perf_counter() - solve_start
-    result = simulate(problem, segments)
+    result = replay(problem, segments)  # auto replayed a nested plan already
     if result.peak_bytes > budget:
         lowest = lowest_peak(problem)
         if lowest.peak_bytes <= budget:  # only a named solver can miss a budget auto meets
@@ -300,6 +301,7 @@ def plan(
         started=start,
         input_spec=input_spec(example_inputs, example_kwargs),
         capture_options=options,
+        simulated=result,
     )
     # A call leaving out a tensor argument (attention_mask) is planned like this one when first
     # seen (see planner.planned_module.Snapshot.run_without).
@@ -330,9 +332,11 @@ def assemble(
     started: float,
     input_spec: dict | None = None,
     capture_options: CaptureOptions | None = None,
+    simulated: Simulation | None = None,
 ) -> Plan:
     """Simulate, rewrite and package a choice (segments, or a ``Choice``; shared by plan, load
-    and plan_batch)."""
+    and plan_batch). ``simulated``: its simulation, when the caller has it (a nested plan's
+    replay is slow)."""
     nesting = segments if isinstance(segments, NestedChoice) and segments.flat() is None else None
     if nesting is not None:
         flat = Choice(tuple((s.start, s.stop) for s in nesting.segments))
@@ -340,7 +344,7 @@ def assemble(
         flat = as_choice(segments.flat() if isinstance(segments, NestedChoice) else segments)
     choice = nesting or flat
     baseline = simulate(problem, ())
-    result = simulate(problem, choice)
+    result = simulated if simulated is not None else simulate(problem, choice)
     step_seconds = problem.step_seconds
     return Plan(
         segments=flat.segments,

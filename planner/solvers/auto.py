@@ -7,12 +7,16 @@ minimum budget ``plan`` accepts and reports.
 
 from __future__ import annotations
 
+import weakref
+
 from planner.errors import PlanningError
+from planner.gcpause import paused_collection
 from planner.nested import NestedChoice
 from planner.problem import Problem
 from planner.simulate import Choice, Segments, Simulation, simulate
 from planner.solvers import SOLVERS, get_solver, register
 from planner.solvers.common import checked_result, rank, segments_between
+from planner.solvers.rotor import replay
 
 AUTO_OPTIMAL_MAX_NODES = 50_000
 AUTO_OPTIMAL_SECONDS = 30.0  # auto's time limit for optimal (its best plan by then is kept)
@@ -21,8 +25,20 @@ AUTO_OPTIMAL_SECONDS = 30.0  # auto's time limit for optimal (its best plan by t
 AUTO_ROTOR_MAX_NODES = 2_000
 
 
+_LOWEST: weakref.WeakKeyDictionary[Problem, tuple] = weakref.WeakKeyDictionary()
+
+
 def lowest_peak_plan(problem: Problem) -> tuple[Segments | Choice | NestedChoice, Simulation]:
-    """The candidate plan with the lowest simulated peak, among those the strategies consider."""
+    """The candidate plan with the lowest simulated peak, among those the strategies consider.
+
+    Worked out once per problem: ``auto`` asks when no plan fits, and ``plan`` again for its
+    error message; ``frontier`` starts from it."""
+    if problem not in _LOWEST:
+        _LOWEST[problem] = _lowest_peak_plan(problem)
+    return _LOWEST[problem]
+
+
+def _lowest_peak_plan(problem: Problem) -> tuple[Segments | Choice | NestedChoice, Simulation]:
     candidates = [
         SOLVERS["greedy"](problem, 0),
         segments_between(problem, problem.articulation_cuts),
@@ -33,7 +49,7 @@ def lowest_peak_plan(problem: Problem) -> tuple[Segments | Choice | NestedChoice
     lowest = min(((c, simulate(problem, c)) for c in candidates), key=lambda r: r[1].peak_bytes)
     if "rotor" in SOLVERS and problem.size <= AUTO_ROTOR_MAX_NODES:  # nested: a lower floor
         nested = SOLVERS["rotor"](problem, 0, flat=lowest[0])
-        lowest = min(lowest, (nested, simulate(problem, nested)), key=lambda r: r[1].peak_bytes)
+        lowest = min(lowest, (nested, replay(problem, nested)), key=lambda r: r[1].peak_bytes)
     return lowest
 
 
@@ -69,7 +85,7 @@ def auto(problem: Problem, budget: int, **options) -> tuple[str, Segments | Choi
     if best[0][0] and "rotor" in SOLVERS and problem.size <= AUTO_ROTOR_MAX_NODES:
         found = SOLVERS["rotor"](problem, budget, flat=best[2], **options)
         nested = checked_result("rotor", found, problem)
-        if simulate(problem, nested).peak_bytes <= budget:  # no flat plan fits; a nested one
+        if replay(problem, nested).peak_bytes <= budget:  # no flat plan fits; a nested one
             return "auto:rotor", nested
     if best[0][0]:  # nothing fits: the plan with the lowest peak may still (the stated minimum)
         segments, result = lowest_peak_plan(problem)
@@ -83,6 +99,7 @@ def solve(problem: Problem, budget_bytes: int, **options) -> Segments | Choice |
     return auto(problem, budget_bytes, **options)[1]
 
 
+@paused_collection()
 def choose(
     problem: Problem, budget: int, solver="auto", **options
 ) -> tuple[str, Segments | Choice | NestedChoice]:

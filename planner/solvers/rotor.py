@@ -21,11 +21,15 @@ So at budgets a flat plan meets, the answer never costs more than ``optimal``'s.
 
 from __future__ import annotations
 
+import bisect
+import weakref
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from planner.nested import Nest, NestedChoice
 from planner.problem import Problem
-from planner.simulate import Choice, Segments, simulate
+from planner.simulate import Choice, Segments, Simulation, simulate
 from planner.solvers import SOLVERS, register
 
 MAX_STAGES = 48  # candidate cuts searched (evenly spread among the allowed ones beyond that)
@@ -66,26 +70,31 @@ def table_plans(problem: Problem, cuts: list[int]) -> list[NestedChoice]:
     cut_units = np.ceil(crossing / unit).astype(int)
     prefix = np.concatenate([[0.0], np.cumsum(seconds)])
 
-    opt: dict[tuple[int, int], np.ndarray] = {}
-    arg: dict[tuple[int, int], np.ndarray] = {}
+    # opt[s, t] and arg[s, t]: the least cost of stages s..t-1 at each memory level, and the
+    # first stage s' of the checkpointed span chosen there (-1: stage s stored). Each (s, t)
+    # weighs every s' at once; of equal costs the stored stage wins, then the smallest s'.
+    opt = np.full((k + 1, k + 1, LEVELS + 1), np.inf)
+    arg = np.full((k + 1, k + 1, LEVELS + 1), -1)
     levels = np.arange(LEVELS + 1)
-    for length in range(1, k + 1):
+    valid = np.array([[a < b and problem.is_valid_segment(a, b) for b in cuts] for a in cuts])
+    for s in range(k):
+        opt[s, s + 1] = np.where(levels >= saved_units[s], seconds[s], np.inf)
+    for length in range(2, k + 1):
         for s in range(0, k - length + 1):
             t = s + length
-            if length == 1:
-                opt[s, t] = np.where(levels >= saved_units[s], seconds[s], np.inf)
-                arg[s, t] = np.full(LEVELS + 1, -1)
+            store = seconds[s] + _shift(opt[s + 1, t], saved_units[s])
+            spans = np.flatnonzero(valid[s, s + 1 : t]) + s + 1  # the s' of valid segments
+            if not spans.size:
+                opt[s, t] = store
                 continue
-            best = seconds[s] + _shift(opt[s + 1, t], saved_units[s])
-            choice = np.full(LEVELS + 1, -1)
-            for s2 in range(s + 1, t):
-                if not problem.is_valid_segment(cuts[s], cuts[s2]):
-                    continue
-                cost = prefix[s2] - prefix[s] + _shift(opt[s2, t], cut_units[s2]) + opt[s, s2]
-                better = cost < best
-                best = np.where(better, cost, best)
-                choice = np.where(better, s2, choice)
-            opt[s, t], arg[s, t] = best, choice
+            source = levels - cut_units[spans][:, None]  # opt[s', t] at m - cut(s'), as _shift
+            after = np.where(source >= 0, opt[spans[:, None], t, np.maximum(source, 0)], np.inf)
+            cost = (prefix[spans] - prefix[s])[:, None] + after + opt[s, spans]
+            first = cost.argmin(axis=0)
+            lowest = cost[first, levels]
+            better = lowest < store
+            opt[s, t] = np.where(better, lowest, store)
+            arg[s, t] = np.where(better, spans[first], -1)
 
     def items(s: int, t: int, m: int) -> tuple[Nest, ...]:
         result: list[Nest] = []
@@ -110,7 +119,7 @@ def bisections(problem: Problem, cuts: list[int]) -> list[NestedChoice]:
     half is cut at the cheapest boundary (fewest bytes crossing) in the middle half."""
 
     def halve(start: int, stop: int, depth: int) -> Nest:
-        inside = [c for c in cuts if start < c < stop]
+        inside = cuts[bisect.bisect_right(cuts, start) : bisect.bisect_left(cuts, stop)]
         middle, quarter = (start + stop) / 2, (stop - start) / 4
         central = [c for c in inside if abs(c - middle) <= quarter] or inside
         ranked = sorted(central, key=lambda c: (int(problem.cut_bytes[c]), abs(c - middle)))
@@ -131,6 +140,37 @@ def bisections(problem: Problem, cuts: list[int]) -> list[NestedChoice]:
     return [NestedChoice(tuple(halve(a, b, d) for a, b in top)) for d in range(depth + 1)]
 
 
+@dataclass
+class _Known:
+    """What rotor works out once per problem: its nested candidates (the table's plans and the
+    bisections depend on the graph alone) and the replays of nested plans, which are slow and
+    asked for again by ``auto``, ``lowest_peak`` and every budget of a frontier."""
+
+    candidates: list[NestedChoice]
+    replays: dict[NestedChoice, Simulation] = field(default_factory=dict)
+
+
+_KNOWN: weakref.WeakKeyDictionary[Problem, _Known] = weakref.WeakKeyDictionary()
+
+
+def _known(problem: Problem) -> _Known:
+    if problem not in _KNOWN:
+        cuts = _candidate_cuts(problem)
+        every_cut = [0, *(int(c) for c in np.flatnonzero(problem.cut_allowed)[1:-1]), problem.size]
+        _KNOWN[problem] = _Known([*table_plans(problem, cuts), *bisections(problem, every_cut)])
+    return _KNOWN[problem]
+
+
+def replay(problem: Problem, choice) -> Simulation:
+    """``simulate(problem, choice)``, remembered per problem for nested plans."""
+    if not isinstance(choice, NestedChoice):
+        return simulate(problem, choice)
+    replays = _known(problem).replays
+    if choice not in replays:
+        replays[choice] = simulate(problem, choice)
+    return replays[choice]
+
+
 @register("rotor")
 def solve(
     problem: Problem, budget_bytes: int, *, flat=None, **options
@@ -138,15 +178,14 @@ def solve(
     """The cheapest plan that fits among the table's, the bisections and ``flat`` (a flat plan
     already found; ``optimal``'s when not given, run with ``options``); the lowest peak among
     them when none fits (see the module docstring)."""
-    cuts = _candidate_cuts(problem)
     if flat is None:
         flat = SOLVERS["optimal"](problem, budget_bytes, **options)
-    every_cut = [0, *(int(c) for c in np.flatnonzero(problem.cut_allowed)[1:-1]), problem.size]
-    candidates = [flat, *table_plans(problem, cuts), *bisections(problem, every_cut)]
+    # Each distinct plan once, in order: the first of equals wins.
+    candidates = dict.fromkeys([flat, *_known(problem).candidates])
     best: NestedChoice | Choice | Segments = flat
     best_key = None
     for candidate in candidates:
-        result = simulate(problem, candidate)
+        result = replay(problem, candidate)
         fits = result.peak_bytes <= budget_bytes
         key = (not fits, result.recompute_seconds if fits else result.peak_bytes)
         if best_key is None or key < best_key:
