@@ -67,7 +67,10 @@ def auto(problem: Problem, budget: int, **options) -> tuple[str, Segments | Choi
     ``sqrt_n``. Name ``solver="optimal"`` to run it on larger graphs, without a time limit.
     """
     best: tuple[tuple[bool, float], str, Segments | Choice | NestedChoice] | None = None
+    unbeatable = (False, 0.0) if problem.seconds.min(initial=0.0) >= 0 else None
     for name in ("optimal", "greedy", "sqrt_n"):
+        if best is not None and best[0] == unbeatable:
+            break  # it fits and recomputes nothing: no later strategy can rank before it
         if name not in SOLVERS or (name == "optimal" and problem.size > AUTO_OPTIMAL_MAX_NODES):
             continue
         limit = {"time_limit": AUTO_OPTIMAL_SECONDS} if name == "optimal" else {}
