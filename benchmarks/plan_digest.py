@@ -19,6 +19,7 @@ moment. Both limits are lifted here (``--timed`` keeps them), so that two runs c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -42,7 +43,16 @@ from planner.simulate import simulate  # noqa: E402
 from planner.solvers import SOLVERS, auto, optimal  # noqa: E402
 from planner.solvers.auto import choose, lowest_peak  # noqa: E402
 
-FRACTIONS = (-0.05, 0.0, 0.02, 0.1, 0.3, 0.5, 0.9)  # of the way from the lowest peak to baseline
+FRACTIONS = (
+    -0.05,
+    0.0,
+    0.02,
+    0.1,
+    0.3,
+    0.5,
+    0.9,
+    1.0,
+)  # of the way from the lowest peak to baseline
 
 
 class Block(nn.Module):
@@ -79,6 +89,17 @@ def _with_kwargs(example):
     return model, inputs, {}
 
 
+def _gpt_with_labels():
+    """zoo GPT with a loss_fn whose labels come through its closure (profiled on stand-ins)."""
+    model, (idx,) = zoo.gpt(layers=2, with_loss=False)
+    labels = torch.roll(idx, -1, dims=1)
+
+    def loss_fn(logits):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    return model, (idx,), {}, loss_fn
+
+
 MODELS = {
     "mlp": lambda: _with_kwargs(zoo.mlp_chain()),
     "gpt": lambda: _with_kwargs(zoo.gpt(layers=2)),
@@ -89,6 +110,8 @@ MODELS = {
     "gpt-meta-1k": lambda: _with_kwargs(zoo.gpt(layers=25, device="meta")),
     "residual-meta-1k": lambda: _with_kwargs(residual_mlp(200, 1024, 64)),
     "nested-meta-400": lambda: _with_kwargs(residual_mlp(80, 16, 65536, norm=False)),
+    "gpt-loss-fn": _gpt_with_labels,
+    "gpt-autocast": lambda: _with_kwargs(zoo.gpt(layers=2)),
     "hf-gpt2": lambda: _hf("gpt2"),
     "hf-t5": lambda: _hf("t5"),
 }
@@ -115,8 +138,13 @@ def _result(problem, name: str, choice) -> dict:
 
 
 def digest(name: str) -> dict:
-    model, args, kwargs = MODELS[name]()
-    _, problem = prepare(model, args, kwargs)
+    model, args, kwargs, *loss_fn = MODELS[name]()
+    autocast = name.endswith("-autocast")
+    with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+        return _digest_of(name, prepare(model, args, kwargs, loss_fn=(loss_fn or [None])[0])[1])
+
+
+def _digest_of(name: str, problem) -> dict:
     fields = {
         f.name: _digest(getattr(problem, f.name))
         for f in dataclasses.fields(problem)
