@@ -68,8 +68,7 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -78,19 +77,20 @@ from planner.problem import Problem
 from planner.simulate import (
     Choice,
     Segments,
+    last_recomputed,
     recompute_stop,
     simulate,
-    validate_choice,
 )
 from planner.solvers import register
 
 NEVER = np.iinfo(np.int64).max
+STORED, SEGMENT = -1, 0  # kinds of blocks in the search's states; above 0: a keep set's id
 EXACT_NODES = 48  # up to this many nodes: exact recompute peaks and unthinned fronts
 CANDIDATE_CUTS = 96  # more allowed cuts than this: search coarse-to-fine
 REFINE = 2  # each refining pass tries cuts this many times closer together, this many each side
 SHORT = 8  # refining passes at this spacing or closer also try short segments near coarse cuts
 BUCKETS = 256  # fronts of large problems keep one entry per 1/BUCKETS of the limit
-EXACT_KEEP_NODES = 6  # up to this many nodes: every (segments, keep set) pair is tried
+EXACT_KEEP_NODES = 12  # up to this many nodes: the search tries every keep set of every segment
 GROUPS = (1, 2, 4)  # keeps are tried on segments spanning this many articulation blocks
 PREFIXES = 64  # keep-set sizes tried per segmentation: evenly spaced prefixes (_best_prefix)
 # The keep search starts no new segmentation once it has taken this share of the segment
@@ -201,6 +201,7 @@ def _recompute_peaks(problem: Problem, t: _Tables, c: int, stop: int) -> np.ndar
     saved_inside: set[int] = set()
     pending: tuple[int, ...] = ()  # made by the last saving node, not (yet) recomputed
     end, peak = c - 1, 0
+    cast_cache = problem.storage_arrays.cast_cache
 
     def start(k: int) -> None:
         until[k] = int(t.producer[k])
@@ -230,8 +231,10 @@ def _recompute_peaks(problem: Problem, t: _Tables, c: int, stop: int) -> np.ndar
                     for k in t.made_at[y]:
                         if k not in saved_inside:
                             start(k)
-            for k, last in until.items():  # read beyond the stop: the frame holds it until then
-                if t.last_use[k] > x > last:
+            # Read beyond the stop (graph outputs: by the loss), or a weight cast that autocast
+            # caches: the frame, or the cache, holds it until then.
+            for k, last in until.items():
+                if (t.last_use[k] >= x or cast_cache[k]) and x > last:
                     transient[last - c + 1] += t.nbytes[k]
                     transient[x - c + 1] -= t.nbytes[k]
                     until[k] = x
@@ -344,11 +347,161 @@ def _segment_locals(
     monotone = np.maximum(monotone, forward_peak + copies)  # forward_peak already runs up
     before_recompute = np.where((index > last) & (last >= 0), tail + charged + held_copies, 0)
     local = np.maximum(monotone, before_recompute)
+    parts = _SavingParts(
+        forward=forward + held,
+        copies=copies,
+        after_recompute=np.maximum(before, with_saved[np.maximum(last, 0)] + charged),
+        before_recompute=tail + charged + copies,
+        recompute_base=t.after_backward[c + np.maximum(last, 0) + 1] + charged + 2 * copies,
+    )
     return (
         charged + held_copies,
         np.maximum(local, recompute + charged + 2 * held_copies),
         monotone,
+        parts,
     )
+
+
+@dataclass(frozen=True)
+class _SavingParts:
+    """The pieces of ``_segment_locals`` for segments ``[c, b)`` that save something, which
+    kept nodes (``_KeepSets``) add to: arrays indexed ``b - c - 1``, except ``forward`` (per
+    node of ``[c, stop)``: live bytes at its forward, the held inputs included)."""
+
+    forward: np.ndarray
+    copies: np.ndarray  # buffer copies: held from the forward to the end of the recompute
+    after_recompute: np.ndarray  # highest backward once the recompute has run
+    before_recompute: np.ndarray  # backward of the nodes after the last saving one (+ charged)
+    recompute_base: np.ndarray  # live besides the recompute's own copies while it runs
+
+    def locals(self, b_index: int, sets: _KeepSets) -> np.ndarray:
+        """Local peak of the segment ending at index ``b_index`` under each keep set: the
+        caches run up the forward, stay until the recompute (whose first steps then hold them)
+        and change nothing after it (the recompute frees them as it frees copies)."""
+        forward = (self.forward[: b_index + 1] + sets.forward).max(axis=1) + self.copies[b_index]
+        return np.maximum.reduce(
+            [
+                forward,
+                np.full(len(sets.keeps), self.after_recompute[b_index]),
+                self.before_recompute[b_index] + sets.cache,
+                self.recompute_base[b_index] + sets.recompute,
+            ]
+        )
+
+
+@dataclass(frozen=True)
+class _KeepSets:
+    """Every keep set of one segment ``[c, b)`` and what it changes, whatever the mask.
+
+    Kept nodes are additive: each holds its storages from its forward to the recompute
+    (``cache``), keeps them past their last reader in forward, fills the recompute's steps
+    before its own with them and spares the recompute its workspace (``planner.simulate``), so
+    a set's effects are sums of per-node rows.
+    """
+
+    keeps: tuple[tuple[int, ...], ...]
+    forward: np.ndarray  # (sets, b - c): bytes the caches add at each node's forward
+    recompute: np.ndarray  # (sets,): the recompute's own peak with the keeps
+    cache: np.ndarray  # (sets,): bytes held from the forward to the recompute
+    saved: np.ndarray  # (sets,): recompute seconds spared
+    first_id: int = 0  # kinds first_id .. first_id + sets - 1 name them in the search's states
+
+
+def _keep_candidates(problem: Problem, t: _Tables, c: int, b: int) -> tuple[list, list]:
+    """(non-random, random) nodes of ``[c, b)`` the recompute runs that a keep set may hold.
+
+    Left out, as the MILP leaves them: nodes making a weight cast that autocast caches (the
+    selective cache does not hold it), and an early-stop node making a storage its recompute
+    does not re-create (nothing would free its cache entry).
+    """
+    end, runs_to = last_recomputed(problem, c, b), recompute_stop(problem, c, b)
+    arrays = problem.storage_arrays
+    candidates = [
+        x
+        for x in range(c, runs_to)
+        if problem.keepable[x]
+        and not any(arrays.cast_cache[k] for k in t.made_at[x])
+        and (x < end or all(arrays.before_last_save[k] for k in t.made_at[x]))
+    ]
+    return [x for x in candidates if not problem.random[x]], [
+        x for x in candidates if problem.random[x]
+    ]
+
+
+def _keep_sets(problem: Problem, t: _Tables, c: int, b: int) -> _KeepSets | None:
+    """Every valid non-empty keep set of the segment ``[c, b)`` (``validate_choice``): any
+    subset of its non-random candidates, with a suffix of its random nodes (kept random nodes
+    come after every recomputed one); None when it has none."""
+    plain, randoms = _keep_candidates(problem, t, c, b)
+    runs_to = recompute_stop(problem, c, b)
+    every_random = np.flatnonzero(problem.random[c:runs_to]) + c
+    suffixes = [
+        tuple(every_random[i:].tolist())
+        for i in range(every_random.size + 1)
+        if set(every_random[i:].tolist()) <= set(randoms)
+    ]
+    nodes = plain + randoms
+    if not nodes:
+        return None
+    column = {x: j for j, x in enumerate(nodes)}
+    rows = []
+    for mask in range(1 << len(plain)):
+        for suffix in suffixes:
+            chosen = [x for j, x in enumerate(plain) if mask >> j & 1] + list(suffix)
+            if chosen:
+                rows.append(chosen)
+    member = np.zeros((len(rows), len(nodes)), dtype=np.int64)
+    for r, chosen in enumerate(rows):
+        member[r, [column[x] for x in chosen]] = 1
+
+    width, steps = b - c, last_recomputed(problem, c, b) - c + 1
+    forward = np.zeros((len(nodes), width), dtype=np.int64)
+    recompute = np.zeros((len(nodes), steps), dtype=np.int64)
+    cache = np.zeros(len(nodes), dtype=np.int64)
+    for j, x in enumerate(nodes):
+        held = int(problem.kept_bytes[x] - problem.created_bytes[x])
+        for k in t.made_at[x]:
+            forward[j, t.last_use[k] - c + 1 :] += t.nbytes[k]  # not freed in forward
+            recompute[j, : x - c] += t.nbytes[k]  # in the cache before the recompute makes it
+            cache[j] += t.nbytes[k]
+        forward[j, x - c] += max(0, held - int(problem.workspace[x]))  # replaces its workspace
+        forward[j, x - c + 1 :] += held
+        recompute[j, : x - c + 1] += held
+        recompute[j, x - c] -= problem.workspace[x]  # the recompute does not run it
+        cache[j] += held
+    profile = _recompute_profile(problem, t, c, b)
+    return _KeepSets(
+        keeps=tuple(map(tuple, rows)),
+        forward=member @ forward,
+        recompute=(profile + member @ recompute).max(axis=1),
+        cache=member @ cache,
+        saved=member @ problem.seconds[nodes],
+    )
+
+
+def _recompute_profile(problem: Problem, t: _Tables, c: int, b: int) -> np.ndarray:
+    """Live bytes at each step of the recompute of ``[c, b)`` (nothing kept), above what is
+    live when it starts, as ``planner.simulate`` replays it: a re-created storage lives from
+    its producer to the end of the recompute when a node of the segment saves it, else to its
+    last reader the recompute runs (the stop, for what the stop's node or a later one reads,
+    and for graph outputs and weight casts); each node the recompute runs adds its workspace.
+    """
+    end, runs_to = last_recomputed(problem, c, b), recompute_stop(problem, c, b)
+    arrays = problem.storage_arrays
+    delta = np.zeros(end - c + 2, dtype=np.int64)
+    for x in range(c, end + 1):
+        for k in t.made_at[x]:
+            if x == end and not (problem.saves_own[end] and arrays.before_last_save[k]):
+                continue  # the early stop's node does not make it again
+            storage = problem.storages[k]
+            if any(c <= j < b for j in storage.savers) or storage.is_output or storage.cast_cache:
+                until = end
+            else:
+                until = max([x, *(min(j, end) for j in storage.readers)])
+            delta[x - c] += t.nbytes[k]
+            delta[until - c + 1] -= t.nbytes[k]
+    work = np.where(np.arange(c, end + 1) < runs_to, problem.workspace[c : end + 1], 0)
+    return np.cumsum(delta)[:-1] + work
 
 
 def _copy_bytes(problem: Problem, c: int, stop: int) -> np.ndarray:
@@ -411,7 +564,8 @@ class _Search:
 
     ``limit`` is the memory above fixed bytes that every block must fit. ``peak_mode`` scores a
     plan by its highest block peak instead of its recompute cost (used when no plan fits the
-    budget, to find the lowest peak).
+    budget, to find the lowest peak). With ``keeps``, every segment is also tried with each of
+    its keep sets (``_KeepSets``): segments and kept nodes are then chosen jointly.
     """
 
     problem: Problem
@@ -422,8 +576,12 @@ class _Search:
     bucket: int
     candidate_cuts: int = CANDIDATE_CUTS
     deadline: float = math.inf  # time.perf_counter() past which a pass stops (_OutOfTime)
+    keeps: bool = False
     segment_memo: dict = field(default_factory=dict)
     step_memo: dict = field(default_factory=dict)
+    # A state entry's block: STORED, SEGMENT (nothing kept) or the keep set of that id.
+    keep_memo: dict = field(default_factory=dict)
+    kept_nodes: list = field(default_factory=lambda: [()])
 
     @cached_property
     def segment_tie(self) -> float:
@@ -431,8 +589,8 @@ class _Search:
         (a segment that recomputes nothing still costs a checkpoint call and holds its inputs)."""
         return 1e-12 * float(self.problem.seconds.sum())
 
-    def run(self, corridors: dict[int, np.ndarray]) -> tuple[float, Segments] | None:
-        """(score, segments) of the best plan whose segments are ``[c, b)`` with ``b`` in
+    def run(self, corridors: dict[int, np.ndarray]) -> tuple[float, Choice] | None:
+        """(score, choice) of the best plan whose segments are ``[c, b)`` with ``b`` in
         ``corridors[c]``.
 
         Only the cuts named there are visited: between two neighbours every node is stored, a
@@ -443,8 +601,8 @@ class _Search:
         named = [np.array([0, n]), np.fromiter(corridors, int), *corridors.values()]
         positions = np.unique(np.concatenate(named)).tolist()
         self.pending: dict[int, dict[frozenset, list]] = {p: {} for p in positions}
-        self.states: list[tuple] = []  # (position, charged, value, parent, index, is_segment)
-        self.pending[0][frozenset()] = [(np.zeros(1, np.int64), np.zeros(1), -1, False)]
+        self.states: list[tuple] = []  # (position, charged, value, parent, index, kind)
+        self.pending[0][frozenset()] = [(np.zeros(1, np.int64), np.zeros(1), -1, STORED)]
         for c, following in zip(positions, positions[1:]):
             if time.perf_counter() > self.deadline:
                 raise _OutOfTime
@@ -470,11 +628,13 @@ class _Search:
                     np.array([local]),
                     np.array([held]),
                     np.zeros(1),
-                    False,
+                    STORED,
                 )
                 if not ends.size:
                     continue
-                held_b, local_b, monotone = _segment_locals(problem, t, c, mask, stop, recompute)
+                held_b, local_b, monotone, parts = _segment_locals(
+                    problem, t, c, mask, stop, recompute
+                )
                 overflow = np.flatnonzero(charged[0] + monotone > self.limit)
                 reach = c + 1 + (int(overflow[0]) if overflow.size else stop)
                 reachable = ends[ends < reach]
@@ -490,8 +650,10 @@ class _Search:
                     local_b[i],
                     held_b[i],
                     cost[i] + self.segment_tie,
-                    True,
+                    SEGMENT,
                 )
+                for b, mask_b in zip(reachable.tolist() if self.keeps else (), masks):
+                    self._extend_with_keeps(state, c, b, mask_b, parts, held_b, cost)
         finals = self._settle(n)
         if not finals:
             return None
@@ -500,13 +662,46 @@ class _Search:
             key=lambda si: self.states[si[0]][2][si[1]],
         )
         score = float(self.states[state][2][index])
-        segments = []
+        segments, keep = [], []
         while state >= 0:
-            position, _, _, parent, previous, is_segment = self.states[state]
-            if is_segment[index]:
+            position, _, _, parent, previous, kind = self.states[state]
+            if kind[index] != STORED:
                 segments.append((self.states[parent[index]][0], position))
+                keep += self.kept_nodes[kind[index]]
             state, index = int(parent[index]), int(previous[index])
-        return score, tuple(reversed(segments))
+        return score, Choice(tuple(reversed(segments)), frozenset(keep))
+
+    def _extend_with_keeps(self, state, c: int, b: int, mask, parts, held, cost) -> None:
+        """Extend the front of ``state`` by the segment ``[c, b)`` under each of its keep sets
+        that can fit: a keep set charges its caches to the segment, and the storages of kept
+        nodes crossing ``b`` join the mask (their cache holds them until the recompute)."""
+        sets = self._keep_sets(c, b)
+        if sets is None:
+            return
+        i = b - c - 1
+        local = parts.locals(i, sets)
+        least_charged = int(self.states[state][1][0])
+        for row in np.flatnonzero(least_charged + local <= self.limit).tolist():
+            cached = {k for x in sets.keeps[row] for k in self.t.made_at[x]}
+            self._extend(
+                state,
+                [b],
+                [mask | cached.intersection(self.t.crossing[b])],
+                local[row : row + 1],
+                held[i : i + 1] + sets.cache[row],
+                cost[i : i + 1] - sets.saved[row] + self.segment_tie * (1 + len(sets.keeps[row])),
+                sets.first_id + row,
+            )
+
+    def _keep_sets(self, c: int, b: int) -> _KeepSets | None:
+        """``_keep_sets`` of ``[c, b)``, computed once; its sets get ids in ``kept_nodes``."""
+        if (c, b) not in self.keep_memo:
+            sets = _keep_sets(self.problem, self.t, c, b)
+            if sets is not None:
+                sets = replace(sets, first_id=len(self.kept_nodes))
+                self.kept_nodes.extend(sets.keeps)
+            self.keep_memo[c, b] = sets
+        return self.keep_memo[c, b]
 
     def _segment_costs(self, c: int, stop: int):
         """``_segment_costs`` of the segments from ``c``, computed once for all passes."""
@@ -535,7 +730,7 @@ class _Search:
         assert peak is not None, "an empty run"  # callers pass end > c
         return peak, held, mask
 
-    def _extend(self, state, ends, masks, local, held, cost, is_segment) -> None:
+    def _extend(self, state, ends, masks, local, held, cost, kind: int) -> None:
         """Extend the front of ``state`` by one block to each of ``ends``, keeping what fits.
 
         Charged bytes are sorted, so the entries that fit a block are a prefix of the front.
@@ -549,14 +744,14 @@ class _Search:
             scores = value[None, :] + cost[:, None]
         for row, (b, mask, count) in enumerate(zip(ends, masks, counts)):
             if count:
-                chunk = (grown[row, :count], scores[row, :count], state, is_segment)
+                chunk = (grown[row, :count], scores[row, :count], state, kind)
                 self.pending[b].setdefault(mask, []).append(chunk)
 
     def _settle(self, position: int) -> list[tuple[frozenset, int]]:
         """Turn the blocks that reached ``position`` into Pareto fronts, one state per mask."""
         settled = []
         for mask, chunks in self.pending[position].items():
-            fronts, values, parents, segment_flags = zip(*chunks)
+            fronts, values, parents, kinds = zip(*chunks)
             starts = np.cumsum([0, *map(len, fronts)])[:-1]
             charged, value = np.concatenate(fronts), np.concatenate(values)
             keep = _pareto(charged, value, self.bucket)
@@ -569,7 +764,7 @@ class _Search:
                     value[keep],
                     np.array(parents)[chunk],
                     keep - starts[chunk],
-                    np.array(segment_flags)[chunk],
+                    np.array(kinds)[chunk],
                 )
             )
             settled.append((mask, len(self.states) - 1))
@@ -616,7 +811,7 @@ def _corridors(
     return {c: np.unique(np.concatenate(arrays)) for c, arrays in ends.items()}
 
 
-def _search(search: _Search) -> tuple[float, Segments] | None:
+def _search(search: _Search) -> tuple[float, Choice] | None:
     """Best plan over every allowed cut when there are few, else coarse-to-fine.
 
     With more than ``candidate_cuts`` allowed cuts, a first pass keeps one cut in every
@@ -634,9 +829,9 @@ def _search(search: _Search) -> tuple[float, Segments] | None:
         spacing = -(-allowed.size // search.candidate_cuts)
         coarse = _coarse_cuts(search.problem, allowed, spacing)
         best = search.run({int(c): coarse for c in coarse})
-        while best is not None and best[1] and spacing > 1:
+        while best is not None and best[1].segments and spacing > 1:
             spacing = max(1, spacing // REFINE)
-            found = search.run(_corridors(allowed, coarse, best[1], spacing))
+            found = search.run(_corridors(allowed, coarse, best[1].segments, spacing))
             if found is not None and found[0] <= best[0]:
                 best = found
     except _OutOfTime:
@@ -651,36 +846,44 @@ def _heuristics(problem: Problem, budget_bytes: int) -> list[Segments]:
     return [greedy(problem, budget_bytes), sqrt_n(problem, budget_bytes)]
 
 
-def _segments_plan(
-    problem: Problem, budget_bytes: int, candidate_cuts: int, deadline: float
-) -> Segments:
-    """Least recompute with segments alone (nothing kept inside them); see ``solve``."""
+def _searched_plan(
+    problem: Problem, budget_bytes: int, candidate_cuts: int, deadline: float, keeps: bool
+) -> Segments | Choice:
+    """Least recompute found by the block search, with segments alone or (``keeps``) with
+    every keep set of every segment too; see ``solve``."""
     if problem.size == 0 or simulate(problem, ()).peak_bytes <= budget_bytes:
         return ()
     t = _tables(problem)
     exact = problem.size <= EXACT_NODES
     limit = budget_bytes - problem.fixed_bytes
     bucket = 1 if exact else max(1, limit // BUCKETS)
-    search = _Search(problem, t, limit, False, exact, bucket, candidate_cuts, deadline)
+    search = _Search(problem, t, limit, False, exact, bucket, candidate_cuts, deadline, keeps)
     found = _search(search) if limit > 0 else None
     plans = [found[1]] if found is not None else []
     results = {plan: simulate(problem, plan) for plan in plans}
     if not exact or not any(r.peak_bytes <= budget_bytes for r in results.values()):
         for plan in _heuristics(problem, budget_bytes):
             results[plan] = simulate(problem, plan)
-    fitting = [
-        (r.recompute_seconds, plan) for plan, r in results.items() if r.peak_bytes <= budget_bytes
-    ]
+    fitting = {
+        plan: r.recompute_seconds for plan, r in results.items() if r.peak_bytes <= budget_bytes
+    }
     if fitting:
-        return min(fitting)[1]
+        return _plain(min(fitting, key=fitting.__getitem__))
     known = min(results.values(), key=lambda r: r.peak_bytes).peak_bytes
     lowest = known - problem.fixed_bytes
     peak_bucket = 1 if exact else max(1, lowest // BUCKETS)
-    found = _search(_Search(problem, t, lowest, True, exact, peak_bucket, candidate_cuts, deadline))
+    found = _search(
+        _Search(problem, t, lowest, True, exact, peak_bucket, candidate_cuts, deadline, keeps)
+    )
     if found is not None:
         results[found[1]] = simulate(problem, found[1])
     ranked = {plan: (r.peak_bytes, r.recompute_seconds) for plan, r in results.items()}
-    return min(ranked, key=ranked.__getitem__)
+    return _plain(min(ranked, key=ranked.__getitem__))
+
+
+def _plain(plan: Segments | Choice) -> Segments | Choice:
+    """A choice that keeps nothing as its segments, as solvers return it."""
+    return plan.segments if isinstance(plan, Choice) and not plan.keep else plan
 
 
 @register("optimal")
@@ -723,9 +926,11 @@ def solve(
     """
     began = time.perf_counter()
     deadline = math.inf if time_limit is None else began + time_limit
-    segments = _segments_plan(problem, budget_bytes, candidate_cuts, deadline)
-    if not keep or not _keep_value(problem).any():
+    joint = keep and problem.size <= EXACT_KEEP_NODES
+    segments = _searched_plan(problem, budget_bytes, candidate_cuts, deadline, joint)
+    if not keep or joint or not _keep_value(problem).any():
         return segments
+    assert not isinstance(segments, Choice), "the search keeps nodes only when joint"
     now = time.perf_counter()
     share = now + max(KEEP_TIME_SHARE * (now - began), KEEP_MIN_SECONDS)
     return _with_keeps(problem, budget_bytes, segments, min(deadline, share))
@@ -820,7 +1025,7 @@ def _with_keeps(
 ) -> Segments | Choice:
     """The cheapest plan of segments and kept nodes found, at least as cheap as ``segments``.
 
-    Tiny problems are searched exhaustively. Otherwise each of a few segmentations (the
+    Each of a few segmentations (the
     segments-only answer, and ``_block_groups``) gets the longest fitting prefix of its
     eligible nodes by ``_keep_value``; then, cheapest first, each such plan keeps every further
     eligible node that still fits (``_fill``), and the cheapest fitting plan wins. Keeping
@@ -829,8 +1034,6 @@ def _with_keeps(
     ``segments`` does not fit, ``segments`` is returned. Past ``deadline`` the search stops
     with the best plan so far.
     """
-    if problem.size <= EXACT_KEEP_NODES:
-        return _exhaustive(problem, budget)
     base = simulate(problem, segments)
     if base.peak_bytes > budget or time.perf_counter() > deadline:
         return segments
@@ -852,64 +1055,3 @@ def _with_keeps(
         best = min(best, (key(result, choice), choice), key=lambda entry: entry[0])
     choice = best[1]
     return choice if choice.keep else choice.segments
-
-
-def _all_segments(problem: Problem):
-    """Every set of disjoint valid segments."""
-    n = problem.size
-
-    def from_position(start):
-        yield ()
-        for a in range(start, n):
-            for b in range(a + 1, n + 1):
-                if problem.is_valid_segment(a, b):
-                    for rest in from_position(b):
-                        yield ((a, b), *rest)
-
-    return dict.fromkeys(from_position(0))
-
-
-def _exhaustive(problem: Problem, budget: int) -> Segments | Choice:
-    """The least recompute over every valid (segments, keep set) that fits; when none fits,
-    the lowest peak."""
-    best = None
-    lowest = None
-    for key, choice in _every_choice(problem):
-        if key[1] <= budget and (best is None or key < best[0]):
-            best = key, choice
-        low = (key[1], *key)
-        if lowest is None or low < lowest[0]:
-            lowest = low, choice
-    assert lowest is not None  # no segments at all is always a valid choice
-    choice = (best or lowest)[1]
-    return choice if choice.keep else choice.segments
-
-
-_EVERY_CHOICE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _every_choice(problem: Problem) -> list[tuple[tuple, Choice]]:
-    """Every valid (segments, keep set) of a tiny problem with its sort key (recompute seconds,
-    peak, kept nodes, segments), replayed once per problem: planning at many budgets (a
-    frontier, the tests) scans the list again instead of replaying every choice."""
-    if problem in _EVERY_CHOICE:
-        return _EVERY_CHOICE[problem]
-    found = []
-    for segments in _all_segments(problem):
-        nodes = [
-            x
-            for start, stop in segments
-            for x in range(start, recompute_stop(problem, start, stop))
-            if problem.keepable[x]
-        ]
-        for mask in range(1 << len(nodes)):
-            keep = frozenset(x for i, x in enumerate(nodes) if mask >> i & 1)
-            try:
-                choice = validate_choice(problem, Choice(segments, keep))
-            except ValueError:
-                continue
-            result = simulate(problem, choice)
-            key = (result.recompute_seconds, result.peak_bytes, len(keep), len(segments))
-            found.append((key, choice))
-    _EVERY_CHOICE[problem] = found
-    return found
