@@ -56,9 +56,13 @@ Exactness and approximations
   also replays the ``greedy`` and ``sqrt_n`` plans, returning the cheapest that fits. So on
   large problems the result always fits when any of them fits, and never costs more than
   ``greedy`` or ``sqrt_n`` when they fit.
-* Nodes kept inside segments (``Choice.keep``) are chosen after the segments: exhaustively on
-  tiny graphs, else by the longest fitting prefix of nodes ordered by recompute seconds per
-  kept byte, then each further node that still fits, on a few segmentations
+* Nodes kept inside segments (``Choice.keep``): up to ``EXACT_KEEP_NODES`` nodes the search
+  tries every segment with every keep set too (``_KeepSets``: a kept node's cache is charged
+  to its segment, like the segment's inputs, and the storages it keeps that cross the
+  segment's end join the mask), so segments and keeps are chosen jointly and the answer is the
+  least recompute over every valid ``Choice`` (tests compare it with the MILP). Larger graphs
+  choose them after the segments: the longest fitting prefix of nodes ordered by recompute
+  seconds per kept byte, then each further node that still fits, on a few segmentations
   (``_with_keeps``; docs/solvers.md).
 * Segments stop growing from a cut as soon as their forward and backward peaks (which only
   grow with the segment) overflow the budget: no longer segment from there can fit.
@@ -913,9 +917,10 @@ def solve(
         Seconds after which the search stops and keeps the best plan of the passes that
         finished (the ``greedy`` and ``sqrt_n`` plans are always among the candidates).
     keep
-        Also choose nodes to keep inside the segments (selective checkpointing; see
-        ``_with_keeps``), spending at most about ``KEEP_TIME_SHARE`` of the segment search's
-        time on it. ``False``: segments alone.
+        Also choose nodes to keep inside the segments (selective checkpointing): jointly with
+        the segments up to ``EXACT_KEEP_NODES`` nodes, else after them (``_with_keeps``),
+        spending at most about ``KEEP_TIME_SHARE`` of the segment search's time on it.
+        ``False``: segments alone.
 
     Returns
     -------
