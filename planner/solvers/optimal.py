@@ -81,6 +81,7 @@ from planner.problem import Problem
 from planner.simulate import (
     Choice,
     Segments,
+    Simulation,
     last_recomputed,
     recompute_stop,
     simulate,
@@ -296,9 +297,16 @@ def _segment_costs(problem: Problem, t: _Tables, c: int, stop: int, exact: bool)
 
 
 def _segment_locals(
-    problem: Problem, t: _Tables, c: int, mask: frozenset, stop: int, recompute: np.ndarray
+    problem: Problem,
+    t: _Tables,
+    c: int,
+    mask: frozenset,
+    stop: int,
+    recompute: np.ndarray,
+    keeps: bool = False,
 ):
-    """Charged bytes, local peak and its monotone part for the segments ``[c, b)``.
+    """Charged bytes, local peak and its monotone part for the segments ``[c, b)``, and, with
+    ``keeps``, the ``_SavingParts`` that keep sets add to (else None).
 
     Arrays are indexed ``b - c - 1`` for ``b`` in ``(c, stop]``. A segment holds its inputs
     from its forward until the backward of its first saving node, and only if it saves
@@ -351,13 +359,15 @@ def _segment_locals(
     monotone = np.maximum(monotone, forward_peak + copies)  # forward_peak already runs up
     before_recompute = np.where((index > last) & (last >= 0), tail + charged + held_copies, 0)
     local = np.maximum(monotone, before_recompute)
-    parts = _SavingParts(
-        forward=forward + held,
-        copies=copies,
-        after_recompute=np.maximum(before, with_saved[np.maximum(last, 0)] + charged),
-        before_recompute=tail + charged + copies,
-        recompute_base=t.after_backward[c + np.maximum(last, 0) + 1] + charged + 2 * copies,
-    )
+    parts = None
+    if keeps:
+        parts = _SavingParts(
+            forward=forward + held,
+            copies=copies,
+            after_recompute=np.maximum(before, with_saved[np.maximum(last, 0)] + charged),
+            before_recompute=tail + charged + copies,
+            recompute_base=t.after_backward[c + np.maximum(last, 0) + 1] + charged + 2 * copies,
+        )
     return (
         charged + held_copies,
         np.maximum(local, recompute + charged + 2 * held_copies),
@@ -637,7 +647,7 @@ class _Search:
                 if not ends.size:
                     continue
                 held_b, local_b, monotone, parts = _segment_locals(
-                    problem, t, c, mask, stop, recompute
+                    problem, t, c, mask, stop, recompute, self.keeps
                 )
                 overflow = np.flatnonzero(charged[0] + monotone > self.limit)
                 reach = c + 1 + (int(overflow[0]) if overflow.size else stop)
@@ -863,8 +873,8 @@ def _searched_plan(
     bucket = 1 if exact else max(1, limit // BUCKETS)
     search = _Search(problem, t, limit, False, exact, bucket, candidate_cuts, deadline, keeps)
     found = _search(search) if limit > 0 else None
-    plans = [found[1]] if found is not None else []
-    results = {plan: simulate(problem, plan) for plan in plans}
+    plans = [_plain(found[1])] if found is not None else []
+    results: dict[Segments | Choice, Simulation] = {plan: simulate(problem, plan) for plan in plans}
     if not exact or not any(r.peak_bytes <= budget_bytes for r in results.values()):
         for plan in _heuristics(problem, budget_bytes):
             results[plan] = simulate(problem, plan)
@@ -872,7 +882,7 @@ def _searched_plan(
         plan: r.recompute_seconds for plan, r in results.items() if r.peak_bytes <= budget_bytes
     }
     if fitting:
-        return _plain(min(fitting, key=fitting.__getitem__))
+        return min(fitting, key=fitting.__getitem__)
     known = min(results.values(), key=lambda r: r.peak_bytes).peak_bytes
     lowest = known - problem.fixed_bytes
     peak_bucket = 1 if exact else max(1, lowest // BUCKETS)
@@ -880,9 +890,9 @@ def _searched_plan(
         _Search(problem, t, lowest, True, exact, peak_bucket, candidate_cuts, deadline, keeps)
     )
     if found is not None:
-        results[found[1]] = simulate(problem, found[1])
+        results[_plain(found[1])] = simulate(problem, found[1])
     ranked = {plan: (r.peak_bytes, r.recompute_seconds) for plan, r in results.items()}
-    return _plain(min(ranked, key=ranked.__getitem__))
+    return min(ranked, key=ranked.__getitem__)
 
 
 def _plain(plan: Segments | Choice) -> Segments | Choice:
