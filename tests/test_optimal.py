@@ -305,3 +305,22 @@ def test_on_tiny_graphs_a_keep_can_fit_where_no_segments_fit():
     choice = as_choice(SOLVERS["optimal"](problem, budget))
     assert choice.keep
     assert simulate(problem, choice).peak_bytes <= budget
+
+
+@pytest.mark.parametrize("seed", [23, 0, 1, 2])
+def test_exact_recompute_peaks_follow_the_replay(seed):
+    """The DP's recompute peak of every segment, and the step-by-step profile its keep sets
+    build on, are what ``simulate`` replays: during a lone segment's recompute the replay's live
+    bytes are the profile plus a constant. On ``random_problem(23, 10)`` a recompute stopping at
+    the last node once released a graph output early (16 bytes under the replay)."""
+    problem = random_problem(seed, 10)
+    t = optimal._tables(problem)
+    for c in range(problem.size):
+        for b in range(c + 1, problem.size + 1):
+            if not problem.is_valid_segment(c, b) or not problem.saves[c:b].any():
+                continue
+            profile = optimal._recompute_profile(problem, t, c, b)
+            timeline = simulate(problem, ((c, b),), record=True).timeline
+            replayed = np.array([live for phase, _, live in timeline if phase == "recompute"])
+            assert np.unique(replayed - profile).size == 1, (c, b)
+            assert optimal._recompute_peaks(problem, t, c, b)[-1] == profile.max(), (c, b)
