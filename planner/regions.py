@@ -351,10 +351,14 @@ def regions_from_export(gm: fx.GraphModule, *, cache_enabled: bool) -> None:
 
 
 def _skipped_when_exporting(name: str):
-    """torch.export's pass ``name``, made to leave the graph as it is in the capturing thread."""
+    """torch.export's pass ``name``, made to leave the graph as it is in the capturing thread;
+    None where this torch has no such pass (then export does not run it either)."""
     import importlib
 
-    module = importlib.import_module(f"torch._export.passes.{name}")
+    try:
+        module = importlib.import_module(f"torch._export.passes.{name}")
+    except ImportError:
+        return None
     original = getattr(module, name)
 
     @functools.wraps(original)
@@ -369,10 +373,11 @@ def watching_exported_regions():
     """Watch the regions of a torch.export capture in this thread, and keep its switch nodes:
     its passes would fold each region into one higher-order-op node, and (torch 2.13) drop a
     grad-mode region inside ``torch.autocast`` while doing so."""
-    passes = [
+    found = (
         _skipped_when_exporting(name)
         for name in ("replace_set_grad_with_hop_pass", "replace_autocast_with_hop_pass")
-    ]
+    )
+    passes = [patch for patch in found if patch is not None]
     regions = _ExportedRegions()
     capturing.exporting = regions
     for module, name, _, skipped in passes:
