@@ -320,6 +320,80 @@ def _before_section(results) -> list[str]:
     return out + [""] if rows else []
 
 
+OBJECTIVE_RESULTS = Path(__file__).resolve().parent / "results" / "objective.json"
+
+
+def _objective_section() -> list[str]:
+    """Planner at compile's peaks planned for time and for FLOPs first (benchmarks/objective.py)."""
+    import json
+
+    if not OBJECTIVE_RESULTS.exists():
+        return []
+    r = json.loads(OBJECTIVE_RESULTS.read_text())
+    out = [
+        "### Time or FLOPs: which objective is faster here",
+        "",
+        f"`{r['command']}` ({r['date'][:10]}, {r['reps']} interleaved repetitions). At each "
+        "peak `torch.compile` reached, `auto` planned twice: for time (measured, pooled node "
+        "times: what every other row of this page uses) and FLOPs first (the roofline with "
+        "memory traffic 1,000x cheaper, so pointwise recompute is nearly free, as fusion makes "
+        "it for the compiler). Extra FLOPs are matmuls, measured; time is the median step time "
+        "/ none [IQR].",
+        "",
+        "| model | compile budget | compile peak / none | compile: extra FLOPs, time | "
+        "planner for time: extra FLOPs, time (predicted), peak / none | "
+        "planner FLOPs first: the same |",
+        "|---|---:|---:|---|---|---|",
+    ]
+
+    def cell(v, predicted=None) -> str:
+        text = (
+            f"{v['extra_flops']:+.1%}, {v['time_ratio']:.3f} "
+            f"[{v['time_ratio_q1']:.3f}-{v['time_ratio_q3']:.3f}]"
+        )
+        if predicted is None:
+            return text
+        return f"{text} ({1 + predicted:.3f}), peak {v['peak_ratio']:.2f}"
+
+    for name, m in r["models"].items():
+        v = m["variants"]
+        for row in m["rows"]:
+            plans = [
+                cell(v[row[k]["variant"]], row[k]["predicted_overhead"]) for k in ("time", "flops")
+            ]
+            out.append(
+                f"| {name} | {row['budget']:g} | {v[row['compile']]['peak_ratio']:.2f} | "
+                f"{cell(v[row['compile']])} | {plans[0]} | {plans[1]} |"
+            )
+    rows = [(m["variants"], row) for m in r["models"].values() for row in m["rows"]]
+
+    def meets(v, row, k) -> bool:  # issue 12's FLOPs target: compile's extra FLOPs + 1 point
+        return v[row[k]["variant"]]["extra_flops"] <= v[row["compile"]]["extra_flops"] + 0.01
+
+    def faster(v, row) -> bool:
+        return v[row["time"]["variant"]]["time_ratio"] < v[row["flops"]["variant"]]["time_ratio"]
+
+    out += [
+        "",
+        f"Of {len(rows)} peaks, the FLOPs target (compile's extra FLOPs + 1 point) is met at "
+        f"{sum(meets(v, row, 'flops') for v, row in rows)} planning FLOPs first and at "
+        f"{sum(meets(v, row, 'time') for v, row in rows)} planning for time; the plan for "
+        f"time has the faster median step at {sum(faster(v, row) for v, row in rows)}.",
+    ]
+    compile_1 = {name: m["variants"].get("compile 1") for name, m in r["models"].items()}
+    out += [
+        "",
+        "Compile without recompute (`compile 1`) runs at "
+        + ", ".join(
+            f"{v['time_ratio']:.3f} ({name})" for name, v in compile_1.items() if v is not None
+        )
+        + " of none: the part of compile's times that is not recompute (`aot_eager` runs "
+        "its own graph, without the modules' calls).",
+        "",
+    ]
+    return out
+
+
 def _cost_model_section() -> list[str]:
     """Predicted against measured step-time overhead per cost model (benchmarks/cost_model.py)."""
     import json
@@ -390,6 +464,7 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
         *_target_lines(results),
         "",
         *_before_section(results),
+        *_objective_section(),
         *_cost_model_section(),
         "## How it is measured",
         "",

@@ -123,3 +123,41 @@ def check_model(results: dict, name: str, m: dict) -> None:
     assert sorted(v[r["compile"]]["activation_memory_budget"] for r in rows) == compile_budgets
     for r in rows:  # each compile peak was given to planner auto as its budget
         assert r["planner"] is None or v[r["planner"]]["method"] == "planner"
+
+
+@pytest.mark.slow
+def test_objective_benchmark_plans_both_objectives_within_each_compiled_peak(tmp_path):
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks_objective", ROOT / "benchmarks" / "objective.py"
+    )
+    objective = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, objective)
+    spec.loader.exec_module(objective)
+    out = tmp_path / "objective.json"
+    objective.main(
+        [
+            "--models",
+            "hf-gpt2",
+            "--set",
+            "hf-gpt2:layers=1,d_model=32,heads=2,seq=16,batch=2",
+            "--budgets",
+            "0.4",
+            "--reps",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+
+    m = json.loads(out.read_text())["models"]["hf-gpt2"]
+    v = m["variants"]
+    assert {"none", "compile 1", "compile 0.4"} <= v.keys()
+    (row,) = m["rows"]
+    assert row["budget"] == 0.4 and row["peak_bytes"] == v["compile 0.4"]["peak_bytes"]
+    for objective_name in ("time", "flops"):
+        planned = row[objective_name]
+        # each plan was made for the compiled peak, and its measured step stays within it
+        assert planned["predicted_peak_bytes"] <= row["peak_bytes"], objective_name
+        assert v[planned["variant"]]["peak_bytes"] <= row["peak_bytes"], objective_name
+        assert v[planned["variant"]]["extra_flops"] >= 0, objective_name
