@@ -3,8 +3,8 @@
 A flat plan is a ``Choice``: checkpointed segments and nodes kept inside them (nested plans,
 ``planner.nested``, build on it). ``validate_choice`` states which choices are valid (see
 ``planner.simulate`` for why: the early stop, the random-number rule), ``recomputed_nodes`` what
-a recompute runs, the one definition of its cost; ``Simulation`` is what ``planner.simulate``
-reports.
+a recompute runs, the one definition of its cost, and ``call_seconds`` what the checkpoint calls
+cost themselves; ``Simulation`` is what ``planner.simulate`` reports.
 """
 
 from __future__ import annotations
@@ -39,12 +39,16 @@ class Simulation:
     """Result of a replay; bytes are absolute (fixed memory included)."""
 
     peak_bytes: int
+    # Time the plan adds to a step: the nodes it runs again, plus ``call_seconds``.
     recompute_seconds: float
     recompute_flops: float
     # Live bytes at the high point of optimizer.step() (after backward, plus its temporaries).
     optimizer_step_bytes: int = 0
     # (phase, position, live bytes at the node's high point, before it frees anything)
     timeline: tuple[tuple[str, int, int], ...] | None = None
+    # Of recompute_seconds, what the checkpoint calls and kept nodes cost themselves
+    # (``Problem.checkpoint_seconds``, ``Problem.keep_seconds``).
+    call_seconds: float = 0.0
 
 
 def validate_segments(problem: Problem, segments) -> Segments:
@@ -133,6 +137,17 @@ def recompute_stop(problem: Problem, start: int, stop: int) -> int:
     if end < start:
         return start
     return end + 1 if problem.saves_own[end] else end
+
+
+def call_seconds(problem: Problem, choice) -> float:
+    """What ``choice``'s checkpoint calls and kept nodes cost beyond the nodes they recompute:
+    ``Problem.checkpoint_seconds`` per segment (it saves the random state, installs hooks and
+    starts and stops a recompute, whatever it runs) and ``Problem.keep_seconds`` per kept node
+    (the selective cache's work)."""
+    choice = as_choice(choice)
+    return problem.checkpoint_seconds * len(choice.segments) + problem.keep_seconds * len(
+        choice.keep
+    )
 
 
 def recomputed_nodes(problem: Problem, choice) -> np.ndarray:

@@ -360,6 +360,15 @@ class _Replay:
                     alloc[step] += s.nbytes
                     free[self._release(segment, s, step, at, -1)] += s.nbytes
         self._buffer_copies(alloc, free)
+        # A checkpoint call costs Problem.checkpoint_seconds each time it runs: every segment
+        # in the forward, and an inner one again inside its parent's recompute.
+        calls = sum(1 for top in self.top for _ in top.walk()) + sum(
+            sum(1 for _ in child.walk())
+            for segment, executed in self.runs.items()
+            for child in segment.inner
+            if child.start in dict(executed)
+        )
+        call_seconds = problem.checkpoint_seconds * calls
         for p, step in self.backward_step.items():
             alloc[step] += problem.activation_grad_alloc[p] + problem.grad_bytes_at[p]
             free[step] += problem.activation_grad_free[p]
@@ -374,10 +383,11 @@ class _Replay:
             timeline = tuple(zip(self.phases, self.positions, live.tolist()))
         return Simulation(
             peak_bytes=int(problem.fixed_bytes + peak),
-            recompute_seconds=seconds,
+            recompute_seconds=seconds + call_seconds,
             recompute_flops=flops,
             optimizer_step_bytes=int(problem.fixed_bytes + step_bytes),
             timeline=timeline,
+            call_seconds=call_seconds,
         )
 
 

@@ -11,7 +11,7 @@ from planner import serialize, viz
 from planner.nested import NestedChoice
 from planner.options import CaptureOptions
 from planner.problem import Problem
-from planner.simulate import Choice, Segments, recomputed_nodes, simulate
+from planner.simulate import Choice, Segments, call_seconds, recomputed_nodes, simulate
 from planner.units import mib
 
 
@@ -79,7 +79,9 @@ class Plan:
             if nest is not None and nest.inner:  # every recompute inside it, nested ones too
                 recompute = simulate(self.problem, NestedChoice((nest,))).recompute_seconds
             else:
-                recompute = float(seconds[start:stop].sum())
+                recompute = float(seconds[start:stop].sum()) + call_seconds(
+                    self.problem, Choice(((start, stop),), top.keep & set(range(start, stop)))
+                )
             rows.append(
                 {
                     "segment": k,

@@ -151,6 +151,10 @@ class Problem:
     # passes it in, or -1): a segment copies it unless that node is one of its own. () when no
     # node has any (solvers then skip a scan of every segment's nodes).
     buffer_copies: tuple[tuple[tuple[int, int, int], ...], ...] = ()
+    # Seconds one checkpoint call and one kept node add to a step beyond the nodes recomputed
+    # (``CostModel.checkpoint_seconds`` and ``keep_seconds``; ``planner.simulate`` charges them).
+    checkpoint_seconds: float = 0.0
+    keep_seconds: float = 0.0
 
     @property
     def size(self) -> int:
@@ -468,6 +472,8 @@ def build_problem(
         has_loss=profile.loss is not None,
         module_paths=module_paths(nodes),
         autocast_cache_bytes=profile.fixed_bytes("autocast cache"),
+        checkpoint_seconds=cost_model.checkpoint_seconds,
+        keep_seconds=cost_model.keep_seconds,
         buffer_copies=_buffer_copies(gm, nodes),
     )
 

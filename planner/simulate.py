@@ -40,7 +40,9 @@ so a random node after it would draw different numbers.
 What a recompute costs is the time (``Problem.seconds``) and FLOPs of the nodes it runs and
 does not take from the cache (``recomputed_nodes``), one definition that the solvers, the
 segment table and the plots share. The node where the early stop happens runs only when it
-saves something it creates: a matmul that saves only its inputs is never run again.
+saves something it creates: a matmul that saves only its inputs is never run again. The
+checkpoint calls cost time of their own (``call_seconds``): ``Problem.checkpoint_seconds`` per
+segment and ``Problem.keep_seconds`` per kept node, added to the recompute's seconds.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from planner.choice import (
     Segments,
     Simulation,
     as_choice,
+    call_seconds,
     last_recomputed,
     recompute_stop,
     recomputed_nodes,
@@ -66,6 +69,7 @@ __all__ = [
     "Segments",
     "Simulation",
     "as_choice",
+    "call_seconds",
     "last_recomputed",
     "recompute_stop",
     "recomputed_nodes",
@@ -254,10 +258,12 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     if record:
         names = ("forward", "recompute", "backward")
         timeline = tuple(zip([names[p] for p in phase.tolist()], position.tolist(), live.tolist()))
+    calls = call_seconds(problem, choice)
     return Simulation(
         peak_bytes=int(problem.fixed_bytes + peak),
         optimizer_step_bytes=int(problem.fixed_bytes + step),
-        recompute_seconds=sum((float(seconds[span].sum()) for span in recomputed), 0.0),
+        recompute_seconds=sum((float(seconds[span].sum()) for span in recomputed), 0.0) + calls,
         recompute_flops=sum((float(flops[span].sum()) for span in recomputed), 0.0),
         timeline=timeline,
+        call_seconds=calls,
     )

@@ -339,13 +339,15 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
     for (c, b), end in segment_end.items():
         if end < c:
             continue  # saves nothing: no recompute, nothing to pay
-        for column, value in segment_terms(c, b, prefix_seconds[runs_to(c, b)] - prefix_seconds[c]):
+        # its recompute, and the checkpoint call's own cost (planner.choice.call_seconds)
+        recompute = prefix_seconds[runs_to(c, b)] - prefix_seconds[c] + problem.checkpoint_seconds
+        for column, value in segment_terms(c, b, recompute):
             seconds[column] += value / time_scale
         if (c, end) not in recompute_steps:
             recompute_steps[c, end] = _recompute_steps(problem, storages, made_at, c, end)
         ending_at[b].append((c, recompute_steps[c, end]))
-    for k, column in y.items():  # a kept node is not run again
-        seconds[column] -= problem.seconds[k] / time_scale
+    for k, column in y.items():  # a kept node is not run again, and costs the cache's work
+        seconds[column] += (problem.keep_seconds - problem.seconds[k]) / time_scale
 
     for i in range(n):  # a node lies in at most one segment
         if starts_covering[i]:

@@ -417,7 +417,7 @@ class _KeepSets:
     forward: np.ndarray  # (sets, b - c): bytes the caches add at each node's forward
     recompute: np.ndarray  # (sets,): the recompute's own peak with the keeps
     cache: np.ndarray  # (sets,): bytes held from the forward to the recompute
-    saved: np.ndarray  # (sets,): recompute seconds spared
+    saved: np.ndarray  # (sets,): recompute seconds spared, less what the kept nodes cost
     first_id: int = 0  # kinds first_id .. first_id + sets - 1 name them in the search's states
 
 
@@ -489,7 +489,7 @@ def _keep_sets(problem: Problem, t: _Tables, c: int, b: int) -> _KeepSets | None
         forward=member @ forward,
         recompute=(profile + member @ recompute).max(axis=1),
         cache=member @ cache,
-        saved=member @ problem.seconds[nodes],
+        saved=member @ (problem.seconds[nodes] - problem.keep_seconds),  # call_seconds
     )
 
 
@@ -598,10 +598,16 @@ class _Search:
     kept_nodes: list = field(default_factory=lambda: [()])
 
     @cached_property
-    def segment_tie(self) -> float:
-        """Added to each segment's cost: of plans with equal recompute, prefer fewer segments
-        (a segment that recomputes nothing still costs a checkpoint call and holds its inputs)."""
+    def tie(self) -> float:
+        """Of plans with equal cost, prefer fewer segments and kept nodes (a segment that
+        recomputes nothing still holds its inputs)."""
         return 1e-12 * float(self.problem.seconds.sum())
+
+    @cached_property
+    def segment_tie(self) -> float:
+        """Added to each segment's cost: what its checkpoint call costs itself, as ``simulate``
+        charges it (``planner.choice.call_seconds``), and the ``tie``."""
+        return self.problem.checkpoint_seconds + self.tie
 
     def run(self, corridors: dict[int, np.ndarray]) -> tuple[float, Choice] | None:
         """(score, choice) of the best plan whose segments are ``[c, b)`` with ``b`` in
@@ -703,7 +709,10 @@ class _Search:
                 [mask | cached.intersection(self.t.crossing[b])],
                 local[row : row + 1],
                 held[i : i + 1] + sets.cache[row],
-                cost[i : i + 1] - sets.saved[row] + self.segment_tie * (1 + len(sets.keeps[row])),
+                cost[i : i + 1]
+                - sets.saved[row]
+                + self.segment_tie
+                + self.tie * len(sets.keeps[row]),
                 sets.first_id + row,
             )
 
@@ -961,8 +970,9 @@ def _keep_value(problem: Problem) -> np.ndarray:
     Random nodes (dropout) are left to the recompute: they are cheap, and keeping one is only
     valid after every random node the recompute runs (``validate_choice``).
     """
-    worth = problem.keepable & ~problem.random & (problem.seconds > 0)
-    return np.where(worth, problem.seconds / np.maximum(problem.kept_bytes, 1), 0.0)
+    spared = problem.seconds - problem.keep_seconds  # a kept node costs the cache's work
+    worth = problem.keepable & ~problem.random & (spared > 0)
+    return np.where(worth, spared / np.maximum(problem.kept_bytes, 1), 0.0)
 
 
 def _eligible(problem: Problem, segments: Segments, value: np.ndarray) -> np.ndarray:
