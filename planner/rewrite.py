@@ -10,11 +10,12 @@ parameters read through ``get_attr`` as explicit inputs so that ``.to()`` never 
 The planned module is a :class:`planner.planned_module.PlannedModule`, which checks on every
 call that it still computes what the model computes.
 
-Segments with kept nodes (``planner.simulate.Choice.keep``) run under the contexts of
+Segments with kept nodes (``planner.simulate.Choice.keep``) use the dispatch modes of
 ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` (``_selective_contexts``, which
 leave casts of leaf tensors out: see ``_Caching``): the segment's body brackets each kept node
 with two marker calls, ``_keep_on`` and ``_keep_off``, which run identically in the forward and
-in the recompute, and the policy saves the ops called between them.
+in the recompute and enter the cache's mode around the kept node only (``_CacheScope``), where
+the policy saves what its ops make. The other ops dispatch as in a plain checkpoint.
 """
 
 from __future__ import annotations
@@ -39,20 +40,60 @@ from planner.model_call import CALL_KEY
 from planner.nested import Nest, NestedChoice
 from planner.planned_module import PlannedModule, Snapshot, argument_positions, share_user_state
 from planner.problem import buffer_read, compute_nodes
-from planner.regions import closing_regions
+from planner.regions import REGION_ENTRIES, closing_regions
 from planner.simulate import Choice, as_choice
 
-# Whether the ops running now belong to a kept node; per thread, as autograd may recompute a
-# segment on a thread of its own.
+# The cache scope of the selective segment running now (its forward or its recompute); per
+# thread, as autograd may recompute a segment on a thread of its own.
 _KEEPING = threading.local()
 
 
 def _keep_on() -> None:
-    _KEEPING.on = True
+    scope = getattr(_KEEPING, "scope", None)
+    if scope is not None:  # None: not under checkpoint (a forward without grad)
+        scope.enter()
 
 
 def _keep_off() -> None:
-    _KEEPING.on = False
+    scope = getattr(_KEEPING, "scope", None)
+    if scope is not None:
+        scope.leave()
+
+
+class _CacheScope:
+    """While a selective segment's forward (or recompute) runs, the cache mode its kept nodes
+    enter (``_keep_on``) and leave (``_keep_off``).
+
+    The cache's mode is on only around kept nodes, so the other ops skip its Python dispatch.
+    That changes nothing they compute: it would recompute them (``_keep_policy``) and store
+    no tensor for them. The cache matches a recompute's ops to the forward's by their order
+    among the ops it sees, and both see the same ops: those of the kept nodes, which the
+    forward and the recompute run in the same order. A kept node that raises (the recompute's
+    early stop) leaves the mode entered: leaving the scope leaves it.
+    """
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.entered = False
+
+    def enter(self) -> None:
+        if not self.entered:
+            self.entered = True
+            self.mode.__enter__()
+
+    def leave(self) -> None:
+        if self.entered:
+            self.entered = False
+            self.mode.__exit__(None, None, None)
+
+    def __enter__(self):
+        self.outer = getattr(_KEEPING, "scope", None)
+        _KEEPING.scope = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.leave()
+        _KEEPING.scope = self.outer
 
 
 @functools.cache
@@ -63,11 +104,9 @@ def _aliases(op) -> bool:
 
 
 def _keep_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Save what ops of kept nodes create. Views and in-place ops are recomputed (free): saving
-    them would hold the storage of whatever they alias."""
-    if getattr(_KEEPING, "on", False) and not _aliases(op):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    """Save what ops of kept nodes create (the cache sees no other: ``_CacheScope``). Views and
+    in-place ops are recomputed (free): saving them would hold the storage they alias."""
+    return CheckpointPolicy.PREFER_RECOMPUTE if _aliases(op) else CheckpointPolicy.MUST_SAVE
 
 
 def _casts_a_leaf(func, args) -> bool:
@@ -104,6 +143,18 @@ class _Caching(_CachingTorchDispatchMode):
 class _Cached(_CachedTorchDispatchMode):
     """The recompute side of the selective-checkpoint cache, blind to leaf casts (``_Caching``)."""
 
+    def __enter__(self):
+        # Entered around each kept node (_CacheScope): the count of the ops it has answered
+        # runs on across them; the recompute's scope starts it afresh (``restart``).
+        return super(_CachedTorchDispatchMode, self).__enter__()
+
+    def restart(self) -> None:
+        """Count from the first op again, as torch's mode does on entering: a second backward
+        (``retain_graph=True``) then reads "backward an extra time", not a missing entry."""
+        counter = getattr(self, "func_counter", None)
+        if counter is not None:
+            counter.clear()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _casts_a_leaf(func, args):
             return func(*args, **(kwargs or {}))
@@ -111,9 +162,18 @@ class _Cached(_CachedTorchDispatchMode):
 
 
 def _selective_contexts():
-    """``create_selective_checkpoint_contexts(_keep_policy)``, with leaf casts left out."""
+    """``create_selective_checkpoint_contexts(_keep_policy)``, with leaf casts left out, as
+    scopes that enter the cache's modes around kept nodes only (``_CacheScope``)."""
     storage: dict = collections.defaultdict(dict)
-    return _Caching(_keep_policy, storage), _Cached(None, storage)
+    cached = _Cached(None, storage)
+    return _CacheScope(_Caching(_keep_policy, storage)), _recompute_scope(cached)
+
+
+@contextlib.contextmanager
+def _recompute_scope(cached: _Cached):
+    cached.restart()
+    with _CacheScope(cached):
+        yield
 
 
 @contextlib.contextmanager
@@ -149,10 +209,18 @@ class Segment:
         self.tensors = tensors  # targets of the buffers the segment reads directly
         self.root: nn.Module | None = None  # the planned module, set once it is built
         self.selective = selective
+        # Only a body that enters regions (autocast, grad mode) can leave one open when the
+        # recompute stops early; the others skip closing_regions (a few us per call).
+        self.opens_regions = any(
+            node.op == "call_function" and node.target in REGION_ENTRIES
+            for node in body.graph.nodes
+        )
 
     def __call__(self, *args):
         # ``forward``, not ``body(...)``: a GraphModule's call wrapper walks the traceback of
         # every exception, and the recompute's early stop is one (about 80 us per segment).
+        if not self.opens_regions:
+            return self.body.forward(*args)
         with closing_regions(always=False):
             return self.body.forward(*args)
 
@@ -179,6 +247,8 @@ class Segment:
         if not self.selective:
             return remembering, replaying
         caching, cached = _selective_contexts()
+        if not self.restores_buffers:  # nothing to remember: the cache alone
+            return caching, cached
         # buffers copied outside the cache: its op counts must match in forward and recompute
         return _nested(remembering, caching), _nested(replaying, cached)
 
@@ -360,8 +430,6 @@ def _checkpoint_segment(
         if a in boxed:
             body_env[a] = body.call_function(_unbox, (body_env[a],))
     selective = any(m in kept for m in members)
-    if selective:  # a kept node that raised leaves the flag on: a new call starts without it
-        body.call_function(_keep_off)
     for m in members:
         if m in inner:
             child = inner[m]
