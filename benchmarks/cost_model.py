@@ -3,11 +3,13 @@
     .venv/bin/python benchmarks/cost_model.py            # about 3 minutes on an idle machine
 
 On a residual MLP (``BLOCKS`` blocks ``x + Linear(relu(Linear(x)))``, d 256, batch 1024) at half
-its activation memory, ``optimal`` plans with three cost models: the default roofline, each
-node's measured time (``planner.costs.node_seconds``), and the measured times pooled over the
-nodes doing the same work (``benchmarks.compare.pooled_seconds``). For each plan it records the
-overhead its cost model predicts and the measured step time (all plans interleaved, median of
-the per-repetition ratios to no checkpointing), and the spread of the raw measured times of
+its activation memory, ``optimal`` plans with four cost models: the default roofline, each
+node's measured time (``planner.costs.node_seconds``), the measured times pooled over the nodes
+doing the same work (``benchmarks.compare.pooled_seconds``), and those with what a checkpoint
+call and a kept node cost measured too (``planner.costs.checkpoint_overheads``). For each plan
+it records the overhead its cost model predicts, the overhead the last (most complete) model
+predicts for it, and the measured step time (all plans interleaved, median of the
+per-repetition ratios to no checkpointing), and the spread of the raw measured times of
 identical layers. Writes ``benchmarks/results/cost_model.json``, which ``compare.py`` renders
 on docs/benchmarks.md.
 """
@@ -15,6 +17,7 @@ on docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -32,7 +35,7 @@ from benchmarks.compare import pooled_seconds  # noqa: E402
 from planner import costs, step  # noqa: E402
 from planner.costs import CostModel  # noqa: E402
 from planner.pipeline import plan, prepare  # noqa: E402
-from planner.simulate import simulate  # noqa: E402
+from planner.simulate import Choice, simulate  # noqa: E402
 
 BLOCKS, WIDTH, BATCH = 60, 256, 1024
 
@@ -66,12 +69,15 @@ def main(argv=None) -> dict:
     model, args = residual_mlp(opts.blocks)
 
     raw = costs.node_seconds(model, args)
+    overheads = costs.checkpoint_overheads(model, args)
     _, problem = prepare(model, args, cost_model=CostModel(measured_seconds=raw))
     linear = [problem.seconds[i] for i, label in enumerate(problem.labels) if label.endswith(".a")]
+    pooled = pooled_seconds(problem, model)
     models = {
         "roofline": CostModel(),
         "measured": CostModel(measured_seconds=raw),
-        "measured, pooled": CostModel(measured_seconds=pooled_seconds(problem, model)),
+        "measured, pooled": CostModel(measured_seconds=pooled),
+        "measured, pooled, with calls": CostModel(measured_seconds=pooled, **overheads),
     }
     fixed = problem.fixed_bytes + problem.gradient_bytes
     baseline = simulate(problem, ()).peak_bytes
@@ -81,6 +87,14 @@ def main(argv=None) -> dict:
         name: plan(model, args, budget_bytes=budget, solver="optimal", cost_model=cm)
         for name, cm in models.items()
     }
+    # Every plan judged by the last cost model: does it order them as the step times do?
+    judge = dataclasses.replace(
+        problem,
+        seconds=models["measured, pooled, with calls"].seconds(
+            problem.flops, problem.bytes_moved, problem.names
+        ),
+        **overheads,
+    )
     modules = {"none": model, **{name: p.module for name, p in plans.items()}}
     times: dict[str, list[float]] = {name: [] for name in modules}
     order = list(modules)
@@ -100,6 +114,7 @@ def main(argv=None) -> dict:
         batch=BATCH,
         reps=opts.reps,
         budget_bytes=budget,
+        **overheads,
         linear_seconds=dict(
             min=float(min(linear)), median=float(statistics.median(linear)), max=float(max(linear))
         ),
@@ -108,6 +123,10 @@ def main(argv=None) -> dict:
                 segments=len(p.segments),
                 kept=len(getattr(p, "keep", ()) or ()),
                 predicted_overhead=p.predicted_overhead,
+                predicted_overhead_with_calls=simulate(
+                    judge, Choice(p.segments, p.keep)
+                ).recompute_seconds
+                / judge.step_seconds,
                 predicted_peak_bytes=p.predicted_peak_bytes,
                 measured_time_ratio=statistics.median(
                     [t / t0 for t, t0 in zip(times[name], times["none"])]

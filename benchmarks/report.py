@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -414,14 +415,50 @@ def _cost_model_section() -> list[str]:
         "that happened to be timed fast. Pooling (the median over nodes doing the same work) "
         "removes it.",
         "",
-        "| cost model | segments | predicted time / none | measured time / none |",
-        "|---|---:|---:|---:|",
+    ]
+    if "checkpoint_seconds" not in r:  # a run from before call costs were modelled
+        out += [
+            "| cost model | segments | predicted time / none | measured time / none |",
+            "|---|---:|---:|---:|",
+        ]
+        for name, p in r["plans"].items():
+            out.append(
+                f"| {name} | {p['segments']} | {1 + p['predicted_overhead']:.3f} | "
+                f"{p['measured_time_ratio']:.3f} |"
+            )
+        return out + [""]
+    out += [
+        "The last cost model adds what checkpointing costs besides recompute, measured on this "
+        "machine by `planner.costs.checkpoint_overheads`: "
+        f"{r['checkpoint_seconds'] * 1e6:.0f} us per checkpoint call and "
+        f"{r['keep_seconds'] * 1e6:.0f} us per kept node. Each plan's predicted time is given "
+        "under the cost model that made it and under that last model (pooled node times and "
+        "calls), beside the measured time.",
+        "",
+        "| cost model | segments | kept | predicted time / none | predicted with calls | "
+        "measured time / none |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, p in r["plans"].items():
         out.append(
-            f"| {name} | {p['segments']} | {1 + p['predicted_overhead']:.3f} | "
-            f"{p['measured_time_ratio']:.3f} |"
+            f"| {name} | {p['segments']} | {p['kept']} | {1 + p['predicted_overhead']:.3f} | "
+            f"{1 + p['predicted_overhead_with_calls']:.3f} | {p['measured_time_ratio']:.3f} |"
         )
+
+    def order(key: str) -> str:
+        """Plans from least to most time; ``=`` joins equal predictions (the same plan)."""
+        ranked = sorted(r["plans"], key=lambda name: r["plans"][name][key])
+        out = ranked[:1]
+        for before, name in zip(ranked, ranked[1:]):
+            same = math.isclose(r["plans"][before][key], r["plans"][name][key], rel_tol=1e-9)
+            out += [" = " if same else " < ", name]
+        return "".join(out)
+
+    out += [
+        "",
+        f"- Ordered by measured time: {order('measured_time_ratio')}.",
+        f"- Ordered by the prediction with calls: {order('predicted_overhead_with_calls')}.",
+    ]
     return out + [""]
 
 
