@@ -118,8 +118,8 @@ def checkpoint_overheads(
     model's nodes, so a chain of ``blocks`` small ``Linear`` + ``ReLU`` blocks measures them:
     unplanned, with one checkpointed segment per block, and with each block's ``Linear`` kept
     as well, interleaved ``repeat`` times; the medians of the differences per block are the
-    overheads (the call's includes its block's recompute, two ops on 4 x 8 values). Returns ``{"checkpoint_seconds": ..., "keep_seconds": ...}``, arguments of
-    ``CostModel``::
+    overheads (the call's includes its block's recompute, two ops on 4 x 8 values). Returns
+    ``{"checkpoint_seconds": ..., "keep_seconds": ...}``, arguments of ``CostModel``::
 
         CostModel(measured_seconds=node_seconds(m, x), **checkpoint_overheads(m, x))
     """
