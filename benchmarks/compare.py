@@ -15,7 +15,8 @@ For every model of ``planner.zoo`` and the small Hugging Face GPT-2, Llama and B
 * ``planner``: ``solver="auto"`` and each registered solver, at budgets of 100/50/33/20 % of the
   baseline activation memory (on top of parameters, buffers, inputs and gradients), at each
   baseline's measured peak, and at the lowest peak the planner can reach, planning with node
-  times measured on the device (``--roofline``: with the default roofline cost model);
+  times and checkpoint-call costs measured on the device (``--roofline``: with the default
+  roofline cost model);
 
 it measures the peak memory of one step (the project's CPU live-storage tracker, CUDA allocator
 statistics on CUDA), the step time (all methods interleaved in every repetition; median of the
@@ -129,9 +130,15 @@ def _parse_overrides(items):
 
 
 def cost_model_for(model, args, roofline: bool) -> CostModel:
-    """The planner's cost model: per-node times measured on the benchmark's device (what its
-    step times are measured on), or the default roofline, whose figures describe a GPU."""
-    return CostModel() if roofline else CostModel(measured_seconds=costs.node_seconds(model, args))
+    """The planner's cost model: per-node times, and the time of a checkpoint call and of a
+    kept node, measured on the benchmark's device (what its step times are measured on), or
+    the default roofline, whose figures describe a GPU."""
+    if roofline:
+        return CostModel()
+    return CostModel(
+        measured_seconds=costs.node_seconds(model, args),
+        **costs.checkpoint_overheads(model, args),
+    )
 
 
 def _kind(model, label: str) -> str:
@@ -189,7 +196,9 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
     cost_model = cost_model_for(model, args, roofline)
     captured, problem = prepare(model, args, cost_model=cost_model)
     if not roofline and pool:
-        cost_model = CostModel(measured_seconds=pooled_seconds(problem, model))
+        cost_model = dataclasses.replace(
+            cost_model, measured_seconds=pooled_seconds(problem, model)
+        )
         problem = dataclasses.replace(
             problem, seconds=cost_model.seconds(problem.flops, problem.bytes_moved, problem.names)
         )
@@ -581,7 +590,7 @@ def main(argv=None) -> dict:
         solvers=opts.solvers or ["auto", *BENCHMARKED_SOLVERS],
         cost_model="roofline"
         if opts.roofline
-        else "measured" + ("" if opts.unpooled else ", pooled"),
+        else "measured" + ("" if opts.unpooled else ", pooled") + ", with calls",
         compile_budgets=list(MODES[opts.mode]["compile_budgets"]),
         models={},
     )

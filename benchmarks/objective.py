@@ -11,7 +11,8 @@ model (``benchmarks/compare.py``'s configurations) and each ``activation_memory_
 compiles the model (``aot_eager``), measures the compiled step's peak, and plans ``auto`` at that
 peak twice:
 
-* ``time``: with the measured, pooled node times (``compare.py``'s default cost model);
+* ``time``: with the measured, pooled node times and the measured cost of a checkpoint call
+  and of a kept node (``compare.py``'s default cost model);
 * ``flops``: "FLOPs first", the roofline with memory traffic 1,000x cheaper
   (``CostModel(bytes_per_second=2e15)``), so that pointwise recompute is nearly free, as in the
   partitioner's view.
@@ -63,12 +64,15 @@ def bench(name: str, config: dict, budgets: list[float], reps: int) -> dict:
     model, args = compare.build_model(name, config, None)
     measured = compare.cost_model_for(model, args, roofline=False)
     captured, problem = prepare(model, args, cost_model=measured)
-    pooled = CostModel(measured_seconds=compare.pooled_seconds(problem, model))
+    pooled = dataclasses.replace(measured, measured_seconds=compare.pooled_seconds(problem, model))
     by_time = dataclasses.replace(
         problem, seconds=pooled.seconds(problem.flops, problem.bytes_moved, problem.names)
     )
-    by_flops = dataclasses.replace(
-        problem, seconds=FLOPS_FIRST.seconds(problem.flops, problem.bytes_moved)
+    by_flops = dataclasses.replace(  # the partitioner's view: no cost per checkpoint call
+        problem,
+        seconds=FLOPS_FIRST.seconds(problem.flops, problem.bytes_moved),
+        checkpoint_seconds=0.0,
+        keep_seconds=0.0,
     )
     variants = [compare.Variant("none", "none", model)]
     for b in sorted({1.0, *budgets}, reverse=True):

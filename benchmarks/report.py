@@ -114,12 +114,19 @@ def _cost_model_line(results) -> str:
             if "pooled" in model
             else ""
         )
+        calls = (
+            " The time of a checkpoint call and of a kept node are measured too "
+            "(`planner.costs.checkpoint_overheads`) and charged per segment and per kept node."
+            if "with calls" in model
+            else ""
+        )
         return (
             "- **Planner's cost model**: each node's time measured on the benchmark's device "
             "(`CostModel(measured_seconds=planner.costs.node_seconds(model, inputs))`, "
             "counted in the planning times), so plans weigh recompute as this machine runs "
             "it; `--roofline` plans with the default roofline, whose figures describe a GPU."
             + pooled
+            + calls
         )
     return (
         "- **Planner's cost model**: the default roofline (GPU figures); the step times are "
