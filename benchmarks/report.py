@@ -286,6 +286,7 @@ def _target_tables(results) -> list[str]:
 
 
 COST_MODEL_RESULTS = Path(__file__).resolve().parent / "results" / "cost_model.json"
+FLOOR_RESULTS = Path(__file__).resolve().parent / "results" / "floors.json"
 SEGMENTS_ONLY_RESULTS = Path(__file__).resolve().parent / "results" / "segments-only.json"
 
 
@@ -402,6 +403,15 @@ def _objective_section() -> list[str]:
     return out
 
 
+def _floor_section() -> list[str]:
+    """Lowest peaks against the physical floor, 20% plans (rendered by benchmarks/floors.py)."""
+    import json
+
+    from benchmarks.floors import render
+
+    return render(json.loads(FLOOR_RESULTS.read_text())) if FLOOR_RESULTS.exists() else []
+
+
 def _cost_model_section() -> list[str]:
     """Predicted against measured step-time overhead per cost model (benchmarks/cost_model.py)."""
     import json
@@ -510,6 +520,7 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
         *_before_section(results),
         *_objective_section(),
         *_cost_model_section(),
+        *_floor_section(),
         "## How it is measured",
         "",
         "- **One training step** = forward, `planner.step.training_loss`, backward "

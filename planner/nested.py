@@ -394,3 +394,44 @@ class _Replay:
 def simulate_nested(problem: Problem, choice, *, record: bool = False) -> Simulation:
     """Replay one training step under a nested plan (see the module docstring)."""
     return _Replay(problem, validate_nested(problem, choice)).run(record)
+
+
+def physical_floor(problem: Problem) -> int:
+    """The least memory any plan of ``problem`` must hold at once, recompute of any kind
+    included: the bar against which a plan's lowest peak is judged (at best 1x).
+
+    Every plan holds the fixed memory (parameters, buffers, inputs, optimizer state) all along,
+    and at some moment one of:
+
+    * the forward of a node (in the forward or in a recompute): the storages it reads, those it
+      creates and its workspace, plus the graph outputs made before it (they live until the loss
+      reads them, and checkpointing never drops what a segment returns);
+    * the backward of a node: the storages it saves (recomputed or kept, they are there when it
+      runs), what its backward allocates at its high point, and the gradients made by the
+      backward of later nodes and not yet freed (parameter gradients accumulated by then, the
+      gradients of the outputs and of every pending activation): the same in every plan, since
+      recompute changes which activations live, not the gradients;
+    * the optimizer step: the gradients backward leaves, plus the step's temporaries.
+
+    The largest of these is the floor: no plan's simulated peak is lower (checked on every
+    nested plan of small graphs in ``tests/test_nested.py``).
+    """
+    n, a = problem.size, problem.storage_arrays
+    if n == 0:
+        return int(problem.fixed_bytes + problem.optimizer_step_bytes)
+    reads = np.zeros(n, dtype=np.int64)  # graph outputs among them counted once, below
+    output_read = a.is_output[a.read_storage]
+    np.add.at(reads, a.read_node[~output_read], a.nbytes[a.read_storage[~output_read]])
+    outputs = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(outputs, a.producer[a.is_output] + 1, a.nbytes[a.is_output])
+    outputs_before = np.cumsum(outputs)[:n]
+    forward = reads + problem.created_bytes + problem.workspace + outputs_before
+
+    saved = np.zeros(n, dtype=np.int64)
+    np.add.at(saved, a.save_node, a.nbytes[a.save_storage])
+    allocated = problem.activation_grad_alloc + problem.grad_bytes_at
+    net = allocated - problem.activation_grad_free
+    pending = np.concatenate((np.cumsum(net[::-1])[::-1][1:], [0]))  # made after node i's
+    backward = saved + pending + allocated
+    step = int(net.sum()) + problem.optimizer_step_bytes
+    return int(problem.fixed_bytes + max(int(forward.max()), int(backward.max()), step))

@@ -38,7 +38,8 @@ def lowest_peak_plan(problem: Problem) -> tuple[Segments | Choice | NestedChoice
     return _LOWEST[problem]
 
 
-def _lowest_peak_plan(problem: Problem) -> tuple[Segments | Choice | NestedChoice, Simulation]:
+def lowest_flat_plan(problem: Problem) -> tuple[Segments | Choice | NestedChoice, Simulation]:
+    """The flat plan (no nesting) with the lowest simulated peak among the strategies' own."""
     candidates = [
         SOLVERS["greedy"](problem, 0),
         segments_between(problem, problem.articulation_cuts),
@@ -46,7 +47,11 @@ def _lowest_peak_plan(problem: Problem) -> tuple[Segments | Choice | NestedChoic
     ]
     if "optimal" in SOLVERS and problem.size <= AUTO_OPTIMAL_MAX_NODES:
         candidates.append(SOLVERS["optimal"](problem, 0, time_limit=AUTO_OPTIMAL_SECONDS))
-    lowest = min(((c, simulate(problem, c)) for c in candidates), key=lambda r: r[1].peak_bytes)
+    return min(((c, simulate(problem, c)) for c in candidates), key=lambda r: r[1].peak_bytes)
+
+
+def _lowest_peak_plan(problem: Problem) -> tuple[Segments | Choice | NestedChoice, Simulation]:
+    lowest = lowest_flat_plan(problem)
     if "rotor" in SOLVERS and problem.size <= AUTO_ROTOR_MAX_NODES:  # nested: a lower floor
         nested = SOLVERS["rotor"](problem, 0, flat=lowest[0])
         lowest = min(lowest, (nested, replay(problem, nested)), key=lambda r: r[1].peak_bytes)
