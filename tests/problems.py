@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from planner.nested import Nest, NestedChoice
 from planner.problem import Problem, Storage
 from planner.simulate import simulate
 
@@ -110,3 +111,22 @@ def budgets(problem: Problem, plans=None) -> list[int]:
     """Every peak some plan reaches, and one byte below each: where the answer can change."""
     peaks = {simulate(problem, plan).peak_bytes for plan in plans or all_plans(problem)}
     return sorted({b for p in peaks for b in (p - 1, p)})
+
+
+def all_nested_plans(problem) -> list[NestedChoice]:
+    """Every nested plan of ``problem``: each level a set of disjoint valid segments, each
+    segment holding any such set strictly inside it."""
+
+    def level(start: int, stop: int, parent) -> list[tuple[Nest, ...]]:
+        def from_position(p: int):
+            yield ()
+            for a in range(p, stop):
+                for b in range(a + 1, stop + 1):
+                    if problem.is_valid_segment(a, b) and (a, b) != parent:
+                        for inner in level(a, b, (a, b)):
+                            for rest in from_position(b):
+                                yield (Nest(a, b, inner), *rest)
+
+        return list(from_position(start))
+
+    return [NestedChoice(plan) for plan in level(0, problem.size, None)]

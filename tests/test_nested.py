@@ -29,7 +29,7 @@ from planner.pipeline import prepare
 from planner.rewrite import rewrite
 from planner.simulate import last_recomputed, simulate
 from planner.step import peak_memory
-from problems import problem_of, random_problem
+from problems import all_nested_plans, problem_of, random_problem
 from strategies import assert_equivalent, build, inputs, model_specs, random_segments
 
 EXAMPLES = settings.default.max_examples
@@ -275,25 +275,6 @@ def test_replay_equals_the_measured_peak_where_backward_accumulates():
 # -- the rotor solver --------------------------------------------------------------------------
 
 
-def all_nested_plans(problem) -> list[NestedChoice]:
-    """Every nested plan of ``problem``: each level a set of disjoint valid segments, each
-    segment holding any such set strictly inside it."""
-
-    def level(start: int, stop: int, parent) -> list[tuple[Nest, ...]]:
-        def from_position(p: int):
-            yield ()
-            for a in range(p, stop):
-                for b in range(a + 1, stop + 1):
-                    if problem.is_valid_segment(a, b) and (a, b) != parent:
-                        for inner in level(a, b, (a, b)):
-                            for rest in from_position(b):
-                                yield (Nest(a, b, inner), *rest)
-
-        return list(from_position(start))
-
-    return [NestedChoice(plan) for plan in level(0, problem.size, None)]
-
-
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 10**6))
 def test_rotor_never_costs_more_than_the_flat_optimum_where_it_fits(seed):
@@ -311,6 +292,23 @@ def test_rotor_never_costs_more_than_the_flat_optimum_where_it_fits(seed):
             assert nested.recompute_seconds <= flat.recompute_seconds + 1e-12
         else:
             assert nested.peak_bytes <= flat.peak_bytes
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_rotor_equals_an_exhaustive_search_on_small_graphs(seed):
+    """At every budget where the answer can change, ``rotor``'s plan fits exactly when some
+    nested plan does, and recomputes no more than the cheapest that fits. Seed 13 needs the
+    nesting ``(0, 3, [(0, 2)])``, which the chain model proposed only once it counted the
+    gradients pending at each stage's backward and the inputs a checkpoint holds."""
+    from planner.solvers import SOLVERS
+
+    problem = random_problem(seed, 5)
+    replays = [simulate(problem, plan) for plan in all_nested_plans(problem)]
+    for budget in sorted({r.peak_bytes for r in replays}):
+        cheapest = min(r.recompute_seconds for r in replays if r.peak_bytes <= budget)
+        found = simulate(problem, SOLVERS["rotor"](problem, budget))
+        assert found.peak_bytes <= budget
+        assert found.recompute_seconds <= cheapest + 1e-12
 
 
 # -- the physical floor ------------------------------------------------------------------------

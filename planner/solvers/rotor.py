@@ -2,21 +2,34 @@
 
 The order is split at candidate cuts into *stages*. Processing stages ``s..t-1`` (their input
 held) either *stores* stage ``s`` (runs it saving, then processes ``s+1..t-1`` with what is
-left) or *checkpoints* stages ``s..s'-1`` (runs them without saving, holds the tensors crossing
-cut ``s'``, processes ``s'..t-1``, then processes ``s..s'-1`` again, recursively: the nested
-segment's own plan). Following Beaumont et al. (Rotor, "Optimal checkpointing for
-heterogeneous chains"), with ``m`` the memory left::
+left) or *checkpoints* stages ``s..s'-1`` (runs them without saving, holds their input while
+it processes ``s'..t-1``, then processes ``s..s'-1`` again, recursively: the nested segment's
+own plan). Following Beaumont et al. (Rotor, "Optimal checkpointing for heterogeneous
+chains"), with ``m`` the memory left::
 
-    opt(s, t, m) = min( f(s) + opt(s+1, t, m - saved(s)),
+    opt(s, t, m) = min( f(s) + opt(s+1, t, m - saved(s))        where m >= need(s),
                         min over s < s' < t of
-                            f(s..s'-1) + opt(s', t, m - cut(s')) + opt(s, s', m) )
+                            f(s..s'-1) + opt(s', t, m - input(s) - held(s')) + opt(s, s', m) )
 
-Cuts crossed by several tensors are handled as one boundary of their total bytes. The chain
-model is an approximation of ``planner.simulate`` (it ignores gradients, workspaces and the
-early stop), so the table is only a generator of candidates: the plan of every memory level,
-plus the flat ``optimal`` plan and Chen-style bisections (for the lowest floor), are replayed
-exactly by ``simulate`` and the cheapest that fits wins, or the lowest peak when none fits.
-So at budgets a flat plan meets, the answer never costs more than ``optimal``'s.
+The chain model follows what ``planner.simulate`` replays, in stage-sized pieces:
+
+* ``saved(s)``: what stage ``s`` makes that autograd saves (held from its forward to its
+  backward when the stage is stored);
+* ``need(s)``: storing a stage needs room for its heaviest node's backward (its saved
+  tensors, what the backward allocates, and the gradients made by later nodes and not yet
+  freed: parameter gradients, the gradients of pending activations) and for its heaviest
+  node's forward (what it reads, creates and works in);
+* ``held(s')``: of the tensors crossing cut ``s'``, those that outlive the stage it opens
+  (saved by a later node, or read past that stage); a tensor read there once and unsaved is
+  freed after it;
+* ``input(s)``: a checkpoint holds its whole input while something it saved lives, even what
+  the caller counted as transient: the rest of the crossing bytes at cut ``s``.
+
+It is still an approximation (the early stop, workspaces of recompute, which tensors of a cut
+are held by which frame), so the table is only a generator of candidates: the plan of every
+memory level, plus the flat ``optimal`` plan and Chen-style bisections (for the lowest floor),
+are replayed exactly by ``simulate`` and the cheapest that fits wins, or the lowest peak when
+none fits. So at budgets a flat plan meets, the answer never costs more than ``optimal``'s.
 """
 
 from __future__ import annotations
@@ -56,6 +69,40 @@ def _shift(values: np.ndarray, by: int) -> np.ndarray:
     return shifted
 
 
+def _backward_bytes(problem: Problem, cuts: list[int]) -> np.ndarray:
+    """Per stage, what the backward of its heaviest node holds beyond the stage's saved
+    tensors: what it allocates, plus the gradients made after it and not yet freed."""
+    allocated = problem.activation_grad_alloc + problem.grad_bytes_at
+    net = allocated - problem.activation_grad_free
+    pending = np.concatenate((np.cumsum(net[::-1])[::-1][1:], [0]))
+    heaviest = pending + allocated
+    return np.array([max(int(heaviest[a:b].max()), 0) for a, b in zip(cuts, cuts[1:])])
+
+
+def _forward_bytes(problem: Problem, cuts: list[int]) -> np.ndarray:
+    """Per stage, the heaviest forward of its nodes: what it reads, creates and works in."""
+    a = problem.storage_arrays
+    reads = np.zeros(problem.size, dtype=np.int64)
+    np.add.at(reads, a.read_node, a.nbytes[a.read_storage])
+    heaviest = reads + problem.created_bytes + problem.workspace
+    return np.array([int(heaviest[start:stop].max()) for start, stop in zip(cuts, cuts[1:])])
+
+
+def _held(problem: Problem, cuts: list[int]) -> np.ndarray:
+    """Per cut, the bytes crossing it that live past the stage it opens: saved by a node at or
+    after it, or read beyond that stage (a tensor read only there, unsaved, is transient)."""
+    a = problem.storage_arrays
+    held = np.zeros(len(cuts), dtype=np.int64)
+    saved_after = np.full(a.nbytes.size, -1, dtype=np.int64)
+    np.maximum.at(saved_after, a.save_storage, a.save_node)
+    for index, cut in enumerate(cuts[:-1]):
+        stage_end = cuts[index + 1]
+        crossing = (a.producer < cut) & (a.last_use >= cut)
+        lives = (saved_after >= cut) | (a.last_use >= stage_end)
+        held[index] = int(a.nbytes[crossing & lives].sum())
+    return held
+
+
 def table_plans(problem: Problem, cuts: list[int]) -> list[NestedChoice]:
     """The plan the recurrence chooses at every memory level (see the module docstring)."""
     k = len(cuts) - 1
@@ -64,10 +111,14 @@ def table_plans(problem: Problem, cuts: list[int]) -> list[NestedChoice]:
     saved_per_node = problem.saved_bytes_per_node()
     seconds = np.array([problem.seconds[a:b].sum() for a, b in zip(cuts, cuts[1:])])
     saved = np.array([saved_per_node[a:b].sum() for a, b in zip(cuts, cuts[1:])])
-    crossing = problem.cut_bytes[cuts]
-    unit = max(int(saved.sum()), 1) / LEVELS
+    held = _held(problem, cuts)
+    backward = _backward_bytes(problem, cuts)
+    need = np.maximum(saved + backward, _forward_bytes(problem, cuts))
+    unit = max(int(saved.sum() + backward.max(initial=0)), 1) / LEVELS
     saved_units = np.ceil(saved / unit).astype(int)
-    cut_units = np.ceil(crossing / unit).astype(int)
+    need_units = np.ceil(need / unit).astype(int)
+    held_units = np.ceil(held / unit).astype(int)
+    input_units = np.ceil((problem.cut_bytes[cuts] - held) / unit).astype(int)
     prefix = np.concatenate([[0.0], np.cumsum(seconds)])
 
     # opt[s, t] and arg[s, t]: the least cost of stages s..t-1 at each memory level, and the
@@ -78,16 +129,18 @@ def table_plans(problem: Problem, cuts: list[int]) -> list[NestedChoice]:
     levels = np.arange(LEVELS + 1)
     valid = np.array([[a < b and problem.is_valid_segment(a, b) for b in cuts] for a in cuts])
     for s in range(k):
-        opt[s, s + 1] = np.where(levels >= saved_units[s], seconds[s], np.inf)
+        opt[s, s + 1] = np.where(levels >= need_units[s], seconds[s], np.inf)
     for length in range(2, k + 1):
         for s in range(0, k - length + 1):
             t = s + length
             store = seconds[s] + _shift(opt[s + 1, t], saved_units[s])
+            store[levels < need_units[s]] = np.inf
             spans = np.flatnonzero(valid[s, s + 1 : t]) + s + 1  # the s' of valid segments
             if not spans.size:
                 opt[s, t] = store
                 continue
-            source = levels - cut_units[spans][:, None]  # opt[s', t] at m - cut(s'), as _shift
+            charge = input_units[s] + held_units[spans]
+            source = levels - charge[:, None]  # opt[s', t] at m - charge, as _shift
             after = np.where(source >= 0, opt[spans[:, None], t, np.maximum(source, 0)], np.inf)
             cost = (prefix[spans] - prefix[s])[:, None] + after + opt[s, spans]
             first = cost.argmin(axis=0)
@@ -105,7 +158,7 @@ def table_plans(problem: Problem, cuts: list[int]) -> list[NestedChoice]:
                 s += 1
                 continue
             result.append(Nest(cuts[s], cuts[s2], items(s, s2, m)))
-            m -= int(cut_units[s2])
+            m -= int(input_units[s] + held_units[s2])
             s = s2
         return tuple(result)
 
