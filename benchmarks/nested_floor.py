@@ -5,7 +5,7 @@
 
 A residual MLP (``x + W2 relu(W1 x)`` per block, every block boundary an articulation point)
 is captured and profiled on the meta device; for each depth the lowest simulated peak of the
-best flat plan (``planner.pipeline.lowest_peak``) and of ``rotor`` (``solve(problem, 0)``) is
+best flat plan (``planner.solvers.auto.lowest_flat_plan``) and of ``rotor`` (``solve(problem, 0)``) is
 printed, as activation bytes (the peak less the fixed memory: parameters, inputs, gradients are
 counted in the peak) and as multiples of one block output. Then ``a + b * f(n)`` is fitted by
 least squares for ``f = log2`` and ``f = sqrt``, and the residuals of both fits printed: the
@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 from planner.pipeline import prepare  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
 from planner.solvers import SOLVERS  # noqa: E402
-from planner.solvers.auto import lowest_peak  # noqa: E402
+from planner.solvers.auto import lowest_flat_plan  # noqa: E402
 
 
 class Block(nn.Module):
@@ -69,7 +69,7 @@ def main() -> None:
     for blocks in args.blocks:
         model, inputs = residual_mlp(blocks, args.width, args.batch)
         _, problem = prepare(model, inputs)
-        flat = lowest_peak(problem).peak_bytes - problem.fixed_bytes
+        flat = lowest_flat_plan(problem)[1].peak_bytes - problem.fixed_bytes
         start = time.perf_counter()
         choice = SOLVERS["rotor"](problem, 0)
         seconds = time.perf_counter() - start
