@@ -161,3 +161,29 @@ def test_objective_benchmark_plans_both_objectives_within_each_compiled_peak(tmp
         assert planned["predicted_peak_bytes"] <= row["peak_bytes"], objective_name
         assert v[planned["variant"]]["peak_bytes"] <= row["peak_bytes"], objective_name
         assert v[planned["variant"]]["extra_flops"] >= 0, objective_name
+
+
+@pytest.mark.slow
+def test_floor_benchmark_reports_the_lowest_peak_between_the_floor_and_the_flat_plans(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks_floors", ROOT / "benchmarks" / "floors.py"
+    )
+    floors = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, floors)
+    spec.loader.exec_module(floors)
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n\n## How it is measured\n\n- text\n")
+    results = floors.main(
+        ["--models", "resnet", "--out", str(tmp_path / "floors.json"), "--page", str(page)]
+    )
+
+    (r,) = results["models"]
+    assert r["floor_bytes"] <= r["lowest"]["predicted_bytes"] <= r["flat"]["predicted_bytes"]
+    assert r["lowest"]["predicted_bytes"] < r["baseline_predicted_bytes"]
+    # at 20% of its activations the ResNet is below its floor: no plan is claimed
+    assert r["share_budget_bytes"] < r["floor_bytes"] and r["at_share"] is None
+    text = page.read_text()
+    assert text.index(floors.HEADING) < text.index("## How it is measured")
+    assert "| resnet |" in text
+    floors.write_section(page, floors.render(results))  # again: the section is replaced
+    assert page.read_text().count(floors.HEADING) == 1
