@@ -5,11 +5,12 @@
 
 A residual MLP (``x + W2 relu(W1 x)`` per block, every block boundary an articulation point)
 is captured and profiled on the meta device; for each depth the lowest simulated peak of the
-best flat plan (``planner.solvers.auto.lowest_flat_plan``) and of ``rotor`` (``solve(problem, 0)``) is
-printed, as activation bytes (the peak less the fixed memory: parameters, inputs, gradients are
-counted in the peak) and as multiples of one block output. Then ``a + b * f(n)`` is fitted by
-least squares for ``f = log2`` and ``f = sqrt``, and the residuals of both fits printed: the
-smaller one names the growth. With ``--out`` a figure is written (matplotlib).
+best flat plan (``planner.solvers.auto.lowest_flat_plan``) and of ``rotor``
+(``solve(problem, 0)``) is printed, as activation bytes (the peak less the fixed memory:
+parameters, inputs, gradients are counted in the peak) and as multiples of one block output.
+Then ``a + b * f(n)`` is fitted by least squares for ``f = log2`` and ``f = sqrt``, and the
+residuals of both fits printed: the smaller one names the growth. With ``--out`` a figure is
+written (matplotlib).
 """
 
 from __future__ import annotations
