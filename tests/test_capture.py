@@ -212,20 +212,23 @@ def test_a_dynamic_capture_without_torchs_fake_tensor_cache_gives_the_same_plan(
     monkeypatch, leaves
 ):
     """With dynamic shapes, torch.export's fake-tensor dispatch cache costs more than it saves,
-    and capture turns it off: the graph has the same ops in the same order on the same
-    arguments as with the cache on, every field of the Problem is the same and so is the plan.
-    Only node names may be numbered differently (export numbers the shape arithmetic it
-    traces and drops, and a cache hit traces none)."""
+    and capture turns it off (static captures keep it): the graph has the same ops in the same
+    order on the same arguments as with the cache on, every field of the Problem but the node
+    names is the same, and so is the plan. Names may be numbered differently: export numbers
+    the shape arithmetic it traces and drops, and a cache hit traces none."""
     from planner.capture import capture
     from planner.solvers.auto import choose, lowest_peak
 
-    model, args, kwargs = _llama(mask=not leaves)  # layers whole with a mask: not yet
+    # Layers whole, a padded mask and dynamic shapes do not capture yet (a duplicate argument).
+    model, args, kwargs = _llama(mask=not leaves)
     options = planner.CaptureOptions(
         leaf_modules=_decoder_layer(model) if leaves else (), dynamic_shapes=True
     )
     before = _fake_dispatches()
     capture(model, args, kwargs, leaf_modules=options.leaf_modules, dynamic_shapes=True)
     assert _fake_dispatches() == before, "the cache is off while exporting"
+    capture(model, args, kwargs, leaf_modules=options.leaf_modules)
+    assert _fake_dispatches() > before, "and on in a static capture"
     captures = []
     for cache in ("off", "on"):
         if cache == "on":
@@ -236,7 +239,6 @@ def test_a_dynamic_capture_without_torchs_fake_tensor_cache_gives_the_same_plan(
         graph = captured.graph_module.meta.get(CALLS_KEY, captured.graph_module).graph
         captures.append((_structure(graph), problem))
     (graph_off, problem_off), (graph_on, problem_on) = captures
-    assert _fake_dispatches() > before, "and on in the capture with the cache"
     assert graph_off == graph_on
     assert _same_problem_but_names(problem_off, problem_on)
     budget = (lowest_peak(problem_off).peak_bytes + simulate(problem_off, ()).peak_bytes) // 2
