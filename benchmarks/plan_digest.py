@@ -11,9 +11,9 @@ below the lowest) what ``auto`` chose (strategy, segments, kept nodes, nesting),
 peak, recompute seconds and FLOPs, and the same for ``greedy``, ``sqrt_n`` and ``rotor`` at the
 middle budget. ``--models`` picks some; Hugging Face families need ``transformers``.
 
-``optimal`` stops its keep search after a share of its own running time, and ``auto`` stops
-``optimal`` after ``AUTO_OPTIMAL_SECONDS``: plans then depend on how fast the machine ran at that
-moment. Both limits are lifted here (``--timed`` keeps them), so that two runs can be compared.
+``auto`` stops ``optimal`` after ``AUTO_OPTIMAL_SECONDS``: plans then depend on how fast the
+machine ran at that moment. The limit is lifted here (``--timed`` keeps it), so that two runs can
+be compared.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from planner import zoo  # noqa: E402
 from planner.errors import PlanningError  # noqa: E402
 from planner.pipeline import prepare  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
-from planner.solvers import SOLVERS, auto, optimal  # noqa: E402
+from planner.solvers import SOLVERS, auto  # noqa: E402
 from planner.solvers.auto import choose, lowest_peak  # noqa: E402
 
 FRACTIONS = (
@@ -179,12 +179,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument(
-        "--timed", action="store_true", help="keep the solvers' time limits (see above)"
+        "--timed", action="store_true", help="keep auto's time limit for optimal (see above)"
     )
     options = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     if not options.timed:
-        optimal.KEEP_TIME_SHARE = math.inf
         auto.AUTO_OPTIMAL_SECONDS = math.inf
     for name in options.models:
         print(json.dumps(digest(name), sort_keys=True), flush=True)

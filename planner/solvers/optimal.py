@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -82,6 +83,7 @@ from planner.simulate import (
     Choice,
     Segments,
     Simulation,
+    as_choice,
     last_recomputed,
     recompute_stop,
     simulate,
@@ -96,11 +98,9 @@ REFINE = 2  # each refining pass tries cuts this many times closer together, thi
 SHORT = 8  # refining passes at this spacing or closer also try short segments near coarse cuts
 BUCKETS = 256  # fronts of large problems keep one entry per 1/BUCKETS of the limit
 EXACT_KEEP_NODES = 12  # up to this many nodes: the search tries every keep set of every segment
-GROUPS = (1, 2, 4)  # keeps are tried on segments spanning this many articulation blocks
-PREFIXES = 64  # keep-set sizes tried per segmentation: evenly spaced prefixes (_best_prefix)
-# The keep search starts no new segmentation once it has taken this share of the segment
-# search's time (or KEEP_MIN_SECONDS): planning time grows by about half at most.
-KEEP_TIME_SHARE, KEEP_MIN_SECONDS = 0.5, 0.05
+# Larger graphs: a segment's keep sets use its KEEP_CANDIDATES most valuable nodes, every subset
+# of them when there are at most KEEP_SUBSETS, else prefixes of 1, 2, 4, ... (_keep_family).
+KEEP_CANDIDATES, KEEP_SUBSETS = 64, 4
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,31 @@ class _Tables:
     saved_prefix: np.ndarray  # per node: cumulative bytes of storages first saved there
     kept_prefix: np.ndarray  # per node x: bytes of saved storages produced at or before x
     unsaved_alive: np.ndarray  # per node x: bytes of never-saved storages alive at x
+    value: np.ndarray  # per node: _keep_value
+    offered: np.ndarray  # per node: worth keeping (value > 0), making no cached weight cast
+    remade_by_stop: np.ndarray  # per node: an early stop there makes all its storages again
+    cache: np.ndarray  # per node: bytes its selective cache holds (storages made + temporaries)
+    made_bytes: np.ndarray  # per node: bytes of the storages it makes
+    read_until: np.ndarray  # per node: last use of the storages it makes (-1: none)
+    buffer_uses: tuple[
+        np.ndarray, ...
+    ]  # Problem.buffer_copies flat: node, buffer, bytes, passed by
+    # per node x: (positions, bytes) where keeping x adds to forward's live bytes: its storages
+    # after their last reader, its temporaries in place of its workspace at x and after it
+    cache_steps: tuple[tuple[np.ndarray, np.ndarray], ...]
+
+
+_TABLES: weakref.WeakKeyDictionary[Problem, _Tables] = weakref.WeakKeyDictionary()
 
 
 def _tables(problem: Problem) -> _Tables:
+    """``_Tables`` of ``problem``, worked out once (``auto`` and a frontier solve it often)."""
+    if problem not in _TABLES:
+        _TABLES[problem] = _new_tables(problem)
+    return _TABLES[problem]
+
+
+def _new_tables(problem: Problem) -> _Tables:
     n = problem.size
     storages, arrays = problem.storages, problem.storage_arrays
     nbytes, producer, last_use = arrays.nbytes, arrays.producer, arrays.last_use
@@ -166,6 +188,15 @@ def _tables(problem: Problem) -> _Tables:
         else:
             unsaved[producer[k]] += nbytes[k]
             unsaved[last_use[k] + 1] -= nbytes[k]
+    made_bytes = np.zeros(n, dtype=np.int64)
+    np.add.at(made_bytes, producer, nbytes)
+    read_until = np.full(n, -1, dtype=np.int64)
+    np.maximum.at(read_until, producer, last_use)
+    buffer_uses = [(x, *use) for x, uses in enumerate(problem.buffer_copies) for use in uses]
+    makes_cast = np.zeros(n, dtype=bool)
+    makes_cast[producer[arrays.cast_cache]] = True
+    remade = np.ones(n, dtype=bool)
+    remade[producer[~arrays.before_last_save]] = False
     return _Tables(
         nbytes=nbytes,
         producer=producer,
@@ -186,6 +217,24 @@ def _tables(problem: Problem) -> _Tables:
         saved_prefix=np.cumsum(first_saved),
         kept_prefix=np.cumsum(kept_made),
         unsaved_alive=np.cumsum(unsaved)[:n],
+        value=_keep_value(problem),
+        offered=(_keep_value(problem) > 0) & ~makes_cast,
+        remade_by_stop=remade,
+        cache=made_bytes + problem.kept_bytes - problem.created_bytes,
+        made_bytes=made_bytes,
+        read_until=read_until,
+        buffer_uses=tuple(np.array(buffer_uses, dtype=np.int64).reshape(-1, 4).T),
+        cache_steps=tuple(_cache_steps(problem, x, made_at[x], last_use, nbytes) for x in range(n)),
+    )
+
+
+def _cache_steps(problem: Problem, x: int, made: list[int], last_use, nbytes):
+    """``_Tables.cache_steps`` of node ``x``."""
+    held = int(problem.kept_bytes[x] - problem.created_bytes[x])
+    at_x = max(0, held - int(problem.workspace[x]))
+    positions = [*(int(last_use[k]) + 1 for k in made), x, x + 1]
+    return np.array(positions, dtype=np.int64), np.array(
+        [*(int(nbytes[k]) for k in made), at_x, held - at_x], dtype=np.int64
     )
 
 
@@ -263,13 +312,19 @@ def _recompute_bound(problem: Problem, t: _Tables, c: int, stop: int) -> np.ndar
     not re-created by the early stop), never for more. Over-estimating a peak only makes the
     search conservative: its plans still fit.
     """
+    running = np.maximum.accumulate(_recompute_bound_profile(problem, t, c, stop))
+    last = _last_saving(problem, c, stop)
+    return np.where(last >= 0, running[np.maximum(last, 0)], 0)
+
+
+def _recompute_bound_profile(problem: Problem, t: _Tables, c: int, stop: int) -> np.ndarray:
+    """Per node of ``[c, stop)``: the live bytes ``_recompute_bound`` counts when the recompute
+    of a segment from ``c`` runs it, its workspace included."""
     live = t.kept_prefix[c:stop] - (t.kept_prefix[c - 1] if c else 0) + t.unsaved_alive[c:stop]
     for k in t.crossing[c]:  # never-saved inputs of the segment are not re-created
         if t.first_saver[k] == NEVER:
             live[: t.last_use[k] - c + 1] -= t.nbytes[k]
-    running = np.maximum.accumulate(live + problem.workspace[c:stop])
-    last = _last_saving(problem, c, stop)
-    return np.where(last >= 0, running[np.maximum(last, 0)], 0)
+    return live + problem.workspace[c:stop]
 
 
 def _last_saving(problem: Problem, c: int, stop: int) -> np.ndarray:
@@ -296,12 +351,77 @@ def _segment_costs(problem: Problem, t: _Tables, c: int, stop: int, exact: bool)
     return peaks + grads, cost
 
 
+@dataclass(frozen=True)
+class _Start:
+    """The parts of ``_segment_locals`` for the segments ``[c, b)`` from one cut ``c`` that no
+    mask changes; arrays indexed ``b - c - 1`` for ``b`` in ``(c, stop]``."""
+
+    inputs: tuple[int, ...]  # storages crossing c
+    nbytes: np.ndarray  # of each input
+    freed: np.ndarray  # per input: offset after its last reader (at most the width)
+    charges: np.ndarray  # per input: offset from which a segment holds it; the width when never
+    saves: np.ndarray  # the segment saves something
+    last: np.ndarray  # offset of its last saving node, or -1
+    before: np.ndarray  # highest backward of the nodes before its first saving one
+    after: np.ndarray  # highest backward from its first saving node on, inputs not counted
+    with_saved: np.ndarray  # highest backward from its recompute on, inputs not counted
+    tail: np.ndarray  # highest backward of the nodes after its last saving one
+    copies: np.ndarray  # buffer copies (Problem.buffer_copy_bytes)
+
+
+def _segment_start(problem: Problem, t: _Tables, c: int, stop: int) -> _Start:
+    """``_Start`` of the segments from ``c`` (see ``_segment_locals``)."""
+    width = stop - c
+    saving = np.flatnonzero(problem.saves[c:stop])
+    first = int(saving[0]) if saving.size else width  # offset of the first saving node
+    saved_here = t.saved_prefix[c:stop] - (t.saved_prefix[c - 1] if c else 0)
+    inputs = t.crossing[c]
+    nbytes = t.nbytes[list(inputs)].astype(np.int64)
+    first_saver = t.first_saver[list(inputs)]
+    inner = (first_saver >= c) & (first_saver < stop)  # recomputed copies only come from inside
+    saved_here = saved_here - _running(width, first_saver[inner] - c, nbytes[inner])
+    touch = np.array([next((j for j in t.touches[k] if j >= c), NEVER) for k in inputs], np.int64)
+    charges = np.where(touch < stop, np.maximum(touch - c, first), width)
+    saves = np.arange(width) >= first
+    grads = t.backward_live[c:stop]
+    before = np.maximum.accumulate(grads)  # the backward of nodes before the first saving one
+    before = np.where(saves, before[max(first - 1, 0)] if first else 0, before)
+    last = _last_saving(problem, c, stop)
+    with_saved = np.maximum.accumulate(np.where(saves, grads + saved_here, 0))
+    # The highest gradients after the last saving node: a running maximum that restarts at each
+    # saving node (group offsets larger than any value keep groups apart).
+    group = np.cumsum(problem.saves[c:stop])
+    scale = int(grads.max(initial=0)) + 1
+    tail_values = np.where(problem.saves[c:stop], 0, grads) + group * scale
+    tail = np.maximum.accumulate(tail_values) - group * scale
+    with_saved = with_saved[np.maximum(last, 0)]
+    return _Start(
+        inputs=inputs,
+        nbytes=nbytes,
+        freed=np.minimum(t.last_use[list(inputs)] - c + 1, width),
+        charges=charges,
+        saves=saves,
+        last=last,
+        before=before,
+        after=np.maximum(with_saved, tail),
+        with_saved=with_saved,
+        tail=tail,
+        copies=_copy_bytes(problem, t, c, stop),
+    )
+
+
+def _running(width: int, offsets: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Per offset below ``width``: the bytes of ``nbytes`` whose offset is at or before it."""
+    steps = np.zeros(width + 1, dtype=np.int64)
+    np.add.at(steps, offsets, nbytes)
+    return np.cumsum(steps[:width])
+
+
 def _segment_locals(
-    problem: Problem,
     t: _Tables,
     c: int,
     mask: frozenset,
-    stop: int,
+    start: _Start,
     recompute: np.ndarray,
     keeps: bool = False,
 ):
@@ -315,57 +435,40 @@ def _segment_locals(
     never decreases with ``b``, so once it overflows the budget no longer segment from ``c``
     can fit: the search stops extending there.
     """
-    width = stop - c
-    forward = t.forward_live[c:stop].copy()
-    held = np.zeros(width, dtype=np.int64)  # inputs held after their last reader
-    charged = np.zeros(width, dtype=np.int64)
-    saving = np.flatnonzero(problem.saves[c:stop])
-    first = int(saving[0]) if saving.size else width  # offset of the first saving node
-    saved_here = t.saved_prefix[c:stop] - (t.saved_prefix[c - 1] if c else 0)
-    for k in t.crossing[c]:
-        if c <= t.first_saver[k] < stop:  # recomputed copies only come from inside
-            saved_here[t.first_saver[k] - c :] -= t.nbytes[k]
-        if k in mask:  # charged to an earlier block: do not count it twice while it is read
-            forward[: t.last_use[k] - c + 1] -= t.nbytes[k]
-        else:  # a segment input: charged here, alive until the segment's backward ends
-            held[t.last_use[k] - c + 1 :] += t.nbytes[k]
-            touch = next((j for j in t.touches[k] if j >= c), NEVER)
-            if touch < stop:
-                charged[max(touch - c, first) :] += t.nbytes[k]
-    index = np.arange(width)
-    saves = index >= first
+    width = start.saves.size
+    forward = t.forward_live[c : c + width]
+    if start.inputs:
+        # An input charged to an earlier block is not counted twice while it is read; the
+        # others are charged here, alive until the segment's backward ends.
+        charged_before = np.array([k in mask for k in start.inputs], dtype=bool)
+        here = ~charged_before
+        read = start.nbytes[charged_before]
+        forward = forward - (int(read.sum()) - _running(width, start.freed[charged_before], read))
+        held = _running(width, start.freed[here], start.nbytes[here])  # after their last reader
+        charged = _running(width, start.charges[here], start.nbytes[here])
+    else:
+        held = charged = np.zeros(width, dtype=np.int64)
+    saves, last, copies = start.saves, start.last, start.copies
     forward_peak = np.where(
         saves, np.maximum.accumulate(forward + held), np.maximum.accumulate(forward)
     )
-    grads = t.backward_live[c:stop]
-    before = np.maximum.accumulate(grads)  # the backward of nodes before the first saving one
-    before = np.where(saves, before[max(first - 1, 0)] if first else 0, before)
-    last = _last_saving(problem, c, stop)
-    with_saved = np.maximum.accumulate(np.where(saves, grads + saved_here, 0))
-    # The highest gradients after the last saving node: a running maximum that restarts at each
-    # saving node (group offsets larger than any value keep groups apart).
-    group = np.cumsum(problem.saves[c:stop])
-    scale = int(grads.max(initial=0)) + 1
-    tail_values = np.where(problem.saves[c:stop], 0, grads) + group * scale
-    tail = np.maximum.accumulate(tail_values) - group * scale
-    after = np.maximum(with_saved[np.maximum(last, 0)], tail) + charged
-    backward = np.maximum(before, np.where(saves, after, 0))
+    backward = np.maximum(start.before, np.where(saves, start.after + charged, 0))
     monotone = np.maximum(forward_peak, backward)
     # Buffer copies (Problem.buffer_copy_bytes): held from the segment's forward to the end of
     # its recompute, twice during it; with no recompute they go with the forward. The backward
     # of the nodes after the last saving one runs before the recompute, copies still held.
-    copies = _copy_bytes(problem, c, stop)
     held_copies = np.where(last >= 0, copies, 0)
     monotone = np.maximum(monotone, forward_peak + copies)  # forward_peak already runs up
-    before_recompute = np.where((index > last) & (last >= 0), tail + charged + held_copies, 0)
+    replays = (np.arange(width) > last) & (last >= 0)
+    before_recompute = np.where(replays, start.tail + charged + held_copies, 0)
     local = np.maximum(monotone, before_recompute)
     parts = None
     if keeps:
         parts = _SavingParts(
             forward=forward + held,
             copies=copies,
-            after_recompute=np.maximum(before, with_saved[np.maximum(last, 0)] + charged),
-            before_recompute=tail + charged + copies,
+            after_recompute=np.maximum(start.before, start.with_saved + charged),
+            before_recompute=start.tail + charged + copies,
             recompute_base=t.after_backward[c + np.maximum(last, 0) + 1] + charged + 2 * copies,
         )
     return (
@@ -413,12 +516,14 @@ class _KeepSets:
     a set's effects are sums of per-node rows.
     """
 
+    nodes: tuple[int, ...]  # every node some set keeps
     keeps: tuple[tuple[int, ...], ...]
     forward: np.ndarray  # (sets, b - c): bytes the caches add at each node's forward
     recompute: np.ndarray  # (sets,): the recompute's own peak with the keeps
     cache: np.ndarray  # (sets,): bytes held from the forward to the recompute
     saved: np.ndarray  # (sets,): recompute seconds spared, less what the kept nodes cost
     first_id: int = 0  # kinds first_id .. first_id + sets - 1 name them in the search's states
+    joins: tuple[frozenset, ...] = ()  # per set: cached storages crossing b (they join the mask)
 
 
 def _keep_candidates(problem: Problem, t: _Tables, c: int, b: int) -> tuple[list, list]:
@@ -445,7 +550,8 @@ def _keep_candidates(problem: Problem, t: _Tables, c: int, b: int) -> tuple[list
 def _keep_sets(problem: Problem, t: _Tables, c: int, b: int) -> _KeepSets | None:
     """Every valid non-empty keep set of the segment ``[c, b)`` (``validate_choice``): any
     subset of its non-random candidates, with a suffix of its random nodes (kept random nodes
-    come after every recomputed one); None when it has none."""
+    come after every recomputed one); None when it has none. Exact: the search's answer with
+    them is the least recompute over every ``Choice``."""
     plain, randoms = _keep_candidates(problem, t, c, b)
     runs_to = recompute_stop(problem, c, b)
     every_random = np.flatnonzero(problem.random[c:runs_to]) + c
@@ -471,25 +577,72 @@ def _keep_sets(problem: Problem, t: _Tables, c: int, b: int) -> _KeepSets | None
     width, steps = b - c, last_recomputed(problem, c, b) - c + 1
     forward = np.zeros((len(nodes), width), dtype=np.int64)
     recompute = np.zeros((len(nodes), steps), dtype=np.int64)
-    cache = np.zeros(len(nodes), dtype=np.int64)
     for j, x in enumerate(nodes):
         held = int(problem.kept_bytes[x] - problem.created_bytes[x])
         for k in t.made_at[x]:
             forward[j, t.last_use[k] - c + 1 :] += t.nbytes[k]  # not freed in forward
             recompute[j, : x - c] += t.nbytes[k]  # in the cache before the recompute makes it
-            cache[j] += t.nbytes[k]
         forward[j, x - c] += max(0, held - int(problem.workspace[x]))  # replaces its workspace
         forward[j, x - c + 1 :] += held
         recompute[j, : x - c + 1] += held
         recompute[j, x - c] -= problem.workspace[x]  # the recompute does not run it
-        cache[j] += held
     profile = _recompute_profile(problem, t, c, b)
     return _KeepSets(
+        nodes=tuple(nodes),
         keeps=tuple(map(tuple, rows)),
         forward=member @ forward,
         recompute=(profile + member @ recompute).max(axis=1),
-        cache=member @ cache,
-        saved=member @ (problem.seconds[nodes] - problem.keep_seconds),  # call_seconds
+        cache=member @ t.cache[nodes],
+        saved=member @ problem.seconds[nodes],
+    )
+
+
+def _keep_family(problem: Problem, t: _Tables, c: int, b: int, profile: np.ndarray):
+    """A few keep sets of the segment ``[c, b)`` for graphs above ``EXACT_KEEP_NODES``, with
+    bounds on what they add (None when it has no candidate).
+
+    The sets: of its ``KEEP_CANDIDATES`` most valuable candidates (``_keep_value``, random
+    nodes left out), every subset when there are at most ``KEEP_SUBSETS``, else the prefixes
+    of 1, 2, 4, ... of them and all of them. What a set adds in forward is exact (as in
+    ``_keep_sets``); in the recompute it is bounded: a kept node's storages count from its
+    start to the kept node's step, its temporaries to that step included, on top of
+    ``profile`` (the ``_recompute_bound_profile`` from ``c``, which counts the storages from
+    there on anyway), and its workspace is not taken off.
+    """
+    end, runs_to = last_recomputed(problem, c, b), recompute_stop(problem, c, b)
+    span = np.arange(c, runs_to)
+    offered = t.offered[c:runs_to] & ((span < end) | t.remade_by_stop[c:runs_to])
+    nodes = span[offered]
+    if not nodes.size:
+        return None
+    nodes = nodes[np.argsort(-t.value[nodes], kind="stable")][:KEEP_CANDIDATES]
+    count = nodes.size
+    if count <= KEEP_SUBSETS:
+        every = np.arange(1, 1 << count)
+        member = (every[:, None] >> np.arange(count)[None, :]) & 1
+    else:
+        sizes = np.unique(np.minimum(1 << np.arange(count.bit_length() + 1), count))
+        member = (np.arange(count)[None, :] < sizes[:, None]).astype(np.int64)
+    width, steps = b - c, end - c + 1
+    steps_of = [t.cache_steps[x] for x in nodes.tolist()]
+    positions = np.concatenate([positions for positions, _ in steps_of])
+    nbytes = np.concatenate([nbytes for _, nbytes in steps_of])
+    column = np.repeat(np.arange(count), [positions.size for positions, _ in steps_of])
+    forward = np.zeros((width + 1, len(member)), dtype=np.int64)  # difference arrays, by column
+    np.add.at(forward, np.minimum(positions - c, width), nbytes[:, None] * member[:, column].T)
+    made = member * t.made_bytes[nodes][None, :]
+    held = member * (t.cache - t.made_bytes)[nodes][None, :]
+    until = np.zeros((len(member), steps + 1), dtype=np.int64)
+    np.add.at(until.T, nodes - c, -made.T)
+    np.add.at(until.T, nodes - c + 1, -held.T)
+    until[:, 0] = (made + held).sum(axis=1)
+    return _KeepSets(
+        nodes=tuple(nodes.tolist()),
+        keeps=tuple(tuple(nodes[row.astype(bool)].tolist()) for row in member),
+        forward=np.cumsum(forward, axis=0)[:width].T,
+        recompute=(profile[:steps] + np.cumsum(until, axis=1)[:, :steps]).max(axis=1),
+        cache=(made + held).sum(axis=1),
+        saved=member @ problem.seconds[nodes],
     )
 
 
@@ -518,18 +671,15 @@ def _recompute_profile(problem: Problem, t: _Tables, c: int, b: int) -> np.ndarr
     return np.cumsum(delta)[:-1] + work
 
 
-def _copy_bytes(problem: Problem, c: int, stop: int) -> np.ndarray:
+def _copy_bytes(problem: Problem, t: _Tables, c: int, stop: int) -> np.ndarray:
     """``problem.buffer_copy_bytes(c, b)`` for every ``b`` in ``(c, stop]`` (index ``b - c - 1``):
     a buffer passed in by a node of the segment is never copied, so only those passed from
-    before ``c`` (or by no node) count, once each."""
-    copies, seen, total = np.zeros(stop - c, dtype=np.int64), set(), 0
-    for x, entries in enumerate(problem.buffer_copies[c:stop]):
-        for buffer, nbytes, passed_by in entries:
-            if passed_by < c and buffer not in seen:
-                seen.add(buffer)
-                total += nbytes
-        copies[x] = total
-    return copies
+    before ``c`` (or by no node) count, once each, from the first node that uses it."""
+    node, buffer, nbytes, passed_by = t.buffer_uses
+    chosen = np.flatnonzero((node >= c) & (node < stop) & (passed_by < c))
+    _, first = np.unique(buffer[chosen], return_index=True)  # uses are in node order
+    chosen = chosen[first]
+    return _running(stop - c, node[chosen] - c, nbytes[chosen])
 
 
 def _stored_local(t: _Tables, c: int, mask: frozenset):
@@ -595,6 +745,8 @@ class _Search:
     step_memo: dict = field(default_factory=dict)
     # A state entry's block: STORED, SEGMENT (nothing kept) or the keep set of that id.
     keep_memo: dict = field(default_factory=dict)
+    profile_memo: dict = field(default_factory=dict)  # per c: _recompute_bound_profile
+    start_memo: dict = field(default_factory=dict)  # per c: _segment_start
     kept_nodes: list = field(default_factory=lambda: [()])
 
     @cached_property
@@ -653,7 +805,7 @@ class _Search:
                 if not ends.size:
                     continue
                 held_b, local_b, monotone, parts = _segment_locals(
-                    problem, t, c, mask, stop, recompute, self.keeps
+                    t, c, mask, self._segment_start(c, stop), recompute, self.keeps
                 )
                 overflow = np.flatnonzero(charged[0] + monotone > self.limit)
                 reach = c + 1 + (int(overflow[0]) if overflow.size else stop)
@@ -673,7 +825,7 @@ class _Search:
                     SEGMENT,
                 )
                 for b, mask_b in zip(reachable.tolist() if self.keeps else (), masks):
-                    self._extend_with_keeps(state, c, b, mask_b, parts, held_b, cost)
+                    self._extend_with_keeps(state, c, b, stop, mask_b, parts, held_b, cost)
         finals = self._settle(n)
         if not finals:
             return None
@@ -691,40 +843,60 @@ class _Search:
             state, index = int(parent[index]), int(previous[index])
         return score, Choice(tuple(reversed(segments)), frozenset(keep))
 
-    def _extend_with_keeps(self, state, c: int, b: int, mask, parts, held, cost) -> None:
+    def _extend_with_keeps(self, state, c: int, b: int, stop: int, mask, parts, held, cost):
         """Extend the front of ``state`` by the segment ``[c, b)`` under each of its keep sets
         that can fit: a keep set charges its caches to the segment, and the storages of kept
         nodes crossing ``b`` join the mask (their cache holds them until the recompute)."""
-        sets = self._keep_sets(c, b)
+        sets = self._keep_sets(c, b, stop)
         if sets is None:
             return
         i = b - c - 1
         local = parts.locals(i, sets)
-        least_charged = int(self.states[state][1][0])
-        for row in np.flatnonzero(least_charged + local <= self.limit).tolist():
-            cached = {k for x in sets.keeps[row] for k in self.t.made_at[x]}
-            self._extend(
-                state,
-                [b],
-                [mask | cached.intersection(self.t.crossing[b])],
-                local[row : row + 1],
-                held[i : i + 1] + sets.cache[row],
-                cost[i : i + 1]
-                - sets.saved[row]
-                + self.segment_tie
-                + self.tie * len(sets.keeps[row]),
-                sets.first_id + row,
-            )
+        rows = np.flatnonzero(int(self.states[state][1][0]) + local <= self.limit)
+        if not rows.size:
+            return
+        ties = self.segment_tie * (1 + np.array([len(sets.keeps[r]) for r in rows.tolist()]))
+        self._extend(
+            state,
+            [b] * rows.size,
+            [mask | sets.joins[r] for r in rows.tolist()],
+            local[rows],
+            held[i] + sets.cache[rows],
+            cost[i] - sets.saved[rows] + ties,
+            (sets.first_id + rows).tolist(),
+        )
 
-    def _keep_sets(self, c: int, b: int) -> _KeepSets | None:
-        """``_keep_sets`` of ``[c, b)``, computed once; its sets get ids in ``kept_nodes``."""
+    def _keep_sets(self, c: int, b: int, stop: int) -> _KeepSets | None:
+        """The keep sets of ``[c, b)``, computed once: ``_keep_sets`` when the search is exact,
+        else ``_keep_family``; its sets get ids in ``kept_nodes``."""
         if (c, b) not in self.keep_memo:
-            sets = _keep_sets(self.problem, self.t, c, b)
+            if self.problem.size <= EXACT_KEEP_NODES:
+                sets = _keep_sets(self.problem, self.t, c, b)
+            else:
+                if c not in self.profile_memo:
+                    self.profile_memo[c] = _recompute_bound_profile(self.problem, self.t, c, stop)
+                sets = _keep_family(self.problem, self.t, c, b, self.profile_memo[c])
             if sets is not None:
-                sets = replace(sets, first_id=len(self.kept_nodes))
+                t = self.t
+                crossing = {
+                    x: [k for k in t.made_at[x] if t.last_use[k] >= b]
+                    for x in sets.nodes
+                    if t.read_until[x] >= b
+                }
+                joins = tuple(
+                    frozenset(k for x in keeps if x in crossing for k in crossing[x])
+                    for keeps in sets.keeps
+                )
+                sets = replace(sets, first_id=len(self.kept_nodes), joins=joins)
                 self.kept_nodes.extend(sets.keeps)
             self.keep_memo[c, b] = sets
         return self.keep_memo[c, b]
+
+    def _segment_start(self, c: int, stop: int) -> _Start:
+        """``_segment_start`` of the segments from ``c``, computed once for all passes."""
+        if c not in self.start_memo:
+            self.start_memo[c] = _segment_start(self.problem, self.t, c, stop)
+        return self.start_memo[c]
 
     def _segment_costs(self, c: int, stop: int):
         """``_segment_costs`` of the segments from ``c``, computed once for all passes."""
@@ -753,11 +925,14 @@ class _Search:
         assert peak is not None, "an empty run"  # callers pass end > c
         return peak, held, mask
 
-    def _extend(self, state, ends, masks, local, held, cost, kind: int) -> None:
-        """Extend the front of ``state`` by one block to each of ``ends``, keeping what fits.
+    def _extend(self, state, ends, masks, local, held, cost, kinds: int | list[int]) -> None:
+        """Extend the front of ``state`` by one block to each of ``ends``, keeping what fits;
+        ``kinds``: the blocks' kind, one for all or one per end.
 
         Charged bytes are sorted, so the entries that fit a block are a prefix of the front.
         """
+        if isinstance(kinds, int):
+            kinds = [kinds] * len(ends)
         charged, value = self.states[state][1:3]
         counts = charged.searchsorted(self.limit - local, side="right").tolist()
         grown = charged[None, :] + held[:, None]
@@ -765,7 +940,7 @@ class _Search:
             scores = np.maximum(value[None, :], charged[None, :] + local[:, None])
         else:
             scores = value[None, :] + cost[:, None]
-        for row, (b, mask, count) in enumerate(zip(ends, masks, counts)):
+        for row, (b, mask, count, kind) in enumerate(zip(ends, masks, counts, kinds)):
             if count:
                 chunk = (grown[row, :count], scores[row, :count], state, kind)
                 self.pending[b].setdefault(mask, []).append(chunk)
@@ -873,35 +1048,63 @@ def _searched_plan(
     problem: Problem, budget_bytes: int, candidate_cuts: int, deadline: float, keeps: bool
 ) -> Segments | Choice:
     """Least recompute found by the block search, with segments alone or (``keeps``) with
-    every keep set of every segment too; see ``solve``."""
+    kept nodes too; see ``solve``."""
     if problem.size == 0 or simulate(problem, ()).peak_bytes <= budget_bytes:
         return ()
     t = _tables(problem)
     exact = problem.size <= EXACT_NODES
     limit = budget_bytes - problem.fixed_bytes
     bucket = 1 if exact else max(1, limit // BUCKETS)
-    search = _Search(problem, t, limit, False, exact, bucket, candidate_cuts, deadline, keeps)
+    joint = keeps and problem.size <= EXACT_KEEP_NODES  # larger: a pass of their own
+    search = _Search(problem, t, limit, False, exact, bucket, candidate_cuts, deadline, joint)
     found = _search(search) if limit > 0 else None
     plans = [_plain(found[1])] if found is not None else []
     results: dict[Segments | Choice, Simulation] = {plan: simulate(problem, plan) for plan in plans}
     if not exact or not any(r.peak_bytes <= budget_bytes for r in results.values()):
         for plan in _heuristics(problem, budget_bytes):
             results[plan] = simulate(problem, plan)
-    fitting = {
-        plan: r.recompute_seconds for plan, r in results.items() if r.peak_bytes <= budget_bytes
+    if not any(r.peak_bytes <= budget_bytes for r in results.values()):
+        known = min(results.values(), key=lambda r: r.peak_bytes).peak_bytes
+        lowest = known - problem.fixed_bytes
+        peak_bucket = 1 if exact else max(1, lowest // BUCKETS)
+        found = _search(
+            _Search(problem, t, lowest, True, exact, peak_bucket, candidate_cuts, deadline, joint)
+        )
+        if found is not None:
+            results[_plain(found[1])] = simulate(problem, found[1])
+    best = _best(results, budget_bytes)
+    if keeps and not joint and limit > 0 and results[best].peak_bytes <= budget_bytes:
+        for plan in _keep_pass(search, as_choice(best).segments):
+            results[plan] = simulate(problem, plan)
+        best = _best(results, budget_bytes)
+    return best
+
+
+def _best(results: dict[Segments | Choice, Simulation], budget_bytes: int) -> Segments | Choice:
+    """The cheapest plan that fits, else the one of lowest peak (the cheaper of equal ones)."""
+    ranked = {
+        plan: (
+            r.peak_bytes > budget_bytes,
+            0 if r.peak_bytes <= budget_bytes else r.peak_bytes,
+            r.recompute_seconds,
+        )
+        for plan, r in results.items()
     }
-    if fitting:
-        return min(fitting, key=fitting.__getitem__)
-    known = min(results.values(), key=lambda r: r.peak_bytes).peak_bytes
-    lowest = known - problem.fixed_bytes
-    peak_bucket = 1 if exact else max(1, lowest // BUCKETS)
-    found = _search(
-        _Search(problem, t, lowest, True, exact, peak_bucket, candidate_cuts, deadline, keeps)
-    )
-    if found is not None:
-        results[_plain(found[1])] = simulate(problem, found[1])
-    ranked = {plan: (r.peak_bytes, r.recompute_seconds) for plan, r in results.items()}
     return min(ranked, key=ranked.__getitem__)
+
+
+def _keep_pass(search: _Search, plan: Segments) -> list[Segments | Choice]:
+    """The best plan of one more pass that tries keep sets (``_keep_family``) on the segments
+    near those of ``plan``: starting within ``REFINE`` allowed cuts of one of its segments'
+    starts, ending as near its end or the next one's (``_corridors``), so that boundaries move
+    and neighbours merge into longer segments with kept nodes. Empty past the deadline."""
+    allowed = np.flatnonzero(search.problem.cut_allowed)
+    corridors = _corridors(allowed, np.zeros(0, dtype=np.int64), plan, 1)
+    try:
+        found = replace(search, keeps=True).run(corridors)
+    except _OutOfTime:
+        return []
+    return [] if found is None else [_plain(found[1])]
 
 
 def _plain(plan: Segments | Choice) -> Segments | Choice:
@@ -936,10 +1139,10 @@ def solve(
         Seconds after which the search stops and keeps the best plan of the passes that
         finished (the ``greedy`` and ``sqrt_n`` plans are always among the candidates).
     keep
-        Also choose nodes to keep inside the segments (selective checkpointing): jointly with
-        the segments up to ``EXACT_KEEP_NODES`` nodes, else after them (``_with_keeps``),
-        spending at most about ``KEEP_TIME_SHARE`` of the segment search's time on it.
-        ``False``: segments alone.
+        Also choose nodes to keep inside the segments (selective checkpointing), jointly with
+        the segments: every keep set of every segment up to ``EXACT_KEEP_NODES`` nodes, a few
+        per segment near the best segments-only plan above (``_keep_pass``). ``False``:
+        segments alone.
 
     Returns
     -------
@@ -948,16 +1151,8 @@ def solve(
         returned was replayed by ``simulate``, and one that fits the budget is returned
         whenever the search or a heuristic found one.
     """
-    began = time.perf_counter()
-    deadline = math.inf if time_limit is None else began + time_limit
-    joint = keep and problem.size <= EXACT_KEEP_NODES
-    segments = _searched_plan(problem, budget_bytes, candidate_cuts, deadline, joint)
-    if not keep or joint or not _keep_value(problem).any():
-        return segments
-    assert not isinstance(segments, Choice), "the search keeps nodes only when joint"
-    now = time.perf_counter()
-    share = now + max(KEEP_TIME_SHARE * (now - began), KEEP_MIN_SECONDS)
-    return _with_keeps(problem, budget_bytes, segments, min(deadline, share))
+    deadline = math.inf if time_limit is None else time.perf_counter() + time_limit
+    return _searched_plan(problem, budget_bytes, candidate_cuts, deadline, keep)
 
 
 # --------------------------------------------------------------------------------------------
@@ -970,113 +1165,5 @@ def _keep_value(problem: Problem) -> np.ndarray:
     Random nodes (dropout) are left to the recompute: they are cheap, and keeping one is only
     valid after every random node the recompute runs (``validate_choice``).
     """
-    spared = problem.seconds - problem.keep_seconds  # a kept node costs the cache's work
-    worth = problem.keepable & ~problem.random & (spared > 0)
-    return np.where(worth, spared / np.maximum(problem.kept_bytes, 1), 0.0)
-
-
-def _eligible(problem: Problem, segments: Segments, value: np.ndarray) -> np.ndarray:
-    """Positions that may be kept under ``segments``, most valuable first: inside a segment,
-    run by its recompute, and worth keeping (``_keep_value``)."""
-    positions = [
-        x
-        for start, stop in segments
-        for x in range(start, recompute_stop(problem, start, stop))
-        if value[x] > 0
-    ]
-    order = np.array(positions, dtype=np.int64)
-    return order[np.argsort(-value[order], kind="stable")]
-
-
-def _best_prefix(problem: Problem, budget: int, segments: Segments, value: np.ndarray):
-    """(simulation, choice, the eligible nodes left out) keeping the most valuable eligible
-    nodes of ``segments`` that fit: a binary search over how many, in ``_keep_value`` order;
-    None when ``segments`` alone does not fit.
-
-    More kept nodes hold more memory and cost less to recompute, so the search looks for the
-    longest prefix that fits, among ``PREFIXES + 1`` evenly spaced lengths (every length when
-    there are fewer eligible nodes): about log2(PREFIXES) replays per segmentation, whatever
-    the graph's size. Peaks are not strictly monotone in the length, so the answer is a prefix
-    that fits (every candidate is simulated), not always the longest.
-    """
-    order = _eligible(problem, segments, value)
-    lengths = np.unique(np.linspace(0, order.size, min(order.size, PREFIXES) + 1).round()).astype(
-        int
-    )
-
-    def run(count: int):
-        choice = Choice(segments, frozenset(order[:count].tolist()))
-        return simulate(problem, choice), choice
-
-    best = run(0)
-    if best[0].peak_bytes > budget:
-        return None
-    low, high = 0, lengths.size - 1  # lengths[low] fits; look for a longer one
-    while low < high:
-        middle = (low + high + 1) // 2
-        result = run(int(lengths[middle]))
-        if result[0].peak_bytes <= budget:
-            low, best = middle, result
-        else:
-            high = middle - 1
-    return (*best, order[int(lengths[low]) :])
-
-
-def _fill(problem: Problem, budget: int, best, candidates: np.ndarray, deadline: float):
-    """``best`` (simulation, choice) with each of ``candidates`` kept too, in order, when the
-    plan still fits: a node that does not fit is skipped, not the end of the search (a later,
-    smaller one may fit). One replay per candidate, until ``deadline``."""
-    for x in candidates.tolist():
-        if time.perf_counter() > deadline:
-            break
-        choice = Choice(best[1].segments, best[1].keep | {x})
-        result = simulate(problem, choice)
-        if result.peak_bytes <= budget:
-            best = result, choice
-    return best
-
-
-def _block_groups(problem: Problem) -> list[Segments]:
-    """Segments between articulation cuts (one per residual block on residual networks), and
-    between every second and every fourth of them: the coverings keeps are tried on."""
-    from planner.solvers.common import segments_between
-
-    cuts = [c for c in problem.articulation_cuts if problem.cut_allowed[c]]
-    return [segments_between(problem, cuts[k - 1 :: k]) for k in GROUPS if k <= max(len(cuts), 1)]
-
-
-def _with_keeps(
-    problem: Problem, budget: int, segments: Segments, deadline: float
-) -> Segments | Choice:
-    """The cheapest plan of segments and kept nodes found, at least as cheap as ``segments``.
-
-    Each of a few segmentations (the
-    segments-only answer, and ``_block_groups``) gets the longest fitting prefix of its
-    eligible nodes by ``_keep_value``; then, cheapest first, each such plan keeps every further
-    eligible node that still fits (``_fill``), and the cheapest fitting plan wins. Keeping
-    lowers a peak only by sparing the recompute a node's workspace that its cache does not hold
-    (``Problem.kept_bytes`` below created bytes plus workspace), so on larger problems, when
-    ``segments`` does not fit, ``segments`` is returned. Past ``deadline`` the search stops
-    with the best plan so far.
-    """
-    base = simulate(problem, segments)
-    if base.peak_bytes > budget or time.perf_counter() > deadline:
-        return segments
-    value = _keep_value(problem)
-
-    def key(result, choice):
-        return result.recompute_seconds, result.peak_bytes, len(choice.keep)
-
-    best = key(base, Choice(segments)), Choice(segments)
-    prefixes = []
-    for candidate in dict.fromkeys([segments, *_block_groups(problem)]):
-        if time.perf_counter() > deadline:
-            break
-        found = _best_prefix(problem, budget, candidate, value)
-        if found is not None:
-            prefixes.append((key(*found[:2]), found))
-    for _, (result, choice, rest) in sorted(prefixes, key=lambda entry: entry[0]):
-        result, choice = _fill(problem, budget, (result, choice), rest, deadline)
-        best = min(best, (key(result, choice), choice), key=lambda entry: entry[0])
-    choice = best[1]
-    return choice if choice.keep else choice.segments
+    worth = problem.keepable & ~problem.random & (problem.seconds > 0)
+    return np.where(worth, problem.seconds / np.maximum(problem.kept_bytes, 1), 0.0)
