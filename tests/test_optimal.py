@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -326,3 +327,72 @@ def test_exact_recompute_peaks_follow_the_replay(seed):
             replayed = np.array([live for phase, _, live in timeline if phase == "recompute"])
             assert np.unique(replayed - profile).size == 1, (c, b)
             assert optimal._recompute_peaks(problem, t, c, b)[-1] == profile.max(), (c, b)
+
+
+# --- Keeps on graphs above EXACT_KEEP_NODES: a few keep sets per segment, near the best plan ---
+
+
+def expensive_chain(units: int) -> Problem:
+    """``units`` pairs (A, M): A is cheap and large and saves nothing; M is expensive, small,
+    and saves its input and its output. Kept inside a segment, M costs its small cache and
+    spares the recompute its 10 s; stored, it holds A for backward; recomputed, it costs 10 s.
+    """
+    return make_problem(
+        [16, 1] * units, [None] * (2 * units), [0, 3] * units, [0.5, 10.0] * units,
+        [0] * (2 * units), set(), True,
+    )  # fmt: skip
+
+
+def test_above_the_exact_size_a_kept_node_inside_a_longer_segment_wins():
+    problem = expensive_chain(8)
+    assert problem.size > optimal.EXACT_KEEP_NODES
+    cheap = Choice(((0, 9),), frozenset({1, 3, 5, 7}))  # recomputes the four A only: 2 s
+    budget = simulate(problem, cheap).peak_bytes
+    alone = simulate(problem, SOLVERS["optimal"](problem, budget, keep=False))
+    assert alone.recompute_seconds >= 10.0  # exact up to EXACT_NODES: every way recomputes an M
+    joint = simulate(problem, SOLVERS["optimal"](problem, budget))
+    assert joint.peak_bytes <= budget
+    assert joint.recompute_seconds <= simulate(problem, cheap).recompute_seconds
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_large_problems_get_the_same_plan_on_every_call(seed):
+    """No time bound decides what the search tries: a copy of the problem, solved afresh (no
+    tables remembered), gets the same plan."""
+    problem = long_problem(300, seed)
+    baseline = simulate(problem, ()).peak_bytes
+    lowest = simulate(problem, SOLVERS["optimal"](problem, 0)).peak_bytes
+    for fraction in (0.1, 0.5):
+        budget = int(lowest + fraction * (baseline - lowest))
+        first = SOLVERS["optimal"](problem, budget)
+        assert SOLVERS["optimal"](problem, budget) == first
+        assert SOLVERS["optimal"](pickle.loads(pickle.dumps(problem)), budget) == first
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_keep_family_bounds_are_never_below_the_exact_keep_sets(seed):
+    """What ``_keep_family`` says a keep set adds, in forward and to the recompute's peak, is at
+    least what the exact ``_keep_sets`` says for the same set (on top of a profile at least as
+    high): the large search's keep plans may be too careful, never too bold."""
+    problem = long_problem(120, seed)
+    t = optimal._tables(problem)
+    rng = np.random.default_rng(seed)
+    checked = 0
+    for c in rng.integers(0, problem.size - 2, 40).tolist():
+        b = min(problem.size, c + int(rng.integers(2, 10)))
+        if not problem.is_valid_segment(c, b) or not problem.saves[c:b].any():
+            continue
+        exact = optimal._keep_sets(problem, t, c, b)
+        profile = optimal._recompute_bound_profile(problem, t, c, b)
+        family = optimal._keep_family(problem, t, c, b, profile)
+        if family is None:
+            continue
+        row_of = {frozenset(keeps): row for row, keeps in enumerate(exact.keeps)}
+        for row, keeps in enumerate(family.keeps):
+            match = row_of[frozenset(keeps)]
+            assert (family.forward[row] >= exact.forward[match]).all()
+            assert family.recompute[row] >= exact.recompute[match]
+            assert family.cache[row] == exact.cache[match]
+            assert family.saved[row] == pytest.approx(exact.saved[match])
+            checked += 1
+    assert checked > 0
