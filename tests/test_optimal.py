@@ -384,7 +384,8 @@ def test_keep_family_bounds_are_never_below_the_exact_keep_sets(seed):
             continue
         exact = optimal._keep_sets(problem, t, c, b)
         profile = optimal._recompute_bound_profile(problem, t, c, b)
-        family = optimal._keep_family(problem, t, c, b, profile)
+        ranked = optimal._ranked(t, c, b)
+        family = optimal._keep_family(problem, t, c, b, profile, ranked)
         if family is None:
             continue
         row_of = {frozenset(keeps): row for row, keeps in enumerate(exact.keeps)}

@@ -61,9 +61,10 @@ Exactness and approximations
   to its segment, like the segment's inputs, and the storages it keeps that cross the
   segment's end join the mask), so segments and keeps are chosen jointly and the answer is the
   least recompute over every valid ``Choice`` (tests compare it with the MILP). Larger graphs
-  choose them after the segments: the longest fitting prefix of nodes ordered by recompute
-  seconds per kept byte, then each further node that still fits, on a few segmentations
-  (``_with_keeps``; docs/solvers.md).
+  choose them jointly too, but only near the best segments-only plan, with a few keep sets per
+  segment and a bound on their recompute peaks (``_keep_pass``, ``_keep_family``): three more
+  approximations, each bounded by counts, none by time, so the same problem always gets the
+  same plan; its plan is replayed beside the segments-only ones and wins only when cheaper.
 * Segments stop growing from a cut as soon as their forward and backward peaks (which only
   grow with the segment) overflow the budget: no longer segment from there can fit.
 """
@@ -516,7 +517,7 @@ class _KeepSets:
     a set's effects are sums of per-node rows.
     """
 
-    nodes: tuple[int, ...]  # every node some set keeps
+    nodes: np.ndarray  # every node some set keeps
     keeps: tuple[tuple[int, ...], ...]
     forward: np.ndarray  # (sets, b - c): bytes the caches add at each node's forward
     recompute: np.ndarray  # (sets,): the recompute's own peak with the keeps
@@ -588,7 +589,7 @@ def _keep_sets(problem: Problem, t: _Tables, c: int, b: int) -> _KeepSets | None
         recompute[j, x - c] -= problem.workspace[x]  # the recompute does not run it
     profile = _recompute_profile(problem, t, c, b)
     return _KeepSets(
-        nodes=tuple(nodes),
+        nodes=np.array(nodes, dtype=np.int64),
         keeps=tuple(map(tuple, rows)),
         forward=member @ forward,
         recompute=(profile + member @ recompute).max(axis=1),
@@ -597,7 +598,9 @@ def _keep_sets(problem: Problem, t: _Tables, c: int, b: int) -> _KeepSets | None
     )
 
 
-def _keep_family(problem: Problem, t: _Tables, c: int, b: int, profile: np.ndarray):
+def _keep_family(
+    problem: Problem, t: _Tables, c: int, b: int, profile: np.ndarray, ranked: np.ndarray
+):
     """A few keep sets of the segment ``[c, b)`` for graphs above ``EXACT_KEEP_NODES``, with
     bounds on what they add (None when it has no candidate).
 
@@ -607,22 +610,23 @@ def _keep_family(problem: Problem, t: _Tables, c: int, b: int, profile: np.ndarr
     ``_keep_sets``); in the recompute it is bounded: a kept node's storages count from its
     start to the kept node's step, its temporaries to that step included, on top of
     ``profile`` (the ``_recompute_bound_profile`` from ``c``, which counts the storages from
-    there on anyway), and its workspace is not taken off.
+    there on anyway), and its workspace is not taken off. ``ranked``: the offered nodes from
+    ``c`` on, most valuable first (``_ranked``).
     """
     end, runs_to = last_recomputed(problem, c, b), recompute_stop(problem, c, b)
-    span = np.arange(c, runs_to)
-    offered = t.offered[c:runs_to] & ((span < end) | t.remade_by_stop[c:runs_to])
-    nodes = span[offered]
+    run = (ranked < end) | ((ranked < runs_to) & t.remade_by_stop[ranked])
+    nodes = ranked[run][:KEEP_CANDIDATES]
     if not nodes.size:
         return None
-    nodes = nodes[np.argsort(-t.value[nodes], kind="stable")][:KEEP_CANDIDATES]
-    count = nodes.size
+    count, listed = nodes.size, nodes.tolist()
     if count <= KEEP_SUBSETS:
         every = np.arange(1, 1 << count)
         member = (every[:, None] >> np.arange(count)[None, :]) & 1
+        keeps = tuple(tuple(x for j, x in enumerate(listed) if row >> j & 1) for row in every)
     else:
-        sizes = np.unique(np.minimum(1 << np.arange(count.bit_length() + 1), count))
-        member = (np.arange(count)[None, :] < sizes[:, None]).astype(np.int64)
+        sizes = sorted({min(1 << k, count) for k in range(count.bit_length() + 1)})
+        member = (np.arange(count)[None, :] < np.array(sizes)[:, None]).astype(np.int64)
+        keeps = tuple(tuple(listed[:size]) for size in sizes)
     width, steps = b - c, end - c + 1
     steps_of = [t.cache_steps[x] for x in nodes.tolist()]
     positions = np.concatenate([positions for positions, _ in steps_of])
@@ -637,13 +641,20 @@ def _keep_family(problem: Problem, t: _Tables, c: int, b: int, profile: np.ndarr
     np.add.at(until.T, nodes - c + 1, -held.T)
     until[:, 0] = (made + held).sum(axis=1)
     return _KeepSets(
-        nodes=tuple(nodes.tolist()),
-        keeps=tuple(tuple(nodes[row.astype(bool)].tolist()) for row in member),
+        nodes=nodes,
+        keeps=keeps,
         forward=np.cumsum(forward, axis=0)[:width].T,
         recompute=(profile[:steps] + np.cumsum(until, axis=1)[:, :steps]).max(axis=1),
         cache=(made + held).sum(axis=1),
         saved=member @ problem.seconds[nodes],
     )
+
+
+def _ranked(t: _Tables, c: int, stop: int) -> np.ndarray:
+    """The offered nodes of ``[c, stop)`` (``_Tables.offered``), most valuable first (in
+    order of position among equals)."""
+    nodes = np.flatnonzero(t.offered[c:stop]) + c
+    return nodes[np.argsort(-t.value[nodes], kind="stable")]
 
 
 def _recompute_profile(problem: Problem, t: _Tables, c: int, b: int) -> np.ndarray:
@@ -745,7 +756,7 @@ class _Search:
     step_memo: dict = field(default_factory=dict)
     # A state entry's block: STORED, SEGMENT (nothing kept) or the keep set of that id.
     keep_memo: dict = field(default_factory=dict)
-    profile_memo: dict = field(default_factory=dict)  # per c: _recompute_bound_profile
+    profile_memo: dict = field(default_factory=dict)  # per c: _recompute_bound_profile, _ranked
     start_memo: dict = field(default_factory=dict)  # per c: _segment_start
     kept_nodes: list = field(default_factory=lambda: [()])
 
@@ -874,17 +885,19 @@ class _Search:
                 sets = _keep_sets(self.problem, self.t, c, b)
             else:
                 if c not in self.profile_memo:
-                    self.profile_memo[c] = _recompute_bound_profile(self.problem, self.t, c, stop)
-                sets = _keep_family(self.problem, self.t, c, b, self.profile_memo[c])
+                    self.profile_memo[c] = (
+                        _recompute_bound_profile(self.problem, self.t, c, stop),
+                        _ranked(self.t, c, stop),
+                    )
+                sets = _keep_family(self.problem, self.t, c, b, *self.profile_memo[c])
             if sets is not None:
                 t = self.t
-                crossing = {
-                    x: [k for k in t.made_at[x] if t.last_use[k] >= b]
-                    for x in sets.nodes
-                    if t.read_until[x] >= b
-                }
+                outlive = sets.nodes[t.read_until[sets.nodes] >= b].tolist()
+                crossing = {x: [k for k in t.made_at[x] if t.last_use[k] >= b] for x in outlive}
                 joins = tuple(
                     frozenset(k for x in keeps if x in crossing for k in crossing[x])
+                    if crossing
+                    else frozenset()
                     for keeps in sets.keeps
                 )
                 sets = replace(sets, first_id=len(self.kept_nodes), joins=joins)
