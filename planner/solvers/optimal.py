@@ -1086,7 +1086,8 @@ def _searched_plan(
         if found is not None:
             results[_plain(found[1])] = simulate(problem, found[1])
     best = _best(results, budget_bytes)
-    if keeps and not joint and limit > 0 and results[best].peak_bytes <= budget_bytes:
+    fits = results[best].peak_bytes <= budget_bytes
+    if keeps and not joint and limit > 0 and fits and t.offered.any():
         for plan in _keep_pass(search, as_choice(best).segments):
             results[plan] = simulate(problem, plan)
         best = _best(results, budget_bytes)
