@@ -1088,8 +1088,8 @@ def _searched_plan(
     best = _best(results, budget_bytes)
     fits = results[best].peak_bytes <= budget_bytes
     if keeps and not joint and limit > 0 and fits and t.offered.any():
-        for plan in _keep_pass(search, as_choice(best).segments):
-            results[plan] = simulate(problem, plan)
+        for joint_plan in _keep_pass(search, as_choice(best).segments):
+            results[joint_plan] = simulate(problem, joint_plan)
         best = _best(results, budget_bytes)
     return best
 
