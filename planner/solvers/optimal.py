@@ -102,6 +102,9 @@ EXACT_KEEP_NODES = 12  # up to this many nodes: the search tries every keep set 
 # Larger graphs: a segment's keep sets use its KEEP_CANDIDATES most valuable nodes, every subset
 # of them when there are at most KEEP_SUBSETS, else prefixes of 1, 2, 4, ... (_keep_family).
 KEEP_CANDIDATES, KEEP_SUBSETS = 64, 4
+# ... and keeps chosen after the segments (_prefix_keeps): on these coverings of the graph by
+# articulation blocks, with PREFIXES evenly spaced prefix lengths, then FILL_NODES more nodes.
+GROUPS, PREFIXES, FILL_NODES = (1, 2, 4), 64, 16
 
 
 @dataclass(frozen=True)
@@ -1087,9 +1090,14 @@ def _searched_plan(
             results[_plain(found[1])] = simulate(problem, found[1])
     best = _best(results, budget_bytes)
     fits = results[best].peak_bytes <= budget_bytes
-    if keeps and not joint and limit > 0 and fits and t.offered.any():
-        for joint_plan in _keep_pass(search, as_choice(best).segments):
-            results[joint_plan] = simulate(problem, joint_plan)
+    in_time = time.perf_counter() <= deadline  # with no time_limit, always
+    if keeps and not joint and limit > 0 and fits and t.offered.any() and in_time:
+        segments = as_choice(best).segments
+        for kept in [
+            *_keep_pass(search, segments),
+            *_prefix_keeps(problem, budget_bytes, segments),
+        ]:
+            results[kept] = simulate(problem, kept)
         best = _best(results, budget_bytes)
     return best
 
@@ -1181,3 +1189,88 @@ def _keep_value(problem: Problem) -> np.ndarray:
     """
     worth = problem.keepable & ~problem.random & (problem.seconds > 0)
     return np.where(worth, problem.seconds / np.maximum(problem.kept_bytes, 1), 0.0)
+
+
+def _eligible(problem: Problem, segments: Segments, value: np.ndarray) -> np.ndarray:
+    """Positions that may be kept under ``segments``, most valuable first: inside a segment,
+    run by its recompute, and worth keeping (``_keep_value``)."""
+    positions = [
+        x
+        for start, stop in segments
+        for x in range(start, recompute_stop(problem, start, stop))
+        if value[x] > 0
+    ]
+    order = np.array(positions, dtype=np.int64)
+    return order[np.argsort(-value[order], kind="stable")]
+
+
+def _best_prefix(problem: Problem, budget: int, segments: Segments, value: np.ndarray):
+    """(simulation, choice, the eligible nodes left out) keeping the most valuable eligible
+    nodes of ``segments`` that fit: a binary search over how many, in ``_keep_value`` order;
+    None when ``segments`` alone does not fit.
+
+    More kept nodes hold more memory and cost less to recompute, so the search looks for the
+    longest prefix that fits, among ``PREFIXES + 1`` evenly spaced lengths (every length when
+    there are fewer eligible nodes): about log2(PREFIXES) replays per segmentation, whatever
+    the graph's size. Peaks are not strictly monotone in the length, so the answer is a prefix
+    that fits (every candidate is simulated), not always the longest.
+    """
+    order = _eligible(problem, segments, value)
+    lengths = np.unique(np.linspace(0, order.size, min(order.size, PREFIXES) + 1).round()).astype(
+        int
+    )
+
+    def run(count: int):
+        choice = Choice(segments, frozenset(order[:count].tolist()))
+        return simulate(problem, choice), choice
+
+    best = run(0)
+    if best[0].peak_bytes > budget:
+        return None
+    low, high = 0, lengths.size - 1  # lengths[low] fits; look for a longer one
+    while low < high:
+        middle = (low + high + 1) // 2
+        result = run(int(lengths[middle]))
+        if result[0].peak_bytes <= budget:
+            low, best = middle, result
+        else:
+            high = middle - 1
+    return (*best, order[int(lengths[low]) :])
+
+
+def _fill(problem: Problem, budget: int, best, candidates: np.ndarray):
+    """``best`` (simulation, choice) with each of the first ``FILL_NODES`` of ``candidates``
+    kept too, in order, when the plan still fits: a node that does not fit is skipped, not the
+    end of the search (a later, smaller one may fit). One replay per candidate."""
+    for x in candidates[:FILL_NODES].tolist():
+        choice = Choice(best[1].segments, best[1].keep | {x})
+        result = simulate(problem, choice)
+        if result.peak_bytes <= budget:
+            best = result, choice
+    return best
+
+
+def _block_groups(problem: Problem) -> list[Segments]:
+    """Segments between articulation cuts (one per residual block on residual networks), and
+    between every second and every fourth of them: the coverings keeps are tried on."""
+    from planner.solvers.common import segments_between
+
+    cuts = [c for c in problem.articulation_cuts if problem.cut_allowed[c]]
+    return [segments_between(problem, cuts[k - 1 :: k]) for k in GROUPS if k <= max(len(cuts), 1)]
+
+
+def _prefix_keeps(problem: Problem, budget: int, segments: Segments) -> list[Choice]:
+    """Keeps chosen after the segments, as ``optimal`` did before ``_keep_pass``, where they can
+    still win: of a few segmentations (``segments`` and ``_block_groups``), each gets the
+    longest fitting prefix of its eligible nodes by ``_keep_value`` (``_best_prefix``), then
+    each of its next ``FILL_NODES`` eligible nodes that still fits (``_fill``). Bounded by
+    counts: at most about 25 replays per segmentation."""
+    if simulate(problem, segments).peak_bytes > budget:
+        return []
+    value = _keep_value(problem)
+    plans = []
+    for candidate in dict.fromkeys([segments, *_block_groups(problem)]):
+        found = _best_prefix(problem, budget, candidate, value)
+        if found is not None:
+            plans.append(_fill(problem, budget, found[:2], found[2])[1])
+    return [plan for plan in plans if plan.keep]
