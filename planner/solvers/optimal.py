@@ -64,7 +64,8 @@ Exactness and approximations
   choose them jointly too, but only near the best segments-only plan, with a few keep sets per
   segment and a bound on their recompute peaks (``_keep_pass``, ``_keep_family``): three more
   approximations, each bounded by counts, none by time, so the same problem always gets the
-  same plan; its plan is replayed beside the segments-only ones and wins only when cheaper.
+  same plan. Keeps are also chosen after the segments, as before (``_prefix_keeps``); every
+  plan is replayed beside the segments-only ones and wins only when cheaper.
 * Segments stop growing from a cut as soon as their forward and backward peaks (which only
   grow with the segment) overflow the budget: no longer segment from there can fit.
 """
@@ -1163,8 +1164,8 @@ def solve(
     keep
         Also choose nodes to keep inside the segments (selective checkpointing), jointly with
         the segments: every keep set of every segment up to ``EXACT_KEEP_NODES`` nodes, a few
-        per segment near the best segments-only plan above (``_keep_pass``). ``False``:
-        segments alone.
+        per segment near the best segments-only plan above (``_keep_pass``), and after it
+        (``_prefix_keeps``). ``False``: segments alone.
 
     Returns
     -------
