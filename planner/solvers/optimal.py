@@ -134,9 +134,8 @@ class _Tables:
     cache: np.ndarray  # per node: bytes its selective cache holds (storages made + temporaries)
     made_bytes: np.ndarray  # per node: bytes of the storages it makes
     read_until: np.ndarray  # per node: last use of the storages it makes (-1: none)
-    buffer_uses: tuple[
-        np.ndarray, ...
-    ]  # Problem.buffer_copies flat: node, buffer, bytes, passed by
+    # Problem.buffer_copies, flat: node, buffer, bytes, the node that passes the buffer in
+    buffer_uses: tuple[np.ndarray, ...]
     # per node x: (positions, bytes) where keeping x adds to forward's live bytes: its storages
     # after their last reader, its temporaries in place of its workspace at x and after it
     cache_steps: tuple[tuple[np.ndarray, np.ndarray], ...]
@@ -198,6 +197,7 @@ def _new_tables(problem: Problem) -> _Tables:
     read_until = np.full(n, -1, dtype=np.int64)
     np.maximum.at(read_until, producer, last_use)
     buffer_uses = [(x, *use) for x, uses in enumerate(problem.buffer_copies) for use in uses]
+    value = _keep_value(problem)
     makes_cast = np.zeros(n, dtype=bool)
     makes_cast[producer[arrays.cast_cache]] = True
     remade = np.ones(n, dtype=bool)
@@ -222,8 +222,8 @@ def _new_tables(problem: Problem) -> _Tables:
         saved_prefix=np.cumsum(first_saved),
         kept_prefix=np.cumsum(kept_made),
         unsaved_alive=np.cumsum(unsaved)[:n],
-        value=_keep_value(problem),
-        offered=(_keep_value(problem) > 0) & ~makes_cast,
+        value=value,
+        offered=(value > 0) & ~makes_cast,
         remade_by_stop=remade,
         cache=made_bytes + problem.kept_bytes - problem.created_bytes,
         made_bytes=made_bytes,
