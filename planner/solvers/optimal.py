@@ -598,7 +598,7 @@ def _keep_sets(problem: Problem, t: _Tables, c: int, b: int) -> _KeepSets | None
         forward=member @ forward,
         recompute=(profile + member @ recompute).max(axis=1),
         cache=member @ t.cache[nodes],
-        saved=member @ problem.seconds[nodes],
+        saved=member @ (problem.seconds[nodes] - problem.keep_seconds),  # call_seconds
     )
 
 
@@ -650,7 +650,7 @@ def _keep_family(
         forward=np.cumsum(forward, axis=0)[:width].T,
         recompute=(profile[:steps] + np.cumsum(until, axis=1)[:, :steps]).max(axis=1),
         cache=(made + held).sum(axis=1),
-        saved=member @ problem.seconds[nodes],
+        saved=member @ (problem.seconds[nodes] - problem.keep_seconds),  # call_seconds
     )
 
 
@@ -870,7 +870,7 @@ class _Search:
         rows = np.flatnonzero(int(self.states[state][1][0]) + local <= self.limit)
         if not rows.size:
             return
-        ties = self.segment_tie * (1 + np.array([len(sets.keeps[r]) for r in rows.tolist()]))
+        ties = self.segment_tie + self.tie * np.array([len(sets.keeps[r]) for r in rows.tolist()])
         self._extend(
             state,
             [b] * rows.size,
@@ -1188,8 +1188,9 @@ def _keep_value(problem: Problem) -> np.ndarray:
     Random nodes (dropout) are left to the recompute: they are cheap, and keeping one is only
     valid after every random node the recompute runs (``validate_choice``).
     """
-    worth = problem.keepable & ~problem.random & (problem.seconds > 0)
-    return np.where(worth, problem.seconds / np.maximum(problem.kept_bytes, 1), 0.0)
+    spared = problem.seconds - problem.keep_seconds  # a kept node costs the cache's work
+    worth = problem.keepable & ~problem.random & (spared > 0)
+    return np.where(worth, spared / np.maximum(problem.kept_bytes, 1), 0.0)
 
 
 def _eligible(problem: Problem, segments: Segments, value: np.ndarray) -> np.ndarray:
