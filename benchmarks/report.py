@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -290,13 +291,16 @@ FLOOR_RESULTS = Path(__file__).resolve().parent / "results" / "floors.json"
 SEGMENTS_ONLY_RESULTS = Path(__file__).resolve().parent / "results" / "segments-only.json"
 
 
+def _saved_results(path: Path) -> dict | None:
+    """The results another benchmark wrote at ``path``, or None when it has not run."""
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def _before_section(results) -> list[str]:
     """Planner (auto) at compile's peaks before kept nodes (segments only) and now."""
-    import json
-
-    if not SEGMENTS_ONLY_RESULTS.exists():
+    before = _saved_results(SEGMENTS_ONLY_RESULTS)
+    if before is None:
         return []
-    before = json.loads(SEGMENTS_ONLY_RESULTS.read_text())
     out = [
         "### Segments only (before kept nodes) and now",
         "",
@@ -334,11 +338,9 @@ OBJECTIVE_RESULTS = Path(__file__).resolve().parent / "results" / "objective.jso
 
 def _objective_section() -> list[str]:
     """Planner at compile's peaks planned for time and for FLOPs first (benchmarks/objective.py)."""
-    import json
-
-    if not OBJECTIVE_RESULTS.exists():
+    r = _saved_results(OBJECTIVE_RESULTS)
+    if r is None:
         return []
-    r = json.loads(OBJECTIVE_RESULTS.read_text())
     out = [
         "### Time or FLOPs: which objective is faster here",
         "",
@@ -405,20 +407,17 @@ def _objective_section() -> list[str]:
 
 def _floor_section() -> list[str]:
     """Lowest peaks against the physical floor, 20% plans (rendered by benchmarks/floors.py)."""
-    import json
-
     from benchmarks.floors import render
 
-    return render(json.loads(FLOOR_RESULTS.read_text())) if FLOOR_RESULTS.exists() else []
+    r = _saved_results(FLOOR_RESULTS)
+    return [] if r is None else render(r)
 
 
 def _cost_model_section() -> list[str]:
     """Predicted against measured step-time overhead per cost model (benchmarks/cost_model.py)."""
-    import json
-
-    if not COST_MODEL_RESULTS.exists():
+    r = _saved_results(COST_MODEL_RESULTS)
+    if r is None:
         return []
-    r = json.loads(COST_MODEL_RESULTS.read_text())
     spread = r["linear_seconds"]
     out = [
         "## Does the cost model rank plans as step time does?",

@@ -15,9 +15,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _load_compare():
+def _load_benchmark(name: str):
+    """benchmarks/NAME.py as a module, the way its entry point runs it."""
     spec = importlib.util.spec_from_file_location(
-        "benchmarks_compare", ROOT / "benchmarks" / "compare.py"
+        f"benchmarks_{name}", ROOT / "benchmarks" / f"{name}.py"
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(spec.name, module)
@@ -28,7 +29,7 @@ def _load_compare():
 @pytest.mark.slow
 def test_short_mode_on_tiny_models_writes_consistent_results_and_page(tmp_path):
     pytest.importorskip("transformers")
-    compare = _load_compare()
+    compare = _load_benchmark("compare")
     out = tmp_path / "results.json"
     page = tmp_path / "docs" / "benchmarks.md"
     img = tmp_path / "docs" / "img"
@@ -128,12 +129,7 @@ def check_model(results: dict, name: str, m: dict) -> None:
 @pytest.mark.slow
 def test_objective_benchmark_plans_both_objectives_within_each_compiled_peak(tmp_path):
     pytest.importorskip("transformers")
-    spec = importlib.util.spec_from_file_location(
-        "benchmarks_objective", ROOT / "benchmarks" / "objective.py"
-    )
-    objective = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, objective)
-    spec.loader.exec_module(objective)
+    objective = _load_benchmark("objective")
     out = tmp_path / "objective.json"
     objective.main(
         [
@@ -165,12 +161,7 @@ def test_objective_benchmark_plans_both_objectives_within_each_compiled_peak(tmp
 
 @pytest.mark.slow
 def test_floor_benchmark_reports_the_lowest_peak_between_the_floor_and_the_flat_plans(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "benchmarks_floors", ROOT / "benchmarks" / "floors.py"
-    )
-    floors = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, floors)
-    spec.loader.exec_module(floors)
+    floors = _load_benchmark("floors")
     page = tmp_path / "benchmarks.md"
     page.write_text("# Benchmarks\n\n## How it is measured\n\n- text\n")
     results = floors.main(
