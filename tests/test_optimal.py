@@ -241,6 +241,29 @@ def test_candidate_cuts_sets_the_first_pass_and_every_plan_fits(gpt_problem, mon
     assert len(passes) == 1  # every allowed cut a candidate: one pass, nothing to refine
 
 
+def test_large_problems_keep_at_most_masks_per_cut_and_still_fit(gpt_problem, monkeypatch):
+    """Storages alive whatever the plan (autocast's weight casts) multiply the masks at a cut by
+    thousands; large problems keep a bounded number of them."""
+    settled = []
+    settle = optimal._Search._settle
+
+    def counted(self, position):
+        states = settle(self, position)
+        settled.append(len(states))
+        return states
+
+    monkeypatch.setattr(optimal._Search, "_settle", counted)
+    baseline = simulate(gpt_problem, ()).peak_bytes
+    budget = (simulate(gpt_problem, SOLVERS["optimal"](gpt_problem, 0)).peak_bytes + baseline) // 2
+    SOLVERS["optimal"](gpt_problem, budget)
+    assert max(settled) > 2  # uncapped, some cut holds more masks than the cap below
+
+    monkeypatch.setattr(optimal, "MASKS", 2)
+    settled.clear()
+    assert_fits_and_beats_the_heuristics(gpt_problem, budget)
+    assert max(settled) <= 2
+
+
 def test_a_time_limit_stops_the_search_and_keeps_the_heuristics_plans(gpt_problem):
     baseline = simulate(gpt_problem, ()).peak_bytes
     lowest = simulate(gpt_problem, SOLVERS["optimal"](gpt_problem, 0)).peak_bytes

@@ -37,7 +37,7 @@ Exactness and approximations
   a candidate and recompute peaks are replayed node by node. Its answer is the least recompute
   over all plans whose ``simulate`` peak fits (tests compare it with exhaustive search), or,
   when none fits, a plan of the lowest simulated peak.
-* Larger problems use three explicit approximations, each on the safe side:
+* Larger problems use four explicit approximations, each on the safe side:
 
   - recompute peaks use ``_recompute_bound``, which can only over-estimate (so a plan the
     search accepts fits);
@@ -50,7 +50,10 @@ Exactness and approximations
     that move the best plan's boundaries to ever closer cuts and add short segments near the
     coarse cuts (``_corridors``). Each pass is
     optimal among the segments it tries, which include the best plan so far; the answer is
-    the best of all passes.
+    the best of all passes;
+  - a cut keeps at most ``MASKS`` masks (``_Search._masks_kept``: half with the cheapest
+    entries, half with the least charged bytes). Storages alive whatever the plan, such as the
+    weight casts autocast caches until its region exits, otherwise make thousands per cut.
 
   The search never relies on these alone: ``solve`` replays its plan with ``simulate`` and
   also replays the ``greedy`` and ``sqrt_n`` plans, returning the cheapest that fits. So on
@@ -99,6 +102,7 @@ CANDIDATE_CUTS = 96  # more allowed cuts than this: search coarse-to-fine
 REFINE = 2  # each refining pass tries cuts this many times closer together, this many each side
 SHORT = 8  # refining passes at this spacing or closer also try short segments near coarse cuts
 BUCKETS = 256  # fronts of large problems keep one entry per 1/BUCKETS of the limit
+MASKS = 64  # large problems keep at most this many masks per cut (_Search._masks_kept)
 EXACT_KEEP_NODES = 12  # up to this many nodes: the search tries every keep set of every segment
 # Larger graphs: a segment's keep sets use its KEEP_CANDIDATES most valuable nodes, every subset
 # of them when there are at most KEEP_SUBSETS, else prefixes of 1, 2, 4, ... (_keep_family).
@@ -965,7 +969,7 @@ class _Search:
     def _settle(self, position: int) -> list[tuple[frozenset, int]]:
         """Turn the blocks that reached ``position`` into Pareto fronts, one state per mask."""
         settled = []
-        for mask, chunks in self.pending[position].items():
+        for mask, chunks in self._masks_kept(position).items():
             fronts, values, parents, kinds = zip(*chunks)
             starts = np.cumsum([0, *map(len, fronts)])[:-1]
             charged, value = np.concatenate(fronts), np.concatenate(values)
@@ -985,6 +989,27 @@ class _Search:
             settled.append((mask, len(self.states) - 1))
         self.pending[position] = {}
         return settled
+
+    def _masks_kept(self, position: int) -> dict[frozenset, list]:
+        """The masks that reached ``position``; above ``MASKS`` of them (large problems only),
+        the ``MASKS // 2`` whose fronts hold the cheapest entry and the ``MASKS // 2`` whose
+        fronts hold the least charged bytes.
+
+        Storages that stay alive whatever the plan, such as weight casts autocast caches until
+        its region exits, cross most cuts, and each way of charging them is a mask of its own:
+        thousands per cut on a Llama with autocast inside ``forward``. Capping them by count
+        keeps the search's time bounded and its plans repeatable.
+        """
+        pending = self.pending[position]
+        if self.exact or len(pending) <= MASKS:
+            return pending
+
+        def least(column: int):
+            return lambda item: min(float(chunk[column].min()) for chunk in item[1])
+
+        by_value = sorted(pending.items(), key=least(1))[: MASKS // 2]
+        by_charged = sorted(pending.items(), key=least(0))[: MASKS // 2]
+        return dict(by_value + by_charged)
 
 
 def _coarse_cuts(problem: Problem, allowed: np.ndarray, spacing: int) -> np.ndarray:
