@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:  # runnable as a script from a fresh clone, withou
 
 from benchmarks import baselines, hf, instruments  # noqa: E402
 from benchmarks.report import render_page  # noqa: E402
-from planner import costs, step, zoo  # noqa: E402
+from planner import costs, overheads, step, zoo  # noqa: E402
 from planner.costs import CostModel  # noqa: E402
 from planner.nested import NestedChoice  # noqa: E402
 from planner.pipeline import plan, prepare  # noqa: E402
@@ -137,7 +137,7 @@ def cost_model_for(model, args, roofline: bool) -> CostModel:
         return CostModel()
     return CostModel(
         measured_seconds=costs.node_seconds(model, args),
-        **costs.checkpoint_overheads(model, args),
+        **overheads.checkpoint_overheads(model, args),
     )
 
 

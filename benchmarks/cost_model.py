@@ -6,7 +6,7 @@ On a residual MLP (``BLOCKS`` blocks ``x + Linear(relu(Linear(x)))``, d 256, bat
 its activation memory, ``optimal`` plans with four cost models: the default roofline, each
 node's measured time (``planner.costs.node_seconds``), the measured times pooled over the nodes
 doing the same work (``benchmarks.compare.pooled_seconds``), and those with what a checkpoint
-call and a kept node cost measured too (``planner.costs.checkpoint_overheads``). For each plan
+call and a kept node cost measured too (``planner.overheads.checkpoint_overheads``). For each plan
 it records the overhead its cost model predicts, the overhead the last (most complete) model
 predicts for it, and the measured step time (all plans interleaved, median of the
 per-repetition ratios to no checkpointing), and the spread of the raw measured times of
@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.compare import pooled_seconds  # noqa: E402
 from planner import costs, step  # noqa: E402
 from planner.costs import CostModel  # noqa: E402
+from planner.overheads import checkpoint_overheads  # noqa: E402
 from planner.pipeline import plan, prepare  # noqa: E402
 from planner.simulate import Choice, simulate  # noqa: E402
 
@@ -69,7 +70,7 @@ def main(argv=None) -> dict:
     model, args = residual_mlp(opts.blocks)
 
     raw = costs.node_seconds(model, args)
-    overheads = costs.checkpoint_overheads(model, args)
+    overheads = checkpoint_overheads(model, args)
     _, problem = prepare(model, args, cost_model=CostModel(measured_seconds=raw))
     linear = [problem.seconds[i] for i, label in enumerate(problem.labels) if label.endswith(".a")]
     pooled = pooled_seconds(problem, model)

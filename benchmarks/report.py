@@ -117,7 +117,7 @@ def _cost_model_line(results) -> str:
         )
         calls = (
             " The time of a checkpoint call and of a kept node are measured too "
-            "(`planner.costs.checkpoint_overheads`) and charged per segment and per kept node."
+            "(`planner.overheads.checkpoint_overheads`) and charged per segment and per kept node."
             if "with calls" in model
             else ""
         )
@@ -445,7 +445,7 @@ def _cost_model_section() -> list[str]:
         return out + [""]
     out += [
         "The last cost model adds what checkpointing costs besides recompute, measured on this "
-        "machine by `planner.costs.checkpoint_overheads`: "
+        "machine by `planner.overheads.checkpoint_overheads`: "
         f"{r['checkpoint_seconds'] * 1e6:.0f} us per checkpoint call and "
         f"{r['keep_seconds'] * 1e6:.0f} us per kept node. Each plan's predicted time is given "
         "under the cost model that made it and under that last model (pooled node times and "

@@ -11,7 +11,9 @@ for many solves: ``prepare``, ``Problem``, ``frontier_of`` and ``Simulation`` (w
 (``planner.zoo``) and the solver registry (``planner.solvers``) are submodules.
 """
 
-# Submodules reachable as attributes after `import planner` (planner.zoo.gpt()).
+# Submodules reachable as attributes after `import planner` (planner.zoo.gpt(),
+# planner.overheads.checkpoint_overheads()).
+from planner import overheads as overheads
 from planner import solvers as solvers
 from planner import zoo as zoo
 from planner.batch import BatchOption, BatchPlan, plan_batch

@@ -4,7 +4,8 @@ By default the cost of a node is a roofline estimate from its FLOPs and bytes mo
 ``node_seconds`` measures real per-node times to replace it (``CostModel(measured_seconds=...)``).
 Checkpointing also costs time of its own, whatever it recomputes: each checkpoint call (saving
 the random state, installing hooks, starting and stopping the recompute) and each kept node
-(the selective cache's dispatch). ``checkpoint_overheads`` measures both on the model's device
+(the selective cache's dispatch). ``planner.overheads.checkpoint_overheads`` measures both on
+the model's device
 (``CostModel(checkpoint_seconds=..., keep_seconds=...)``).
 """
 
@@ -21,9 +22,9 @@ import torch
 
 from planner.capture import capture
 from planner.profile import COMPUTE_OPS, placeholder_values
-from planner.step import clear_grads, step_device, training_step
+from planner.step import step_device, synchronize
 
-__all__ = ["CostModel", "checkpoint_overheads", "node_seconds"]
+__all__ = ["CostModel", "node_seconds"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class CostModel:
 
     ``checkpoint_seconds`` is what one checkpoint call adds to a step beyond the nodes it
     recomputes (its forward call and its recompute), and ``keep_seconds`` what one kept node
-    adds (``planner.simulate.Choice.keep``); ``planner.costs.checkpoint_overheads`` measures
+    adds (``planner.simulate.Choice.keep``); ``planner.overheads.checkpoint_overheads`` measures
     both. By default both are 0: the roofline describes a GPU, whose kernels run
     asynchronously from the Python that launches them, so a checkpoint call's host work (about
     0.2 ms on a CPU core) overlaps the kernels queued before it unless the step is bound by
@@ -58,7 +59,7 @@ class CostModel:
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(
                     f"CostModel needs a finite {name} >= 0 (seconds), got {value!r}; "
-                    "planner.costs.checkpoint_overheads measures it"
+                    "planner.overheads.checkpoint_overheads measures it"
                 )
 
     def seconds(self, flops: np.ndarray, bytes_moved: np.ndarray, names=()) -> np.ndarray:
@@ -90,10 +91,10 @@ def node_seconds(module, args, kwargs=None, *, repeat=3) -> dict[str, float]:
         def run_node(self, node):
             if node.op not in COMPUTE_OPS:
                 return super().run_node(node)
-            _synchronize(device)
+            synchronize(device)
             begin = time.perf_counter()
             out = super().run_node(node)
-            _synchronize(device)
+            synchronize(device)
             samples.setdefault(node.name, []).append(time.perf_counter() - begin)
             return out
 
@@ -106,72 +107,3 @@ def node_seconds(module, args, kwargs=None, *, repeat=3) -> dict[str, float]:
             for buffer, value in buffers:
                 buffer.copy_(value)
     return {name: statistics.median(times) for name, times in samples.items()}
-
-
-def checkpoint_overheads(
-    module, args, kwargs=None, *, repeat: int = 15, blocks: int = 32
-) -> dict[str, float]:
-    """Seconds that one checkpoint call and one kept node add to a training step, measured on
-    the device (and in the parameter dtype) of ``module`` called with ``args``.
-
-    They are the work of ``torch.utils.checkpoint`` and of the planned module, not of the
-    model's nodes, so a chain of ``blocks`` small ``Linear`` + ``ReLU`` blocks measures them:
-    unplanned, with one checkpointed segment per block, and with each block's ``Linear`` kept
-    as well, interleaved ``repeat`` times; the medians of the differences per block are the
-    overheads (the call's includes its block's recompute, two ops on 4 x 8 values). Returns
-    ``{"checkpoint_seconds": ..., "keep_seconds": ...}``, arguments of ``CostModel``::
-
-        CostModel(measured_seconds=node_seconds(m, x), **checkpoint_overheads(m, x))
-    """
-    # pipeline builds problems with this module's CostModel: imported here, not at the top
-    from planner.pipeline import prepare
-    from planner.rewrite import rewrite
-    from planner.simulate import Choice
-
-    if repeat < 1 or blocks < 1:
-        raise ValueError(
-            f"checkpoint_overheads needs repeat >= 1 and blocks >= 1, got {repeat=}, {blocks=}"
-        )
-    device = step_device(module, tuple(args), kwargs or {})
-    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
-    chain = torch.nn.Sequential(
-        *[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(blocks)]
-    ).to(device, dtype)
-    x = torch.randn(4, 8, device=device, dtype=dtype)
-    captured, problem = prepare(chain, (x,))
-    if problem.size != 2 * blocks:
-        raise AssertionError(f"the chain captured as {problem.size} nodes, not {2 * blocks}")
-    segments = tuple((2 * k, 2 * k + 2) for k in range(blocks))
-    steps = {
-        "none": chain,
-        "checkpoint": rewrite(captured.graph_module, chain, Choice(segments)),
-        "keep": rewrite(
-            captured.graph_module, chain, Choice(segments, frozenset(range(0, 2 * blocks, 2)))
-        ),
-    }
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    order = list(steps)
-    for r in range(repeat + 1):  # the first round warms up
-        for name in order[r % 3 :] + order[: r % 3]:
-            clear_grads(steps[name])
-            _synchronize(device)
-            begin = time.perf_counter()
-            training_step(steps[name], (x,))
-            _synchronize(device)
-            if r:
-                times[name].append(time.perf_counter() - begin)
-
-    def per_block(more: str, less: str) -> float:
-        # a cost is never negative; on a loaded machine a small difference can read so
-        difference = statistics.median(a - b for a, b in zip(times[more], times[less]))
-        return max(difference / blocks, 0.0)
-
-    return {
-        "checkpoint_seconds": per_block("checkpoint", "none"),
-        "keep_seconds": per_block("keep", "checkpoint"),
-    }
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

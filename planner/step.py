@@ -244,6 +244,12 @@ def clear_grads(module) -> None:
         p.grad = None
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so that a timer reads it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def step_device(module, args, kwargs) -> torch.device:
     """The device the step runs on: the first CUDA device among parameters and inputs, if any."""
     tensors = state_tensors(module, args, kwargs)

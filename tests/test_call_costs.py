@@ -3,7 +3,7 @@
 ``Problem.checkpoint_seconds`` and ``Problem.keep_seconds`` (from ``CostModel``) are part of a
 plan's predicted time: ``simulate`` and the nested replay charge them, and ``optimal`` and the
 MILP minimise what ``simulate`` reports, so the solvers agree with an exhaustive search that
-judges every plan by ``simulate``. ``planner.costs.checkpoint_overheads`` measures both.
+judges every plan by ``simulate``. ``planner.overheads.checkpoint_overheads`` measures both.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from planner import CostModel
-from planner.costs import checkpoint_overheads
 from planner.nested import Nest, NestedChoice
+from planner.overheads import checkpoint_overheads
 from planner.pipeline import plan, prepare
 from planner.simulate import Choice, simulate
 from planner.solvers import SOLVERS
