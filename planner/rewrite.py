@@ -141,7 +141,16 @@ class _Caching(_CachingTorchDispatchMode):
 
 
 class _Cached(_CachedTorchDispatchMode):
-    """The recompute side of the selective-checkpoint cache, blind to leaf casts (``_Caching``)."""
+    """The recompute side of the selective-checkpoint cache, blind to leaf casts (``_Caching``).
+
+    Torch's cache hands each result over once. A second backward over the same graph
+    (``retain_graph=True``, or a gradient penalty through ``create_graph=True``) recomputes the
+    segment again; that recompute runs the kept nodes' ops too. It is exact: checkpoint restores
+    the random state of the segment's start, so they draw what the forward drew."""
+
+    def __init__(self, storage: dict):
+        super().__init__(None, storage)
+        self.recomputes = 0
 
     def __enter__(self):
         # Entered around each kept node (_CacheScope): the count of the ops it has answered
@@ -149,14 +158,12 @@ class _Cached(_CachedTorchDispatchMode):
         return super(_CachedTorchDispatchMode, self).__enter__()
 
     def restart(self) -> None:
-        """Count from the first op again, as torch's mode does on entering: a second backward
-        (``retain_graph=True``) then reads "backward an extra time", not a missing entry."""
-        counter = getattr(self, "func_counter", None)
-        if counter is not None:
-            counter.clear()
+        """Count from the first op again, as torch's mode does on entering."""
+        self.recomputes += 1
+        self.func_counter.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _casts_a_leaf(func, args):
+        if self.recomputes > 1 or _casts_a_leaf(func, args):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -165,8 +172,35 @@ def _selective_contexts():
     """``create_selective_checkpoint_contexts(_keep_policy)``, with leaf casts left out, as
     scopes that enter the cache's modes around kept nodes only (``_CacheScope``)."""
     storage: dict = collections.defaultdict(dict)
-    cached = _Cached(None, storage)
-    return _CacheScope(_Caching(_keep_policy, storage)), _recompute_scope(cached)
+    cached = _Cached(storage)
+    return _CacheScope(_Caching(_keep_policy, storage)), _Reenterable(_recompute_scope, cached)
+
+
+def _graph_kept() -> bool:
+    """Whether the backward running now keeps the graph for another (``retain_graph=True``,
+    ``create_graph=True``); assumed so where torch cannot tell."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())
+
+
+class _Reenterable:
+    """A ``contextlib.contextmanager`` function as a context manager that can be entered again.
+
+    ``checkpoint`` enters the recompute context once per recompute, and a second backward over
+    the same graph (``retain_graph=True``, or a gradient penalty through ``create_graph=True``)
+    recomputes again; a generator-based context manager can be entered only once."""
+
+    def __init__(self, factory, *args):
+        self._factory, self._args = factory, args
+        self._entered: list = []
+
+    def __enter__(self):
+        context = self._factory(*self._args)
+        self._entered.append(context)
+        return context.__enter__()
+
+    def __exit__(self, *exc_info):
+        return self._entered.pop().__exit__(*exc_info)
 
 
 @contextlib.contextmanager
@@ -243,14 +277,15 @@ class Segment:
 
     def contexts(self):
         at_forward: list[torch.Tensor] = []
-        remembering, replaying = self._remembering(at_forward), self._replaying(at_forward)
+        remembering = _Reenterable(self._remembering, at_forward)
+        replaying = _Reenterable(self._replaying, at_forward)
         if not self.selective:
             return remembering, replaying
         caching, cached = _selective_contexts()
         if not self.restores_buffers:  # nothing to remember: the cache alone
             return caching, cached
         # buffers copied outside the cache: its op counts must match in forward and recompute
-        return _nested(remembering, caching), _nested(replaying, cached)
+        return _Reenterable(_nested, remembering, caching), _Reenterable(_nested, replaying, cached)
 
     @contextlib.contextmanager
     def _remembering(self, at_forward: list):
@@ -273,6 +308,8 @@ class Segment:
             with torch.no_grad():
                 for buffer, value in zip(buffers, now):
                     buffer.copy_(value)
+            if not _graph_kept():  # no later recompute: the copies go now, as simulated
+                at_forward.clear()
 
     def __repr__(self):
         return (
