@@ -124,16 +124,18 @@ def _seconds(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
-def accumulation_problem(problem: Problem) -> Problem:
+def accumulation_problem(problem: Problem, batch_bytes: int = 0) -> Problem:
     """``problem`` as the second and later micro-batches of an accumulation window see it.
 
     The accumulated gradients are live from the start (counted as fixed memory); each backward
     still allocates a parameter's new gradient, which ``AccumulateGrad`` adds in place and frees
-    at once, so the gradient bytes a node allocates are also freed after it.
+    at once, so the gradient bytes a node allocates are also freed after it. ``batch_bytes``:
+    the rest of the batch's inputs, beside the micro-batch's own, live through the window
+    (``micro_batches`` cuts views of the batch; ``accumulation_windows`` reads the window ahead).
     """
     return dataclasses.replace(
         problem,
-        fixed_bytes=problem.fixed_bytes + problem.gradient_bytes,
+        fixed_bytes=problem.fixed_bytes + problem.gradient_bytes + batch_bytes,
         activation_grad_free=problem.activation_grad_free + problem.grad_bytes_at,
     )
 
@@ -157,6 +159,24 @@ def _candidates(per_rank: int, micro_batches) -> list[int]:
 def _inputs(make_inputs, micro_batch: int) -> tuple:
     inputs = make_inputs(micro_batch)
     return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+def _input_bytes(inputs) -> int:
+    """Bytes of the distinct storages of ``inputs``' tensors (each meta tensor its own)."""
+    storages = {}
+    for t in tree_leaves(inputs):
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            key = id(t) if t.is_meta else (t.device, storage.data_ptr())
+            storages[key] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _batch_input_bytes(make_inputs, per_rank: int) -> int:
+    """Bytes of a per-rank batch's inputs, made on the meta device where ``make_inputs``
+    leaves the device to torch's default (no memory), else as it makes them."""
+    with torch.device("meta"):
+        return _input_bytes(_inputs(make_inputs, per_rank))
 
 
 def _shapes(inputs: tuple) -> list[tuple[int, ...]]:
@@ -290,6 +310,7 @@ def plan_batch(
         )
     per_rank = global_batch // world_size
     sizes = _candidates(per_rank, micro_batches)
+    batch_bytes = _batch_input_bytes(make_inputs, per_rank) if sizes[0] < per_rank else 0
 
     options: list[BatchOption] = []
     # (key, option, captured, problem, segments, simulation, solve seconds, solver name)
@@ -338,7 +359,7 @@ def plan_batch(
             optimizer=optimizer,
         )
         if steps > 1:
-            problem = accumulation_problem(problem)
+            problem = accumulation_problem(problem, max(0, batch_bytes - _input_bytes(inputs)))
         solve_start = time.perf_counter()
         name, segments = choose(problem, budget, solver)
         solve_seconds = time.perf_counter() - solve_start
@@ -384,8 +405,13 @@ def plan_batch(
         raise PlanningError(
             f"no micro-batch size fits a budget of {mib(budget)} ({budget} bytes): the "
             f"smallest, micro-batch {m} ({steps} accumulation steps), needs at least "
-            f"{mib(needed)} ({needed} bytes) even with maximal recompute. Raise the budget to "
-            f"at least budget_bytes={needed}"
+            f"{mib(needed)} ({needed} bytes) even with maximal recompute"
+            + (
+                f", the batch's inputs held by the loop included ({mib(batch_bytes)})"
+                if steps > 1 and batch_bytes
+                else ""
+            )
+            + f". Raise the budget to at least budget_bytes={needed}"
             + (", or try smaller micro-batches." if m > 1 else ", or shard the model (FSDP).")
         )
     (predicted_seconds, _), option, captured, problem, segments, result, solve_seconds, name = best
