@@ -39,6 +39,7 @@ from planner.regions import (
     regions_from_export,
     watching_exported_regions,
 )
+from planner.side_effects import refusing_side_effects
 
 log = logging.getLogger(__name__)
 
@@ -608,6 +609,7 @@ def capture(
         _capturing_thread(),
         _refusing_manual_checkpoints(model),
         recording_regions(),
+        refusing_side_effects(model),
     ):
         captured = _trace_or_export(model, args, kwargs, fixed, leaf_modules, dynamic_shapes)
     _refuse_dropped_hooks(model, captured)

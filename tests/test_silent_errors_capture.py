@@ -470,3 +470,155 @@ def test_the_profile_runs_regions_so_a_no_grad_region_saves_nothing():
     assert names[entry + 1 : exit_] == ("b", "std")
     assert not problem.saves[entry : exit_ + 1].any()
     assert problem.saves[names.index("c")]  # outside: c saves its input
+
+
+# -- what a forward does beside tensor operations -------------------------------------------
+# A graph records tensor operations. Each model below did something else in forward, and its
+# planned module silently differed from it (found by trying the library): capture refuses it
+# with the reason, and leaves the model and the random generators as they were.
+
+import random  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+
+class _Reverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class ReversedGradient(nn.Module):
+    """A gradient-reversal layer: planned, it became ``x.view_as(x)`` (10 of 14 gradients off)."""
+
+    def __init__(self, traceable=True):
+        super().__init__()
+        self.traceable = traceable
+        self.features, self.head = nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        if not self.traceable:  # a loop over a size: symbolic_trace fails, export captures
+            for _ in range(x.shape[0] // x.shape[0]):
+                pass
+        return self.head(_Reverse.apply(self.features(x))).sum()
+
+
+class LayerDrop(nn.Module):
+    """LayerDrop with Python's random: the capture's draw was baked in."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            if random.random() < 0.5:
+                continue
+            x = torch.tanh(layer(x))
+        return x
+
+
+class AuxiliaryLoss(nn.Module):
+    """An MoE-style auxiliary loss kept as an attribute: a tracing placeholder after planning."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.expert = nn.Linear(16, 4), nn.Linear(16, 16)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        self.aux_loss = self.gate(x).softmax(-1).mean()
+        return torch.tanh(self.expert(x))
+
+
+class MomentumEncoder(nn.Module):
+    """A momentum encoder updated in forward: planning made the update once, then never."""
+
+    def __init__(self):
+        super().__init__()
+        self.query, self.key = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.key.requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            for q, k in zip(self.query.parameters(), self.key.parameters()):
+                k.mul_(0.99).add_(q.detach(), alpha=0.01)
+        return (self.query(x) * self.key(x)).sum()
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (ReversedGradient, "custom autograd functions .*_Reverse"),
+        (lambda: ReversedGradient(traceable=False), "custom autograd functions .*_Reverse"),
+        (LayerDrop, "Python's or numpy's random generator"),
+        (AuxiliaryLoss, r"sets module attributes \(aux_loss, calls\)"),
+        (MomentumEncoder, r"updates parameters in place \(key.weight, key.bias\)"),
+    ],
+)
+def test_a_forward_doing_more_than_tensor_operations_is_refused(make, match):
+    torch.manual_seed(0)
+    model, x = make(), torch.randn(8, 16)
+    attributes = {k: v for k, v in vars(model).items() if k != "_modules"}
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with pytest.raises(planner.PlanningError, match=match):
+            planner.plan(model, (x,), budget_gb=1)
+    assert {k: v for k, v in vars(model).items() if k != "_modules"} == attributes
+    assert not hasattr(model, "aux_loss")
+    assert random.getstate() == python_state
+    assert np.random.get_state()[1].tolist() == numpy_state[1].tolist()
+
+
+def test_a_custom_op_with_its_own_backward_is_captured_whole_and_planned_exactly():
+    """The way out the refusal names: ``torch.library.custom_op`` with ``register_autograd``."""
+
+    @torch.library.custom_op("planner_tests::reverse", mutates_args=())
+    def reverse(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    reverse.register_fake(lambda x: torch.empty_like(x))
+    reverse.register_autograd(lambda ctx, grad: -grad)
+
+    class Reversed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = reverse(torch.tanh(layer(x)))
+            return x.sum()
+
+    torch.manual_seed(0)
+    model, x = Reversed(), torch.randn(8, 16)
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (x,), budget_gb=1, solver=lambda problem, budget: ((0, 6),))
+    reference(x).backward()
+    p.module(x).backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
+class _Reversing(nn.Module):
+    def forward(self, x):
+        return _Reverse.apply(x)
+
+
+def test_a_custom_function_in_a_module_kept_whole_keeps_its_backward():
+    """The other way out the refusal names, for models ``symbolic_trace`` captures."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), _Reversing(), nn.Linear(16, 16))
+    x = torch.randn(8, 16)
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (x,), budget_gb=1, leaf_modules=(_Reversing,), solver="sqrt_n")
+    reference(x).sum().backward()
+    p.module(x).sum().backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), name

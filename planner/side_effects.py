@@ -1,0 +1,203 @@
+"""What a forward does beside tensor operations, which a captured graph cannot replay.
+
+Capture runs ``forward`` once and records its tensor operations. The planned module then runs
+that record, so anything else the forward did happened once, at planning time, and never again:
+
+* a custom ``torch.autograd.Function``: the graph records its forward's operations and loses
+  its own backward (a gradient-reversal layer becomes a view, a straight-through estimator a
+  ``sign``), so gradients silently differ even with no segment;
+* a draw from Python's or numpy's random generators (LayerDrop written with ``random.random()``):
+  the trace-time draw is baked into the graph;
+* an attribute the forward sets on a module (an MoE layer's ``self.aux_loss``, a call counter):
+  the planned module never sets it, and the value left by capture is a tracing placeholder;
+* an in-place update of a parameter (a momentum encoder): applied once, by planning.
+
+``refusing_side_effects`` watches a capture for them, puts back what it can (module attributes,
+the random generators' states) and raises a ``PlanningError`` that names each and what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import re
+import threading
+import weakref
+
+import numpy as np
+import torch
+from torch import nn
+
+from planner.errors import PlanningError
+
+__all__ = ["refusing_side_effects"]
+
+_MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules"})
+# Where torch.fx's tracer stows a constant the graph reads (``Tracer.create_arg``): on the
+# traced module itself. Put back like the rest, but the forward did not set them.
+_TRACER_CONSTANT = re.compile(
+    r"_(tensor_constant|torchbind_obj|tree_spec_constant|opaque_obj)\d*|_\w+_constant_\d*"
+)
+_APPLY = torch.autograd.Function.__dict__["apply"]
+
+
+def _attributes(model: nn.Module) -> dict[tuple[str, str], object]:
+    """Every plain attribute of every module, by (module path, name)."""
+    return {
+        (path, key): value
+        for path, module in model.named_modules(remove_duplicate=False)
+        for key, value in vars(module).items()
+        if key not in _MODULE_STATE
+    }
+
+
+def _is_users(function: type) -> bool:
+    """A Function defined outside torch, whose backward a graph of its forward would lose."""
+    return not function.__module__.startswith("torch.")
+
+
+@contextlib.contextmanager
+def _recording_functions(applied: list[type]):
+    """Note every user-defined ``autograd.Function`` this thread applies meanwhile."""
+    thread = threading.get_ident()
+    apply = _APPLY.__func__
+
+    def recording(cls, *args, **kwargs):
+        if threading.get_ident() == thread and _is_users(cls):
+            applied.append(cls)
+        return apply(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(recording)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = _APPLY  # type: ignore[method-assign]
+
+
+def _restore(model: nn.Module, before: dict, changed: list[tuple[str, str]]) -> None:
+    for path, key in changed:
+        module = model.get_submodule(path)
+        if (path, key) in before:
+            object.__setattr__(module, key, before[path, key])
+        else:
+            delattr(module, key)
+
+
+@contextlib.contextmanager
+def refusing_side_effects(model: nn.Module):
+    """Run a capture of ``model``; raise a ``PlanningError`` if its forward did more than tensor
+    operations (see the module's docstring). Module attributes and the random generators'
+    states are put back whether the capture succeeds or not. Callers hold
+    ``planner.regions.CAPTURE_LOCK``: the random states are process-wide."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    before = _attributes(model)
+    versions = {n: p._version for n, p in model.named_parameters(remove_duplicate=False)}
+    applied: list[type] = []
+    try:
+        with _recording_functions(applied):
+            yield
+    finally:
+        after = _attributes(model)
+        changed = sorted(
+            k
+            for k in before.keys() | after.keys()
+            if before.get(k, _MISSING) is not after.get(k, _MISSING)
+        )
+        drew = random.getstate() != python_state or not _same_numpy_state(numpy_state)
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        _restore(model, before, changed)
+    updated = [
+        n for n, p in model.named_parameters(remove_duplicate=False) if p._version != versions[n]
+    ]
+    set_by_forward = [
+        (p, k)
+        for p, k in changed
+        if _set_by_forward(k, before.get((p, k), _MISSING), after.get((p, k), _MISSING), root=not p)
+    ]
+    reasons = _reasons(applied, drew, set_by_forward, updated)
+    if reasons:
+        raise PlanningError(
+            f"cannot plan {type(model).__name__}: its forward does more than tensor operations, "
+            "and a captured graph cannot replay the rest: " + "; and ".join(reasons) + "."
+        )
+
+
+def _reasons(applied: list[type], drew: bool, changed: list, updated: list[str]) -> list[str]:
+    reasons = []
+    if applied:
+        names = sorted({f"{f.__module__}.{f.__qualname__}" for f in applied})
+        reasons.append(
+            f"it applies custom autograd functions ({', '.join(names)}): the graph would record "
+            "their forward's operations and lose their backward, so gradients would differ. "
+            "Make each a custom op (torch.library.custom_op with register_autograd), which is "
+            "captured whole, or (for a model symbolic_trace captures) keep the module that "
+            "applies it whole with leaf_modules=(...)"
+        )
+    if drew:
+        reasons.append(
+            "it draws from Python's or numpy's random generator (e.g. LayerDrop written with "
+            "random.random()): the draw made while capturing would be baked into the graph. "
+            "Draw with torch (torch.rand) and use the result as a tensor, or turn it off to plan"
+        )
+    if changed:
+        names = [f"{path + '.' if path else ''}{key}" for path, key in changed]
+        reasons.append(
+            f"it sets module attributes ({', '.join(names)}): the planned module would never "
+            "set them. Return such values from forward instead (e.g. an auxiliary loss as an "
+            "output)"
+        )
+    if updated:
+        reasons.append(
+            f"it updates parameters in place ({', '.join(updated[:4])}"
+            f"{', ...' if len(updated) > 4 else ''}): planning ran that update once (their "
+            "values have moved by one update) and the planned module would never run it. Make "
+            "the update outside forward, e.g. after optimizer.step()"
+        )
+    return reasons
+
+
+_MISSING = object()
+
+
+def _set_by_forward(key: str, old, new, *, root: bool) -> bool:
+    """Whether a changed attribute is one the planned module would fail to set: a tensor (an
+    auxiliary loss; a tracing placeholder after capture), or a public value the model held
+    before and that capture changed (a call counter). A new plain value is scratch the forward
+    sets before it reads it (a layer index reset on every call); private ones are torch's own
+    (``torch.export`` rebuilds an LSTM's ``_flat_weights``), as are the tracer's constants on
+    the traced module. All are put back."""
+    if root and _TRACER_CONSTANT.fullmatch(key):
+        return False
+    if isinstance(new, (torch.Tensor, torch.fx.Proxy)):
+        return True
+    return not key.startswith("_") and old is not _MISSING and not _equal(old, new)
+
+
+def _equal(old, new) -> bool:
+    """Whether a replaced attribute holds what it held: tracing copies some (torch.export
+    replaces Hugging Face's plan dicts and a LayerNorm's ``normalized_shape`` by equal ones,
+    an LSTM its lists of weights). A tensor or a tracing placeholder equals only itself."""
+    if old is new:
+        return True
+    if isinstance(old, weakref.ref) and isinstance(new, weakref.ref):
+        return old() is new()
+    if any(isinstance(v, (torch.Tensor, torch.fx.Proxy)) or v is _MISSING for v in (old, new)):
+        return False
+    if type(old) is not type(new):
+        return False
+    if isinstance(old, (list, tuple)):
+        return len(old) == len(new) and all(map(_equal, old, new))
+    if isinstance(old, dict):
+        return old.keys() == new.keys() and all(_equal(old[k], new[k]) for k in old)
+    try:
+        return bool(old == new)
+    except (TypeError, ValueError, RuntimeError):  # no boolean equality (arrays, ...)
+        return False
+
+
+def _same_numpy_state(state) -> bool:
+    now = np.random.get_state()
+    return all(
+        np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(state, now)
+    )
