@@ -257,7 +257,10 @@ class Copies:
         if isinstance(value, torch.Tensor):
             return self.convert(value)
         if isinstance(value, nn.Module):
-            module = copy.copy(value)
+            # A shallow copy without ``copy.copy``: a parametrized module's class (weight_norm,
+            # spectral_norm, orthogonal) refuses the pickling protocol copy.copy goes through.
+            module = object.__new__(type(value))
+            module.__dict__.update(vars(value))
             for table in ("_parameters", "_buffers", "_modules"):  # plain attributes of a Module
                 entries = getattr(value, table).items()
                 module.__dict__[table] = {k: v if v is None else self(v) for k, v in entries}

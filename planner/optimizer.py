@@ -24,6 +24,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from planner.errors import PlanningError
+
 __all__ = ["OptimizerMemory", "optimizer_memory"]
 
 
@@ -135,7 +137,7 @@ def optimizer_memory(optimizer, model: nn.Module | None = None) -> OptimizerMemo
     on_cuda = any(p.device.type == "cuda" for g in groups for p in g["params"])
     # A subclass (or factory) that takes the groups alone; mypy checks the base's __init__.
     meta = make(_meta_groups(groups, on_cuda))  # type: ignore[call-arg]
-    meta.step()  # the first step creates the state
+    _step_on_meta(meta)  # the first step creates the state
     storages = {
         t.untyped_storage()._cdata: t.untyped_storage().nbytes()
         for t in tree_leaves(list(meta.state.values()))
@@ -143,12 +145,25 @@ def optimizer_memory(optimizer, model: nn.Module | None = None) -> OptimizerMemo
     }
     allocations = _Allocations()
     with allocations:
-        meta.step()  # a later step: its temporaries on top of the state
+        _step_on_meta(meta)  # a later step: its temporaries on top of the state
     return OptimizerMemory(
         state_bytes=sum(storages.values()) + master_bytes,
         step_bytes=allocations.high + master_bytes,
         master_bytes=master_bytes,
     )
+
+
+def _step_on_meta(optimizer: torch.optim.Optimizer) -> None:
+    """One step on meta tensors; a clear error for an optimizer whose step reads a value
+    (``Adafactor``'s ``.item()``), which meta tensors do not have."""
+    try:
+        optimizer.step()
+    except (RuntimeError, NotImplementedError) as error:
+        raise PlanningError(
+            f"cannot count the memory of {type(optimizer).__name__}: its step reads tensor "
+            f"values, and planning steps it on the meta device ({error}). Pass its state's "
+            "bytes as optimizer_state_bytes= instead of optimizer="
+        ) from error
 
 
 def _master_bytes(groups: list[dict], model: nn.Module | None) -> int:

@@ -380,3 +380,28 @@ def test_plan_with_solver_auto_goes_through_the_registry(monkeypatch):
     monkeypatch.setitem(planner.solvers.SOLVERS, "auto", replacement)
     p = planner.plan(*SMALL["mlp"](), budget_gb=1)
     assert calls == [2**30] and p.solver == "auto" and p.segments == ()
+
+
+@pytest.mark.parametrize("wrap", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_parametrized_modules_plan_and_train_exactly_like_the_original(wrap):
+    """``torch.nn.utils.parametrizations``: the profile's fake copy of the model refused them
+    (a bare "Serialization of parametrized modules" error, found trying the library).
+    ``spectral_norm`` also updates its power-iteration buffers in forward."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [getattr(torch.nn.utils.parametrizations, wrap)(torch.nn.Linear(32, 32))]
+        layers += [torch.nn.Tanh()]
+    model, x = torch.nn.Sequential(*layers), torch.randn(64, 32)
+    reference = copy.deepcopy(model)
+    _, problem = prepare(model, (x,))
+    p = planner.plan(model, (x,), budget_bytes=lowest_peak(problem).peak_bytes)
+    assert p.segments
+    reference(x).sum().backward()
+    p.module(x).sum().backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), b in zip(reference.named_buffers(), model.buffers()):
+        assert torch.equal(a, b), name
+    model.zero_grad(set_to_none=True)
+    assert peak_memory(p.module, (x,)).peak_bytes <= p.predicted_peak_bytes
