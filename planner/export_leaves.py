@@ -70,11 +70,55 @@ def export_keeping(
         preserve_module_call_signature=paths,
     )
     flat = program.module()  # the exported module's calling convention and guards
+    renamed = _rename_clashing_inputs(program, paths)
     unflat = torch.export.unflatten(program)
     return (
-        _graph_module(model, flat, *inline_unflattened(unflat, set(paths), inline_all=True)),
-        _graph_module(model, flat, *inline_unflattened(unflat, set(paths))),
+        _graph_module(model, flat, *inline_unflattened(unflat, set(paths), renamed, True)),
+        _graph_module(model, flat, *inline_unflattened(unflat, set(paths), renamed)),
     )
+
+
+def _rename_clashing_inputs(program: torch.export.ExportedProgram, paths) -> dict[str, str]:
+    """Rename the model inputs of ``program`` that share a name with an argument of a kept
+    module; return the new names' old names.
+
+    Works around ``torch.export.unflatten`` (torch 2.13): a kept module whose ops read sizes
+    of a model input under dynamic shapes (Llama's layers read the batch and length from
+    ``input_ids`` and ``attention_mask``) gets that input as an extra placeholder under the
+    input's name, beside placeholders named after its own keyword arguments; when the names
+    are equal (``attention_mask``) its generated code fails with ``SyntaxError: duplicate
+    argument``. Only names change: the graph, the signatures' structure and every value are
+    the same."""
+    taken: set[str] = set()
+    for entry in program.module_call_graph:
+        if entry.fqn in paths and entry.signature is not None:
+            args_spec, kwargs_spec = entry.signature.in_spec.children()
+            taken.update(f"_positional_arg_{i}" for i in range(args_spec.num_children))
+            taken.update(kwargs_spec.context)
+    names = {node.name for node in program.graph.nodes}
+    new_names: dict[str, str] = {}
+    for node in program.graph.find_nodes(op="placeholder"):
+        if node.name in taken:
+            new = f"{node.name}_input"
+            while new in names or new in taken:
+                new += "_"
+            names.add(new)
+            new_names[node.name] = new
+            node.name = node.target = new  # the names fx generates code with: unique now
+    if not new_names:
+        return {}
+    signature = program.graph_signature
+    arguments = [spec.arg for spec in signature.input_specs]
+    for entry in program.module_call_graph:
+        if entry.signature is not None:
+            arguments += [*entry.signature.inputs, *entry.signature.outputs]
+    for argument in arguments:
+        if getattr(argument, "name", None) in new_names:
+            argument.name = new_names[argument.name]
+    for spec in signature.output_specs:  # a mutated input names the input it writes
+        if spec.target in new_names:
+            spec.target = new_names[spec.target]
+    return {new: old for old, new in new_names.items()}
 
 
 def _graph_module(
@@ -215,12 +259,13 @@ class _Inlining:
 
 
 def inline_unflattened(
-    unflat: nn.Module, keep: set[str], *, inline_all: bool = False
+    unflat: nn.Module, keep: set[str], renamed: dict[str, str], inline_all: bool = False
 ) -> tuple[fx.Graph, dict]:
     """One graph computing what ``unflat`` (from ``torch.export.unflatten``) computes, with
     every submodule inlined but the calls of those at the paths in ``keep``, which stay
     ``call_module`` nodes (``inline_all``: inlined too, their nodes tagged ``LEAF_CALL``);
-    and the attributes its ``get_attr`` nodes read, by target."""
+    and the attributes its ``get_attr`` nodes read, by target. ``renamed``: the inputs'
+    names before ``_rename_clashing_inputs``, which the graph takes again."""
     positional = {
         entry.fqn: entry.signature.in_spec.child(0).num_children
         for entry in unflat.module_call_graph  # type: ignore[union-attr]
@@ -229,7 +274,7 @@ def inline_unflattened(
     inlining = _Inlining(keep, inline_all, positional)
     inputs = []
     for node in unflat.graph.find_nodes(op="placeholder"):  # type: ignore[operator, union-attr]
-        inputs.append(inlining.graph.placeholder(node.target))
+        inputs.append(inlining.graph.placeholder(renamed.get(node.target, node.target)))
         inputs[-1].meta = dict(node.meta)
     inlining.graph.output(inlining.inline(unflat, "", inputs, None))
     return inlining.graph, inlining.attributes

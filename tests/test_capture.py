@@ -104,14 +104,15 @@ def test_a_planned_module_returns_the_models_own_container_types(kind):
 # torch.export keeping leaf_modules as calls of the user's own modules
 
 
-def _llama(length=16, *, mask: bool):
-    """A small Hugging Face Llama in train mode with labels; with a padded attention mask, or
-    without one (then eager attention calls SDPA with ``is_causal=True``)."""
+def _llama(length=16, *, mask: bool, batch=2, family="llama"):
+    """A small Hugging Face Llama (or another decoder ``family``) in train mode with labels;
+    with a padded attention mask, or without one (then eager attention calls SDPA with
+    ``is_causal=True``)."""
     pytest.importorskip("transformers")
     from hf_families import FAMILIES
 
     torch.manual_seed(0)
-    model, args, kwargs = FAMILIES["llama"](batch=2, length=length, labels=True)
+    model, args, kwargs = FAMILIES[family](batch=batch, length=length, labels=True)
     model.config.use_cache = False
     if not mask:
         del kwargs["attention_mask"]
@@ -168,16 +169,37 @@ def test_export_keeps_leaf_modules_as_the_users_own_modules_and_plans_exactly(tm
     assert loaded.module.get_submodule("model.layers.0") is model.model.layers[0]
 
 
-def test_export_with_leaf_modules_and_dynamic_shapes_takes_other_lengths():
+@pytest.mark.parametrize(
+    ("family", "mask"),
+    [("llama", False), ("llama", True), pytest.param("mistral", True, marks=pytest.mark.slow)],
+    ids=["llama-causal", "llama-padded", "mistral-padded"],
+)
+def test_export_with_leaf_modules_and_dynamic_shapes_fits_and_takes_other_shapes(family, mask):
+    """Layers kept whole with dynamic shapes: planned at batch 3 and length 16, the plan fits
+    its budget and trains like the model there and at batch 2 and length 11. With a padded
+    mask, the layers read sizes of the model's ``attention_mask`` input and take an argument
+    of that name, which ``torch.export.unflatten`` once turned into a duplicate argument."""
+    from planner.pipeline import assemble
+    from planner.solvers.auto import choose, lowest_peak
+    from planner.step import peak_memory
     from strategies import assert_equivalent
 
-    model, args, kwargs = _llama(length=16, mask=False)
+    model, args, kwargs = _llama(length=16, batch=3, mask=mask, family=family)
     reference = copy.deepcopy(model)
-    p = planner.plan(model, args, budget_gb=1, example_kwargs=kwargs, solver="sqrt_n",
-                     leaf_modules=_decoder_layer(model), dynamic_shapes=True)  # fmt: skip
-    assert p.segments
-    _, shorter, shorter_kwargs = _llama(length=11, mask=False)
-    assert_equivalent(reference, model, p.module, shorter, shorter_kwargs)
+    options = planner.CaptureOptions(leaf_modules=_decoder_layer(model), dynamic_shapes=True)
+    captured, problem = planner.prepare(model, args, kwargs, capture_options=options)
+    budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
+    solver, segments = choose(problem, budget, "auto")
+    p = assemble(model, captured, problem, segments, solver=solver, budget_bytes=budget,
+                 solve_seconds=0.0, started=0.0, capture_options=options)  # fmt: skip
+    assert p.segments and p.capture_method == "export"
+    for k, layer in enumerate(model.model.layers):
+        assert p.module.get_submodule(f"model.layers.{k}") is layer
+    assert peak_memory(p.module, args, kwargs).peak_bytes <= budget + 8  # the tracker's 8 bytes
+    assert_equivalent(reference, model, p.module, args, kwargs)
+    _, other, other_kwargs = _llama(length=11, batch=2, mask=mask, family=family)
+    assert peak_memory(p.module, other, other_kwargs).peak_bytes <= budget + 8
+    assert_equivalent(reference, model, p.module, other, other_kwargs)
 
 
 def _fake_dispatches() -> int:
@@ -219,8 +241,7 @@ def test_a_dynamic_capture_without_torchs_fake_tensor_cache_gives_the_same_plan(
     from planner.capture import capture
     from planner.solvers.auto import choose, lowest_peak
 
-    # Layers whole, a padded mask and dynamic shapes do not capture yet (a duplicate argument).
-    model, args, kwargs = _llama(mask=not leaves)
+    model, args, kwargs = _llama(mask=True)
     options = planner.CaptureOptions(
         leaf_modules=_decoder_layer(model) if leaves else (), dynamic_shapes=True
     )
