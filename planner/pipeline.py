@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -15,7 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from planner.capture import capture
-from planner.costs import CostModel
+from planner.costs import CostModel, captured_node_seconds
 from planner.errors import PlanningError, short_repr
 from planner.nested import NestedChoice
 from planner.optimizer import optimizer_memory
@@ -168,6 +169,11 @@ def prepare(
     counted = optimizer_memory(optimizer, model) if optimizer is not None else None
     if optimizer_state_bytes is None:
         optimizer_state_bytes = counted.state_bytes if counted is not None else 0
+    if cost_model is not None and cost_model.measure_repeat:
+        times = captured_node_seconds(
+            captured, model, args, kwargs, repeat=cost_model.measure_repeat
+        )
+        cost_model = dataclasses.replace(cost_model, measured_seconds=times, measure_repeat=0)
     problem = build_problem(
         captured.graph_module,
         prof,
@@ -175,7 +181,38 @@ def prepare(
         optimizer_state_bytes=optimizer_state_bytes,
         optimizer_step_bytes=counted.step_bytes if counted is not None else 0,
     )
+    if cost_model is not None and cost_model.measured_seconds is not None:
+        graph_nodes = problem.names[: problem.size - (prof.loss is not None)]  # the loss: not timed
+        _check_measured_names(cost_model.measured_seconds, graph_nodes, options)
     return captured, problem
+
+
+def _check_measured_names(measured: Mapping, names: tuple[str, ...], options) -> None:
+    """Measured times must be those of this graph's nodes: a node without one falls back to
+    the roofline estimate, whose scale (a GPU's) differs from the measurement's, and names of
+    another capture (other leaf_modules or dynamic_shapes) may name other nodes here."""
+    unmeasured = [name for name in names if name not in measured]
+    strangers = len(set(measured) - set(names))
+    if not unmeasured and not strangers:
+        return
+    advice = (
+        "Measure the times with the plan's own capture options: planner.costs.node_seconds("
+        f"model, args, kwargs, capture_options={options!r}), or let planning measure them on "
+        "the graph it captures: CostModel(measure_repeat=3)."
+    )
+    if len(unmeasured) == len(names):
+        raise PlanningError(
+            f"CostModel.measured_seconds names none of the {len(names)} nodes of the captured "
+            f"graph (it has {len(measured)} times, for nodes such as {next(iter(measured), '')!r}"
+            f"; the graph's first node is {names[0]!r}): they were measured on another graph. "
+            + advice
+        )
+    warnings.warn(
+        f"CostModel.measured_seconds does not match the captured graph: {len(unmeasured)} of "
+        f"its {len(names)} nodes have no measured time and use the roofline estimate (e.g. "
+        f"{unmeasured[:3]}), and {strangers} measured names are of no node here. " + advice,
+        stacklevel=3,
+    )
 
 
 def plan(

@@ -202,6 +202,23 @@ def test_export_with_leaf_modules_and_dynamic_shapes_fits_and_takes_other_shapes
     assert_equivalent(reference, model, p.module, other, other_kwargs)
 
 
+def test_node_times_measured_with_the_plans_capture_options_name_every_planned_node():
+    """Layers whole and dynamic shapes capture another graph than the default: times measured
+    on the default one miss some of its nodes (planning says so), times measured with the
+    plan's options name each of them."""
+    from planner.costs import node_seconds
+
+    model, args, kwargs = _llama(mask=True)
+    options = planner.CaptureOptions(leaf_modules=_decoder_layer(model), dynamic_shapes=True)
+    times = node_seconds(model, args, kwargs, repeat=1, capture_options=options)
+    _, problem = planner.prepare(model, args, kwargs, capture_options=options)
+    assert set(times) == set(problem.names)
+    default = node_seconds(model, args, kwargs, repeat=1)
+    with pytest.warns(UserWarning, match="no measured time and use the roofline estimate"):
+        planner.prepare(model, args, kwargs, capture_options=options,
+                        cost_model=planner.CostModel(measured_seconds=default))  # fmt: skip
+
+
 def _fake_dispatches() -> int:
     """Lookups in the dispatch cache of every ``FakeTensorMode`` so far (hits and misses)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
