@@ -25,6 +25,7 @@ from planner.export_leaves import (
     CALLS_KEY,
     eager_none_arguments,
     export_keeping,
+    hold_call_arguments,
     leaf_paths,
     restore_eager_arguments,
 )
@@ -298,6 +299,8 @@ def _export(
     if calls is not None and not _on_meta(model, args, kwargs_fixed):
         none = eager_none_arguments(model, args, kwargs_fixed, paths)
         causal.append(restore_eager_arguments(calls, none, args, kwargs_fixed))
+    if calls is not None:
+        hold_call_arguments(gm, calls)
     checks = [c for c in causal if c is not None] if dynamic_shapes else []
     ModelCall(model, args, kwargs, fixed=fixed, sizes=dynamic_shapes, checks=checks).install(gm)
     return gm

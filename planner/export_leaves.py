@@ -15,6 +15,9 @@ For ``leaf_modules`` the export here keeps their calls:
   of the user's own instance (same object, hooks and all): the plan is rewritten on this one,
   its positions moved by ``positions``. Pytree packing between the modules is resolved while
   inlining, so neither graph holds spec objects;
+* ``hold_call_arguments`` ends each kept call of the first graph with a node reading all the
+  call is given, which the call holds until it returns (and a checkpoint until its
+  recompute), whether or not its ops read it;
 * ``restore_eager_arguments`` gives a kept module the ``None`` eager mode passes where the
   graph computes a causal mask from sizes alone instead (Hugging Face decoders under export),
   the rule ``planner.attention`` applies to SDPA nodes: the module then runs as in eager mode
@@ -52,6 +55,7 @@ def leaf_paths(model: nn.Module, leaf_modules: tuple[type, ...]) -> tuple[str, .
 LEAF_CALL = "planner.leaf_call"  # node.meta: which kept call (0, 1, ...) a node is in
 _ORIGIN = "planner.origin"  # node.meta: the unflattened node it copies, the same in both graphs
 CALLS_KEY = "planner.calls_graph"  # GraphModule.meta of the profiled graph: the one to rewrite
+_ARGUMENTS_KEY = "planner.call_arguments"  # GraphModule.meta: per kept call, the nodes given
 
 
 def export_keeping(
@@ -76,6 +80,50 @@ def export_keeping(
         _graph_module(model, flat, *inline_unflattened(unflat, set(paths), renamed, True)),
         _graph_module(model, flat, *inline_unflattened(unflat, set(paths), renamed)),
     )
+
+
+def _nodes_in(value) -> list[fx.Node]:
+    """The nodes in a structure of arguments, each once, in order."""
+    nodes: dict[fx.Node, None] = {}
+    fx.node.map_arg(value, lambda n: nodes.setdefault(n))
+    return list(nodes)
+
+
+def call_holds_arguments(*arguments) -> None:
+    """Nothing: in the profiled graph, the node after a kept call's last op, reading what the
+    call was given (see ``hold_call_arguments``)."""
+
+
+def hold_call_arguments(profiled: fx.GraphModule, calls: fx.GraphModule) -> None:
+    """End each kept call of ``profiled`` with a ``call_holds_arguments`` node reading every
+    node the module is given in ``calls``: the caller holds its arguments until the call
+    returns, and a checkpoint holds its segment's inputs until the recompute, even those the
+    module's ops never read (Llama's layers take ``position_ids`` and ``cache_position`` and
+    use neither). Without it the profile freed them at their last use by an op, or never held
+    them, and predicted a plan 128-256 bytes under its measured peak. Run after the passes that
+    change what a call is given (``restore_eager_arguments``)."""
+    given = calls.meta[_ARGUMENTS_KEY]
+    inlined = profiled.meta[_ARGUMENTS_KEY]
+    live = set(profiled.graph.nodes)
+    last: dict[int, fx.Node] = {}
+    for node in profiled.graph.nodes:
+        if LEAF_CALL in node.meta:
+            last[node.meta[LEAF_CALL]] = node
+    for node in calls.graph.find_nodes(op="call_module"):
+        if LEAF_CALL not in node.meta:
+            continue
+        call = node.meta[LEAF_CALL]
+        passed = set(node.all_input_nodes)
+        held = [
+            mine
+            for mine, theirs in zip(inlined[call], given[call], strict=True)
+            if theirs in passed and mine in live
+        ]
+        with profiled.graph.inserting_after(last[call]):
+            holds = profiled.graph.call_function(call_holds_arguments, tuple(held))
+        holds.meta = {LEAF_CALL: call, _ORIGIN: f"{node.meta[_ORIGIN]}.holds"}
+    profiled.graph.lint()
+    profiled.recompile()
 
 
 def _rename_clashing_inputs(program: torch.export.ExportedProgram, paths) -> dict[str, str]:
@@ -122,7 +170,7 @@ def _rename_clashing_inputs(program: torch.export.ExportedProgram, paths) -> dic
 
 
 def _graph_module(
-    model: nn.Module, flat: fx.GraphModule, graph: fx.Graph, attributes: dict
+    model: nn.Module, flat: fx.GraphModule, graph: fx.Graph, attributes: dict, arguments: dict
 ) -> fx.GraphModule:
     """``graph`` as a GraphModule taking the inputs of ``flat`` (the exported module) and
     checking its guards."""
@@ -138,6 +186,7 @@ def _graph_module(
         with graph.inserting_after(inputs[-1]):
             graph.call_module("_guards_fn", tuple(inputs)).meta[_ORIGIN] = "_guards_fn"
     gm = fx.GraphModule(_root(model, graph, attributes), graph, type(model).__name__)
+    gm.meta[_ARGUMENTS_KEY] = arguments
     gm.graph.lint()
     return gm
 
@@ -168,6 +217,7 @@ class _Inlining:
         self.inline_all = inline_all
         self.attributes: dict = {}
         self.calls = 0  # kept calls met so far
+        self.arguments: dict[int, list[fx.Node]] = {}  # per kept call, what the module is given
 
     def copy(self, node: fx.Node, target, args, kwargs, origin: str, call) -> fx.Node:
         new = self.graph.create_node(node.op, target, args, kwargs, name=node.name)
@@ -226,12 +276,13 @@ class _Inlining:
         if kept and call is None:
             call = self.calls
             self.calls += 1
+            target = path.split("@")[0]
+            # Under dynamic shapes unflatten passes inputs whose sizes the module reads first;
+            # the user's module takes the model's own arguments only.
+            own = args[len(args) - self.positional[target] :]
+            self.arguments[call] = _nodes_in((own, kwargs))
             if not self.inline_all:
-                target = path.split("@")[0]
-                # Under dynamic shapes unflatten passes inputs whose sizes the module reads
-                # first; the user's module takes the model's own arguments only.
-                args = args[len(args) - self.positional[target] :]
-                return self.copy(node, target, args, kwargs, f"{prefix}{node.name}", call)
+                return self.copy(node, target, own, kwargs, f"{prefix}{node.name}", call)
         inner = module.get_submodule(str(node.target))
         placeholders = [p.target for p in inner.graph.find_nodes(op="placeholder")]
         inputs = list(args) + [kwargs[name] for name in placeholders[len(args) :]]
@@ -260,12 +311,13 @@ class _Inlining:
 
 def inline_unflattened(
     unflat: nn.Module, keep: set[str], renamed: dict[str, str], inline_all: bool = False
-) -> tuple[fx.Graph, dict]:
+) -> tuple[fx.Graph, dict, dict[int, list[fx.Node]]]:
     """One graph computing what ``unflat`` (from ``torch.export.unflatten``) computes, with
     every submodule inlined but the calls of those at the paths in ``keep``, which stay
     ``call_module`` nodes (``inline_all``: inlined too, their nodes tagged ``LEAF_CALL``);
-    and the attributes its ``get_attr`` nodes read, by target. ``renamed``: the inputs'
-    names before ``_rename_clashing_inputs``, which the graph takes again."""
+    the attributes its ``get_attr`` nodes read, by target; and per kept call, the nodes given
+    to the module. ``renamed``: the inputs' names before ``_rename_clashing_inputs``, which the
+    graph takes again."""
     positional = {
         entry.fqn: entry.signature.in_spec.child(0).num_children
         for entry in unflat.module_call_graph  # type: ignore[union-attr]
@@ -277,7 +329,7 @@ def inline_unflattened(
         inputs.append(inlining.graph.placeholder(renamed.get(node.target, node.target)))
         inputs[-1].meta = dict(node.meta)
     inlining.graph.output(inlining.inline(unflat, "", inputs, None))
-    return inlining.graph, inlining.attributes
+    return inlining.graph, inlining.attributes, inlining.arguments
 
 
 def positions(profiled: list[fx.Node], calls: list[fx.Node]) -> tuple[list[int], list[int]]:
