@@ -18,7 +18,7 @@ at the budget halfway between the lowest peak and the baseline; its predicted an
 ``--leaf`` prints only a table of the decoder families planned with their decoder layers kept
 whole (``leaf_modules``, as for FSDP2 per layer): the lowest peak against op by op, and the
 predicted against the measured peak of a plan halfway between that lowest peak and the
-baseline.
+baseline ("error bytes": predicted minus measured).
 """
 
 import argparse
@@ -152,9 +152,9 @@ def leaf() -> None:
     """Decoder layers kept whole (``leaf_modules``, as for FSDP2 per layer) against op by op."""
     print(
         "| family | lowest peak MiB, op by op | lowest peak MiB, layers whole | segments "
-        "| budget MiB | predicted MiB | measured MiB | error |"
+        "| budget MiB | predicted MiB | measured MiB | error | error bytes |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in FAMILIES:
         torch.manual_seed(0)
         model, args, kwargs = FAMILIES[name](labels=True)
@@ -177,7 +177,7 @@ def leaf() -> None:
         print(
             f"| {name} | {lowest / MIB:.3f} | {low / MIB:.3f} | {len(p.segments)} | "
             f"{budget / MIB:.3f} | {p.predicted_peak_bytes / MIB:.3f} | {measured / MIB:.3f} "
-            f"| {error:+.2%} |",
+            f"| {error:+.2%} | {p.predicted_peak_bytes - measured:+d} |",
             flush=True,
         )
 

@@ -174,8 +174,8 @@ def test_a_kept_layer_holds_what_it_is_given_as_the_profile_predicts():
     caller holds them until each call returns and a checkpoint until its recompute. The plan
     with layers whole must measure what its profiled graph measures when every op runs in it
     (the same plan), and be predicted as closely: 24 bytes short, as op by op (the loss's two
-    scalars and a 16-byte tensor the replay misses on every graph). It measured 128 bytes more
-    than the graph run op by op, and was predicted 152 bytes short."""
+    4-byte scalars and 16 bytes the replay misses there too). It measured 128 bytes more than
+    the graph run op by op, and was predicted 152 bytes short."""
     from planner.rewrite import rewrite
     from planner.solvers.auto import choose, lowest_peak
     from planner.step import peak_memory
