@@ -113,6 +113,8 @@ def hold_call_arguments(profiled: fx.GraphModule, calls: fx.GraphModule) -> None
         if LEAF_CALL not in node.meta:
             continue
         call = node.meta[LEAF_CALL]
+        if call not in last:
+            continue  # a call running no op (an identity): nothing to follow
         passed = set(node.all_input_nodes)
         held = [
             mine

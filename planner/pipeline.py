@@ -193,7 +193,7 @@ def _check_measured_names(measured: Mapping, names: tuple[str, ...], options) ->
     another capture (other leaf_modules or dynamic_shapes) may name other nodes here."""
     unmeasured = [name for name in names if name not in measured]
     strangers = len(set(measured) - set(names))
-    if not unmeasured and not strangers:
+    if not names or (not unmeasured and not strangers):
         return
     advice = (
         "Measure the times with the plan's own capture options: planner.costs.node_seconds("
@@ -207,10 +207,17 @@ def _check_measured_names(measured: Mapping, names: tuple[str, ...], options) ->
             f"; the graph's first node is {names[0]!r}): they were measured on another graph. "
             + advice
         )
+    mismatch = []
+    if unmeasured:
+        mismatch.append(
+            f"{len(unmeasured)} of its {len(names)} nodes have no measured time and use the "
+            f"roofline estimate (e.g. {unmeasured[:3]})"
+        )
+    if strangers:
+        mismatch.append(f"{strangers} measured names are of no node here")
     warnings.warn(
-        f"CostModel.measured_seconds does not match the captured graph: {len(unmeasured)} of "
-        f"its {len(names)} nodes have no measured time and use the roofline estimate (e.g. "
-        f"{unmeasured[:3]}), and {strangers} measured names are of no node here. " + advice,
+        f"CostModel.measured_seconds does not match the captured graph: {' and '.join(mismatch)}"
+        ". " + advice,
         stacklevel=3,
     )
 

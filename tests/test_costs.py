@@ -36,6 +36,13 @@ def test_times_for_part_of_the_graph_warn_that_the_rest_uses_the_estimate():
         prepare(model, inputs, cost_model=planner.CostModel(measured_seconds=part))
 
 
+def test_times_with_names_of_no_node_warn_that_they_were_measured_on_another_graph():
+    model, inputs = small_gpt()
+    times = {**node_seconds(model, inputs, repeat=1), "linear_99": 1e-3}
+    with pytest.warns(UserWarning, match="1 measured names are of no node here"):
+        prepare(model, inputs, cost_model=planner.CostModel(measured_seconds=times))
+
+
 def test_times_of_another_graph_are_refused():
     model, inputs = small_gpt()
     other = {f"elsewhere_{i}": 1e-3 for i in range(5)}
