@@ -169,6 +169,55 @@ def test_export_keeps_leaf_modules_as_the_users_own_modules_and_plans_exactly(tm
     assert loaded.module.get_submodule("model.layers.0") is model.model.layers[0]
 
 
+class _MaskedLayer(nn.Module):
+    """Reads its batch and length from its ``attention_mask`` argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, attention_mask=None):
+        batch, length = attention_mask.shape
+        return self.linear(x * attention_mask.unsqueeze(-1)).reshape(batch, length, 2, 2)
+
+
+class _MaskedModel(nn.Module):
+    """Takes an ``attention_mask`` input too, and is not symbolically traceable (a Python
+    ``if`` on a size), so that it is captured by ``torch.export``."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4)
+        self.layer = _MaskedLayer()
+
+    def forward(self, input_ids, attention_mask):
+        h = self.embedding(input_ids)
+        if input_ids.shape[1] > 1:
+            h = h * 2
+        return self.layer(h, attention_mask=attention_mask.float()).sum()
+
+
+def test_a_kept_layer_taking_an_argument_named_like_a_model_input_exports_with_any_shape():
+    """Under dynamic shapes the layer's sizes come from the model's ``attention_mask`` input,
+    which ``torch.export.unflatten`` (torch 2.13) passes it as an extra argument of that name
+    beside its own ``attention_mask`` argument: its generated code failed with ``SyntaxError:
+    duplicate argument 'attention_mask'``. Capture renames the model input first."""
+    from strategies import assert_equivalent
+
+    torch.manual_seed(0)
+    model = _MaskedModel()
+    reference = copy.deepcopy(model)
+    ids, mask = torch.randint(0, 10, (3, 6)), torch.ones(3, 6, dtype=torch.long)
+    mask[-1, 4:] = 0
+    p = planner.plan(model, (ids,), budget_gb=1, example_kwargs={"attention_mask": mask},
+                     leaf_modules=_MaskedLayer, dynamic_shapes=True)  # fmt: skip
+    assert p.capture_method == "export"
+    assert p.module.get_submodule("layer") is model.layer
+    assert_equivalent(reference, model, p.module, (ids,), {"attention_mask": mask})
+    other, other_mask = torch.randint(0, 10, (2, 4)), torch.ones(2, 4, dtype=torch.long)
+    assert_equivalent(reference, model, p.module, (other,), {"attention_mask": other_mask})
+
+
 def test_a_kept_layer_holds_what_it_is_given_as_the_profile_predicts():
     """Llama's layers are given ``position_ids`` and ``cache_position`` and use neither; the
     caller holds them until each call returns and a checkpoint until its recompute. The plan
