@@ -82,11 +82,10 @@ def export_keeping(
     )
 
 
-def _nodes_in(value) -> list[fx.Node]:
-    """The nodes in a structure of arguments, each once, in order."""
-    nodes: dict[fx.Node, None] = {}
-    fx.node.map_arg(value, lambda n: nodes.setdefault(n))
-    return list(nodes)
+def _leaves(value) -> list:
+    """The leaves of a structure of arguments (nodes and constants), in order: the two graphs'
+    arguments of the same call match leaf by leaf."""
+    return pytree.tree_leaves(value)
 
 
 def call_holds_arguments(*arguments) -> None:
@@ -116,11 +115,20 @@ def hold_call_arguments(profiled: fx.GraphModule, calls: fx.GraphModule) -> None
         if call not in last:
             continue  # a call running no op (an identity): nothing to follow
         passed = set(node.all_input_nodes)
-        held = [
-            mine
-            for mine, theirs in zip(inlined[call], given[call], strict=True)
-            if theirs in passed and mine in live
-        ]
+        if len(inlined[call]) != len(given[call]):
+            raise PlanningError(
+                f"the kept module {node.target} is given {len(given[call])} values in one graph "
+                f"and {len(inlined[call])} in the other, so its arguments cannot be matched: "
+                "plan without leaf_modules, or keep modules that take tensors, tuples or dicts"
+            )
+        held = {
+            mine: None
+            for mine, theirs in zip(inlined[call], given[call])
+            if isinstance(mine, fx.Node)
+            and isinstance(theirs, fx.Node)
+            and mine in live
+            and theirs in passed
+        }
         with profiled.graph.inserting_after(last[call]):
             holds = profiled.graph.call_function(call_holds_arguments, tuple(held))
         holds.meta = {LEAF_CALL: call, _ORIGIN: f"{node.meta[_ORIGIN]}.holds"}
@@ -219,7 +227,7 @@ class _Inlining:
         self.inline_all = inline_all
         self.attributes: dict = {}
         self.calls = 0  # kept calls met so far
-        self.arguments: dict[int, list[fx.Node]] = {}  # per kept call, what the module is given
+        self.arguments: dict[int, list] = {}  # per kept call, the leaves of what it is given
 
     def copy(self, node: fx.Node, target, args, kwargs, origin: str, call) -> fx.Node:
         new = self.graph.create_node(node.op, target, args, kwargs, name=node.name)
@@ -282,7 +290,7 @@ class _Inlining:
             # Under dynamic shapes unflatten passes inputs whose sizes the module reads first;
             # the user's module takes the model's own arguments only.
             own = args[len(args) - self.positional[target] :]
-            self.arguments[call] = _nodes_in((own, kwargs))
+            self.arguments[call] = _leaves((own, kwargs))
             if not self.inline_all:
                 return self.copy(node, target, own, kwargs, f"{prefix}{node.name}", call)
         inner = module.get_submodule(str(node.target))
@@ -313,13 +321,13 @@ class _Inlining:
 
 def inline_unflattened(
     unflat: nn.Module, keep: set[str], renamed: dict[str, str], inline_all: bool = False
-) -> tuple[fx.Graph, dict, dict[int, list[fx.Node]]]:
+) -> tuple[fx.Graph, dict, dict[int, list]]:
     """One graph computing what ``unflat`` (from ``torch.export.unflatten``) computes, with
     every submodule inlined but the calls of those at the paths in ``keep``, which stay
     ``call_module`` nodes (``inline_all``: inlined too, their nodes tagged ``LEAF_CALL``);
-    the attributes its ``get_attr`` nodes read, by target; and per kept call, the nodes given
-    to the module. ``renamed``: the inputs' names before ``_rename_clashing_inputs``, which the
-    graph takes again."""
+    the attributes its ``get_attr`` nodes read, by target; and per kept call, the leaves of
+    what the module is given. ``renamed``: the inputs' names before
+    ``_rename_clashing_inputs``, which the graph takes again."""
     positional = {
         entry.fqn: entry.signature.in_spec.child(0).num_children
         for entry in unflat.module_call_graph  # type: ignore[union-attr]
