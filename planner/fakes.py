@@ -5,7 +5,6 @@ the profile needs to know of each op (``op_facts``)."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import logging
 import threading
