@@ -146,6 +146,14 @@ class Snapshot:
             and _is_scalar(value)
             and key in _names_read(type(m))  # type: ignore[arg-type]  # a class is hashable
         ]
+        # Hooks on a module the graph traced through would never run (the graph inlined it).
+        hooks = [(name, getattr(m, t)) for name, m in traced for t in _HOOK_TABLES if hasattr(m, t)]
+        self.hook_owners = [name for name, _ in hooks]
+        self.hook_dicts = [table for _, table in hooks]
+        self.hook_counts = list(map(len, self.hook_dicts))
+        self.parameters = list(model.parameters())
+        self.trainable = [p.requires_grad for p in self.parameters]
+        self.warned_trainable = False
         self.attribute_dicts = [a[1] for a in self.attributes]
         self.attribute_keys = [a[2] for a in self.attributes]
         self.attribute_values = [a[3] for a in self.attributes]
@@ -166,13 +174,31 @@ class Snapshot:
 
     def check_unchanged(self, planned_name: str) -> None:
         """Raise a PlanningError when a module or attribute the graph was traced from changed."""
+        if [p.requires_grad for p in self.parameters] != self.trainable:
+            self._warn_trainable()
         if (
             list(map(len, self.children)) == self.sizes
             and list(map(dict.get, self.child_dicts, self.child_keys)) == self.child_values
             and list(map(dict.get, self.attribute_dicts, self.attribute_keys))
             == self.attribute_values
+            and list(map(len, self.hook_dicts)) == self.hook_counts
         ):
             return
+        hooked = sorted(
+            {
+                name or "the model"
+                for name, table, count in zip(self.hook_owners, self.hook_dicts, self.hook_counts)
+                if len(table) != count
+            }
+        )
+        if hooked:
+            raise PlanningError(
+                f"hooks were added to or removed from {', '.join(hooked[:4])} of "
+                f"{type(self.model).__name__} after planning. The graph traced through "
+                f"{'them' if len(hooked) > 1 else 'it'}, so {planned_name} would not run "
+                "those hooks. Remove them, or keep the modules whole with leaf_modules=(...) "
+                "and plan again (hooks on leaf modules run)."
+            )
         before: dict[int, dict] = {}
         for d, k, v in zip(self.child_dicts, self.child_keys, self.child_values):
             before.setdefault(id(d), {})[k] = v
@@ -190,6 +216,21 @@ class Snapshot:
             f"{'; ...' if len(changes) > 4 else ''}. {planned_name} runs the graph traced "
             "before the change and would compute something else. Plan again "
             "(planner.plan(model, ...), or planner.load(path, model) for a saved plan)."
+        )
+
+    def _warn_trainable(self) -> None:
+        """Once: the plan was made for other trainable parameters (staged fine-tuning): frozen
+        parts save nothing for backward, so its memory no longer holds. Gradients stay exact."""
+        if self.warned_trainable:
+            return
+        self.warned_trainable = True
+        now = sum(p.requires_grad for p in self.parameters)
+        warnings.warn(
+            f"parameters of {type(self.model).__name__} were frozen or unfrozen after planning "
+            f"({sum(self.trainable)} of {len(self.parameters)} required grad then, {now} now): "
+            "the plan's memory prediction was made for the others and no longer holds "
+            "(gradients stay exact). Plan again after changing which parameters train.",
+            stacklevel=_callers_stacklevel(),
         )
 
     def left_out(self, args: tuple, kwargs: dict) -> list[str]:
@@ -274,6 +315,7 @@ class Snapshot:
 
 
 _INTERNAL = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _callers_stacklevel() -> int:
@@ -302,8 +344,10 @@ class PlannedModule(fx.GraphModule):
     In another mode (``model.eval()``, ``planned.eval()``) the traced graph would still behave as
     in the planning mode (dropout, ``if self.training:``), so the model itself runs instead,
     exactly, with a warning (once) when gradients are enabled. Otherwise a module replaced,
-    added or removed, or a plain attribute its code reads (``self.scale = ...``) changed in a
-    part of the model the graph traced through raises a ``PlanningError``. A call that leaves
+    added or removed, a plain attribute its code reads (``self.scale = ...``) changed, or a hook
+    added or removed, in a part of the model the graph traced through raises a
+    ``PlanningError``; parameters frozen or unfrozen since planning warn (once) that the plan's
+    memory no longer holds. A call that leaves
     out a tensor argument of the planning call (``attention_mask``) is a call form of its own:
     the first such call plans it (same budget, solver and options; a warning says so) and
     every later one runs that plan; a loaded plan, or a call form no plan fits, runs the model

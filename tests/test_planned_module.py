@@ -588,3 +588,39 @@ def test_torch_compile_traces_the_planned_module_in_one_graph():
     reference(x).sum().backward()
     for a, b in zip(reference.parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("where", ["the model", "a traced-through block"])
+def test_a_hook_added_after_planning_where_the_graph_traced_through_refuses(where):
+    """Found trying the library: the hook never ran and outputs silently differed (a hook that
+    rescales a block's output). Hooks on leaf modules run and stay allowed."""
+    model, x = Blocks(), torch.randn(4, 8)
+    p = tight_plan(model, (x,))
+    target = model if where == "the model" else model.blocks[1]
+    target.register_forward_hook(lambda module, args, out: out * 2)
+    with pytest.raises(planner.PlanningError, match=r"hooks were added.*after planning"):
+        p.module(x)
+
+
+def test_a_hook_on_a_leaf_module_after_planning_runs():
+    model, x = Blocks(), torch.randn(4, 8)
+    p = tight_plan(model, (x,))
+    model.blocks[1][0].register_forward_hook(lambda module, args, out: out * 2)
+    torch.manual_seed(0)
+    planned = p.module(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(planned, model(x), rtol=0, atol=0)
+
+
+def test_unfreezing_after_planning_warns_that_the_memory_no_longer_holds():
+    """Staged fine-tuning: frozen layers save nothing for backward, so a plan made with them
+    frozen measured 2.86x its budget once they trained (found trying the library)."""
+    model, x = Blocks(), torch.randn(4, 8)
+    model.blocks[0].requires_grad_(False)
+    p = tight_plan(model, (x,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p.module(x).sum().backward()  # as planned: no warning
+    model.requires_grad_(True)
+    with pytest.warns(UserWarning, match="frozen or unfrozen after planning"):
+        p.module(x).sum().backward()
