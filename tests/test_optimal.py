@@ -420,3 +420,53 @@ def test_keep_family_bounds_are_never_below_the_exact_keep_sets(seed):
             assert family.saved[row] == pytest.approx(exact.saved[match])
             checked += 1
     assert checked > 0
+
+
+# --- What the search works out once and reuses -----------------------------------------------
+
+
+def segment_search(problem: Problem) -> optimal._Search:
+    """A search over ``problem`` at half its baseline, as ``solve`` builds one."""
+    limit = simulate(problem, ()).peak_bytes // 2 - problem.fixed_bytes
+    return optimal._Search(problem, optimal._tables(problem), limit, False, False, 1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_segment_charges_the_inputs_it_touches_once_it_saves_something(seed):
+    """``_charged_inputs`` (worked out once per segment) against its definition: an input of
+    ``[c, b)`` is charged when a node of the segment reads or saves it, and not before the
+    segment's first saving node."""
+    problem = long_problem(120, seed)
+    t, search = optimal._tables(problem), segment_search(problem)
+    for c in range(0, problem.size - 1, 7):
+        stop = c + int(np.argmin(np.append(problem.checkpointable[c:], False)))
+        saving = np.flatnonzero(problem.saves[c:stop])
+        first_saving = c + int(saving[0]) if saving.size else stop
+        for b in range(c + 1, stop + 1):
+            touched = {k for k in t.crossing[c] if any(c <= j < b for j in t.touches[k])}
+            expected = touched if first_saving < b else set()
+            assert search._charged_inputs(c, b, stop) == expected
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_segment_locals_for_the_segments_a_pass_tries_are_those_of_every_segment(seed):
+    """A pass works out ``_segment_locals`` only up to the longest segment it tries from a cut:
+    the same figures as when worked out for every segment from there."""
+    problem = long_problem(120, seed)
+    t, search = optimal._tables(problem), segment_search(problem)
+    rng = np.random.default_rng(seed)
+    for c in range(0, problem.size - 1, 5):
+        stop = c + int(np.argmin(np.append(problem.checkpointable[c:], False)))
+        if stop == c:
+            continue
+        start = search._segment_start(c, stop)
+        recompute, _ = search._segment_costs(c, stop)
+        crossing = list(t.crossing[c])
+        mask = frozenset(k for k in crossing if rng.random() < 0.5)
+        whole = optimal._segment_locals(t, c, mask, start, recompute, stop - c, keeps=True)
+        width = int(rng.integers(1, stop - c + 1))
+        part = optimal._segment_locals(t, c, mask, start, recompute, width, keeps=True)
+        for full, prefix in zip(whole[:3], part[:3]):
+            assert (full[:width] == prefix).all()
+        for name in ("forward", "copies", "after_recompute", "before_recompute", "recompute_base"):
+            assert (getattr(whole[3], name)[:width] == getattr(part[3], name)).all()

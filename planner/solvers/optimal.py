@@ -122,6 +122,7 @@ class _Tables:
     first_saver: np.ndarray  # NEVER when nothing saves the storage
     touches: tuple[tuple[int, ...], ...]  # sorted readers and savers of each storage
     crossing: tuple[tuple[int, ...], ...]  # per cut c: storages with producer < c <= last reader
+    crossing_set: tuple[frozenset, ...]  # the same, as sets (masks are subsets of them)
     made_at: tuple[tuple[int, ...], ...]  # per node: storages it produces
     read_at: tuple[tuple[int, ...], ...]  # per node: storages it reads
     saved_first_at: tuple[tuple[int, ...], ...]  # per node: storages it saves first
@@ -213,6 +214,7 @@ def _new_tables(problem: Problem) -> _Tables:
         first_saver=first_saver,
         touches=tuple(tuple(sorted({*s.readers, *s.savers})) for s in storages),
         crossing=tuple(tuple(c) for c in crossing),
+        crossing_set=tuple(map(frozenset, crossing)),
         made_at=tuple(map(tuple, made_at)),
         read_at=tuple(map(tuple, read_at)),
         saved_first_at=tuple(map(tuple, saved_first_at)),
@@ -432,19 +434,20 @@ def _segment_locals(
     mask: frozenset,
     start: _Start,
     recompute: np.ndarray,
+    width: int,
     keeps: bool = False,
 ):
     """Charged bytes, local peak and its monotone part for the segments ``[c, b)``, and, with
     ``keeps``, the ``_SavingParts`` that keep sets add to (else None).
 
-    Arrays are indexed ``b - c - 1`` for ``b`` in ``(c, stop]``. A segment holds its inputs
+    Arrays are indexed ``b - c - 1`` for ``b`` in ``(c, c + width]`` (the segments a pass
+    tries: often far fewer than the ``_Start`` covers). A segment holds its inputs
     from its forward until the backward of its first saving node, and only if it saves
     anything. Backward passes the nodes after its last saving node before the recompute runs,
     so their backward sees no recomputed copies. The monotone part (forward and backward peaks)
     never decreases with ``b``, so once it overflows the budget no longer segment from ``c``
     can fit: the search stops extending there.
     """
-    width = start.saves.size
     forward = t.forward_live[c : c + width]
     if start.inputs:
         # An input charged to an earlier block is not counted twice while it is read; the
@@ -452,16 +455,19 @@ def _segment_locals(
         charged_before = np.array([k in mask for k in start.inputs], dtype=bool)
         here = ~charged_before
         read = start.nbytes[charged_before]
-        forward = forward - (int(read.sum()) - _running(width, start.freed[charged_before], read))
-        held = _running(width, start.freed[here], start.nbytes[here])  # after their last reader
-        charged = _running(width, start.charges[here], start.nbytes[here])
+        freed, charges = np.minimum(start.freed, width), np.minimum(start.charges, width)
+        forward = forward - (int(read.sum()) - _running(width, freed[charged_before], read))
+        held = _running(width, freed[here], start.nbytes[here])  # after their last reader
+        charged = _running(width, charges[here], start.nbytes[here])
     else:
         held = charged = np.zeros(width, dtype=np.int64)
-    saves, last, copies = start.saves, start.last, start.copies
+    saves, last, copies = start.saves[:width], start.last[:width], start.copies[:width]
+    recompute = recompute[:width]
     forward_peak = np.where(
         saves, np.maximum.accumulate(forward + held), np.maximum.accumulate(forward)
     )
-    backward = np.maximum(start.before, np.where(saves, start.after + charged, 0))
+    before, after = start.before[:width], start.after[:width]
+    backward = np.maximum(before, np.where(saves, after + charged, 0))
     monotone = np.maximum(forward_peak, backward)
     # Buffer copies (Problem.buffer_copy_bytes): held from the segment's forward to the end of
     # its recompute, twice during it; with no recompute they go with the forward. The backward
@@ -469,15 +475,16 @@ def _segment_locals(
     held_copies = np.where(last >= 0, copies, 0)
     monotone = np.maximum(monotone, forward_peak + copies)  # forward_peak already runs up
     replays = (np.arange(width) > last) & (last >= 0)
-    before_recompute = np.where(replays, start.tail + charged + held_copies, 0)
+    tail = start.tail[:width]
+    before_recompute = np.where(replays, tail + charged + held_copies, 0)
     local = np.maximum(monotone, before_recompute)
     parts = None
     if keeps:
         parts = _SavingParts(
             forward=forward + held,
             copies=copies,
-            after_recompute=np.maximum(start.before, start.with_saved + charged),
-            before_recompute=start.tail + charged + copies,
+            after_recompute=np.maximum(before, start.with_saved[:width] + charged),
+            before_recompute=tail + charged + copies,
             recompute_base=t.after_backward[c + np.maximum(last, 0) + 1] + charged + 2 * copies,
         )
     return (
@@ -708,9 +715,9 @@ def _stored_local(t: _Tables, c: int, mask: frozenset):
     return charged, max(forward, int(t.backward_live[c]) + charged)
 
 
-def _next_mask(t: _Tables, b: int, previous: frozenset, triggered) -> frozenset:
+def _next_mask(t: _Tables, b: int, previous: frozenset, triggered: frozenset) -> frozenset:
     """Storages crossing cut ``b`` already charged: before, or by the block just chosen."""
-    return frozenset(k for k in t.crossing[b] if k in previous or k in triggered)
+    return (previous | triggered) & t.crossing_set[b]
 
 
 def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int) -> np.ndarray:
@@ -766,6 +773,7 @@ class _Search:
     keep_memo: dict = field(default_factory=dict)
     profile_memo: dict = field(default_factory=dict)  # per c: _recompute_bound_profile, _ranked
     start_memo: dict = field(default_factory=dict)  # per c: _segment_start
+    charged_memo: dict = field(default_factory=dict)  # per (c, b): _charged_inputs
     kept_nodes: list = field(default_factory=lambda: [()])
 
     @cached_property
@@ -804,11 +812,6 @@ class _Search:
                 ends = corridors[c][(corridors[c] > c) & (corridors[c] <= stop)]
             if ends.size:
                 recompute, cost = self._segment_costs(c, stop)
-                first_touch = [
-                    (k, next((j for j in t.touches[k] if j >= c), NEVER)) for k in t.crossing[c]
-                ]
-                # a segment holds (charges) its inputs only once it saves something
-                saving = c + int(np.argmax(np.append(problem.saves[c:stop], True)))
             for mask, state in here:
                 charged = self.states[state][1]
                 local, held, after = self._stored_run(c, following, mask)
@@ -823,14 +826,15 @@ class _Search:
                 )
                 if not ends.size:
                     continue
+                width = int(ends[-1]) - c  # ends are sorted
                 held_b, local_b, monotone, parts = _segment_locals(
-                    t, c, mask, self._segment_start(c, stop), recompute, self.keeps
+                    t, c, mask, self._segment_start(c, stop), recompute, width, self.keeps
                 )
                 overflow = np.flatnonzero(charged[0] + monotone > self.limit)
-                reach = c + 1 + (int(overflow[0]) if overflow.size else stop)
+                reach = c + 1 + (int(overflow[0]) if overflow.size else width)
                 reachable = ends[ends < reach]
                 masks = [
-                    _next_mask(t, b, mask, {k for k, j in first_touch if max(j, saving) < b})
+                    _next_mask(t, b, mask, self._charged_inputs(c, b, stop))
                     for b in reachable.tolist()
                 ]
                 i = reachable - c - 1
@@ -919,6 +923,15 @@ class _Search:
             self.start_memo[c] = _segment_start(self.problem, self.t, c, stop)
         return self.start_memo[c]
 
+    def _charged_inputs(self, c: int, b: int, stop: int) -> frozenset:
+        """The inputs the segment ``[c, b)`` charges (``_Start.charges``), computed once."""
+        if (c, b) not in self.charged_memo:
+            start = self._segment_start(c, stop)
+            self.charged_memo[c, b] = frozenset(
+                k for k, offset in zip(start.inputs, start.charges.tolist()) if c + offset < b
+            )
+        return self.charged_memo[c, b]
+
     def _segment_costs(self, c: int, stop: int):
         """``_segment_costs`` of the segments from ``c``, computed once for all passes."""
         if c not in self.segment_memo:
@@ -950,21 +963,26 @@ class _Search:
         """Extend the front of ``state`` by one block to each of ``ends``, keeping what fits;
         ``kinds``: the blocks' kind, one for all or one per end.
 
-        Charged bytes are sorted, so the entries that fit a block are a prefix of the front.
+        Charged bytes are sorted, so the entries that fit a block are a prefix of the front:
+        only the blocks that some entry fits, and only the longest such prefix, are worked out.
         """
-        if isinstance(kinds, int):
-            kinds = [kinds] * len(ends)
         charged, value = self.states[state][1:3]
-        counts = charged.searchsorted(self.limit - local, side="right").tolist()
-        grown = charged[None, :] + held[:, None]
+        counts = charged.searchsorted(self.limit - local, side="right")
+        rows = np.flatnonzero(counts)
+        if not rows.size:
+            return
+        counts = counts[rows]
+        longest = int(counts.max())
+        charged, value = charged[:longest], value[:longest]
+        grown = charged[None, :] + held[rows, None]
         if self.peak_mode:
-            scores = np.maximum(value[None, :], charged[None, :] + local[:, None])
+            scores = np.maximum(value[None, :], charged[None, :] + local[rows, None])
         else:
-            scores = value[None, :] + cost[:, None]
-        for row, (b, mask, count, kind) in enumerate(zip(ends, masks, counts, kinds)):
-            if count:
-                chunk = (grown[row, :count], scores[row, :count], state, kind)
-                self.pending[b].setdefault(mask, []).append(chunk)
+            scores = value[None, :] + cost[rows, None]
+        for i, (row, count) in enumerate(zip(rows.tolist(), counts.tolist())):
+            kind = kinds if isinstance(kinds, int) else kinds[row]
+            chunk = (grown[i, :count], scores[i, :count], state, kind)
+            self.pending[ends[row]].setdefault(masks[row], []).append(chunk)
 
     def _settle(self, position: int) -> list[tuple[frozenset, int]]:
         """Turn the blocks that reached ``position`` into Pareto fronts, one state per mask."""
