@@ -9,6 +9,7 @@ Set ``HYPOTHESIS_PROFILE=thorough`` for many more examples.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pickle
@@ -470,3 +471,50 @@ def test_segment_locals_for_the_segments_a_pass_tries_are_those_of_every_segment
             assert (full[:width] == prefix).all()
         for name in ("forward", "copies", "after_recompute", "before_recompute", "recompute_base"):
             assert (getattr(whole[3], name)[:width] == getattr(part[3], name)).all()
+
+
+def settled_entries(monkeypatch) -> list[int]:
+    """Entries merged by each pass's ``_settle`` from now on, one count per pass."""
+    counts: list[int] = []
+    run, pareto = optimal._Search.run, optimal._pareto
+
+    def counted_run(self, corridors):
+        counts.append(0)
+        return run(self, corridors)
+
+    def counted_pareto(charged, value, bucket):
+        counts[-1] += charged.size
+        return pareto(charged, value, bucket)
+
+    monkeypatch.setattr(optimal._Search, "run", counted_run)
+    monkeypatch.setattr(optimal, "_pareto", counted_pareto)
+    return counts
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_passes_after_the_first_drop_entries_dearer_than_the_best_plan_found(seed, monkeypatch):
+    """Refining passes drop the entries already costlier than the plan of the passes before
+    (``_Search.ceiling``): they merge fewer entries, and the plan still fits and beats the
+    heuristics."""
+    problem = long_problem(300, seed)
+    baseline = simulate(problem, ()).peak_bytes
+    budget = (simulate(problem, SOLVERS["optimal"](problem, 0)).peak_bytes + baseline) // 2
+    counts = settled_entries(monkeypatch)
+    assert_fits_and_beats_the_heuristics(problem, budget)
+    with_ceiling = list(counts)
+    counts.clear()
+    monkeypatch.setattr(optimal._Search, "prunable", property(lambda self: False))
+    SOLVERS["optimal"](problem, budget)
+    assert len(counts) == len(with_ceiling) > 1  # a coarse pass, then refining ones
+    assert counts[0] == with_ceiling[0]  # the first pass has no plan to compare with
+    assert sum(with_ceiling[1:]) < sum(counts[1:])
+
+
+def test_no_ceiling_where_a_block_can_cost_less_than_nothing():
+    problem = long_problem(100, 0)
+    t = optimal._tables(problem)
+    search = optimal._Search(problem, t, 1 << 30, False, False, 1)
+    assert search.prunable
+    negative = dataclasses.replace(problem, keep_seconds=-1.0)
+    assert not optimal._Search(negative, t, 1 << 30, False, False, 1).prunable
+    assert not optimal._Search(problem, t, 1 << 30, True, False, 1).prunable  # peaks, not costs

@@ -37,7 +37,7 @@ Exactness and approximations
   a candidate and recompute peaks are replayed node by node. Its answer is the least recompute
   over all plans whose ``simulate`` peak fits (tests compare it with exhaustive search), or,
   when none fits, a plan of the lowest simulated peak.
-* Larger problems use four explicit approximations, each on the safe side:
+* Larger problems use five explicit approximations, each on the safe side:
 
   - recompute peaks use ``_recompute_bound``, which can only over-estimate (so a plan the
     search accepts fits);
@@ -54,6 +54,10 @@ Exactness and approximations
   - a cut keeps at most ``MASKS`` masks (``_Search._masks_kept``: half with the cheapest
     entries, half with the least charged bytes). Storages alive whatever the plan, such as the
     weight casts autocast caches until its region exits, otherwise make thousands per cut.
+  - refining passes and the keep pass drop every entry that already costs more than the best
+    plan found before them (``_Search.ceiling``; block costs are never negative, so no plan
+    through such an entry is cheaper). No plan cheaper than that one is lost, but the fronts
+    are thinned among fewer entries, so plans can differ from a search without it, either way.
 
   The search never relies on these alone: ``solve`` replays its plan with ``simulate`` and
   also replays the ``greedy`` and ``sqrt_n`` plans, returning the cheapest that fits. So on
@@ -767,6 +771,9 @@ class _Search:
     candidate_cuts: int = CANDIDATE_CUTS
     deadline: float = math.inf  # time.perf_counter() past which a pass stops (_OutOfTime)
     keeps: bool = False
+    # Entries costing more than this are dropped (the cost of a plan already found): block costs
+    # are never negative, so no plan through them can cost less (see _extend).
+    ceiling: float = math.inf
     segment_memo: dict = field(default_factory=dict)
     step_memo: dict = field(default_factory=dict)
     # A state entry's block: STORED, SEGMENT (nothing kept) or the keep set of that id.
@@ -781,6 +788,17 @@ class _Search:
         """Of plans with equal cost, prefer fewer segments and kept nodes (a segment that
         recomputes nothing still holds its inputs)."""
         return 1e-12 * float(self.problem.seconds.sum())
+
+    @cached_property
+    def prunable(self) -> bool:
+        """Whether no block costs less than nothing, so that a ``ceiling`` may drop entries."""
+        problem = self.problem
+        return bool(
+            problem.seconds.min(initial=0.0) >= 0
+            and problem.checkpoint_seconds >= 0
+            and problem.keep_seconds >= 0
+            and not self.peak_mode
+        )
 
     @cached_property
     def segment_tie(self) -> float:
@@ -801,7 +819,7 @@ class _Search:
         positions = np.unique(np.concatenate(named)).tolist()
         self.pending: dict[int, dict[frozenset, list]] = {p: {} for p in positions}
         self.states: list[tuple] = []  # (position, charged, value, parent, index, kind)
-        self.pending[0][frozenset()] = [(np.zeros(1, np.int64), np.zeros(1), -1, STORED)]
+        self.pending[0][frozenset()] = [(np.zeros(1, np.int64), np.zeros(1), -1, STORED, 0)]
         for c, following in zip(positions, positions[1:]):
             if time.perf_counter() > self.deadline:
                 raise _OutOfTime
@@ -965,6 +983,8 @@ class _Search:
 
         Charged bytes are sorted, so the entries that fit a block are a prefix of the front:
         only the blocks that some entry fits, and only the longest such prefix, are worked out.
+        Costs decrease along the front, so the entries over ``ceiling`` are a prefix too; a
+        chunk keeps the index of its first entry in the front.
         """
         charged, value = self.states[state][1:3]
         counts = charged.searchsorted(self.limit - local, side="right")
@@ -979,16 +999,22 @@ class _Search:
             scores = np.maximum(value[None, :], charged[None, :] + local[rows, None])
         else:
             scores = value[None, :] + cost[rows, None]
-        for i, (row, count) in enumerate(zip(rows.tolist(), counts.tolist())):
-            kind = kinds if isinstance(kinds, int) else kinds[row]
-            chunk = (grown[i, :count], scores[i, :count], state, kind)
-            self.pending[ends[row]].setdefault(masks[row], []).append(chunk)
+        firsts = np.zeros(rows.size, dtype=np.int64)
+        if self.ceiling < math.inf and not self.peak_mode:
+            firsts = (scores > self.ceiling).sum(axis=1)
+        for i, (row, first, count) in enumerate(
+            zip(rows.tolist(), firsts.tolist(), counts.tolist())
+        ):
+            if first < count:
+                kind = kinds if isinstance(kinds, int) else kinds[row]
+                chunk = (grown[i, first:count], scores[i, first:count], state, kind, first)
+                self.pending[ends[row]].setdefault(masks[row], []).append(chunk)
 
     def _settle(self, position: int) -> list[tuple[frozenset, int]]:
         """Turn the blocks that reached ``position`` into Pareto fronts, one state per mask."""
         settled = []
         for mask, chunks in self._masks_kept(position).items():
-            fronts, values, parents, kinds = zip(*chunks)
+            fronts, values, parents, kinds, firsts = zip(*chunks)
             starts = np.cumsum([0, *map(len, fronts)])[:-1]
             charged, value = np.concatenate(fronts), np.concatenate(values)
             keep = _pareto(charged, value, self.bucket)
@@ -1000,7 +1026,7 @@ class _Search:
                     charged[keep],
                     value[keep],
                     np.array(parents)[chunk],
-                    keep - starts[chunk],
+                    keep - starts[chunk] + np.array(firsts)[chunk],
                     np.array(kinds)[chunk],
                 )
             )
@@ -1089,6 +1115,7 @@ def _search(search: _Search) -> tuple[float, Choice] | None:
         best = search.run({int(c): coarse for c in coarse})
         while best is not None and best[1].segments and spacing > 1:
             spacing = max(1, spacing // REFINE)
+            search.ceiling = best[0] if search.prunable else math.inf
             found = search.run(_corridors(allowed, coarse, best[1].segments, spacing))
             if found is not None and found[0] <= best[0]:
                 best = found
@@ -1127,18 +1154,20 @@ def _searched_plan(
         known = min(results.values(), key=lambda r: r.peak_bytes).peak_bytes
         lowest = known - problem.fixed_bytes
         peak_bucket = 1 if exact else max(1, lowest // BUCKETS)
-        found = _search(
+        lowest_found = _search(
             _Search(problem, t, lowest, True, exact, peak_bucket, candidate_cuts, deadline, joint)
         )
-        if found is not None:
-            results[_plain(found[1])] = simulate(problem, found[1])
+        if lowest_found is not None:
+            results[_plain(lowest_found[1])] = simulate(problem, lowest_found[1])
     best = _best(results, budget_bytes)
     fits = results[best].peak_bytes <= budget_bytes
     in_time = time.perf_counter() <= deadline  # with no time_limit, always
     if keeps and not joint and limit > 0 and fits and t.offered.any() and in_time:
         segments = as_choice(best).segments
+        # The search's best plan is among those the keep pass tries: nothing dearer can win.
+        ceiling = found[0] if found is not None and found[1].segments == segments else math.inf
         for kept in [
-            *_keep_pass(search, segments),
+            *_keep_pass(search, segments, ceiling),
             *_prefix_keeps(problem, budget_bytes, segments),
         ]:
             results[kept] = simulate(problem, kept)
@@ -1159,15 +1188,18 @@ def _best(results: dict[Segments | Choice, Simulation], budget_bytes: int) -> Se
     return min(ranked, key=ranked.__getitem__)
 
 
-def _keep_pass(search: _Search, plan: Segments) -> list[Segments | Choice]:
+def _keep_pass(search: _Search, plan: Segments, ceiling: float) -> list[Segments | Choice]:
     """The best plan of one more pass that tries keep sets (``_keep_family``) on the segments
     near those of ``plan``: starting within ``REFINE`` allowed cuts of one of its segments'
     starts, ending as near its end or the next one's (``_corridors``), so that boundaries move
-    and neighbours merge into longer segments with kept nodes. Empty past the deadline."""
+    and neighbours merge into longer segments with kept nodes; ``ceiling``: the cost of
+    ``plan`` in the search, when known. Empty past the deadline."""
     allowed = np.flatnonzero(search.problem.cut_allowed)
     corridors = _corridors(allowed, np.zeros(0, dtype=np.int64), plan, 1)
     try:
-        found = replace(search, keeps=True).run(corridors)
+        keeping = replace(search, keeps=True)
+        keeping.ceiling = ceiling if keeping.prunable else math.inf
+        found = keeping.run(corridors)
     except _OutOfTime:
         return []
     return [] if found is None else [_plain(found[1])]
