@@ -14,7 +14,8 @@ Keys written into ``node.meta`` (the one place they are documented):
 ``planner.reads``
     storages that existed before this node and that its ops read (parameters included).
 ``planner.saved``
-    storages autograd saved for backward while this node ran (fixed storages excluded).
+    storages autograd saved for backward while this node ran (fixed storages excluded), and
+    those a custom autograd function keeps as attributes of its context (``ctx.offs``).
 ``planner.writes``
     storages this node mutates in place.
 ``planner.workspace``
@@ -67,6 +68,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
@@ -462,6 +464,8 @@ class _Recorder(fx.Interpreter):
         with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
             out = run()
         tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for stashed in _context_tensors(tensors):
+            self.pack(stashed)
         out_keys = {self.storages.key(t) for t in tensors} - {None}
         # The cache holds a cast whoever reads it: past the node, or past the whole step.
         if self.casts_outlive_step:
@@ -491,6 +495,20 @@ class _Recorder(fx.Interpreter):
             self.hooked.add(grad_fn)
             grad_fn.register_prehook(lambda grads, node=node: self.backward.enter(node))
         return out
+
+
+def _context_tensors(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors that a custom autograd function kept as attributes of its context (``ctx.offs =
+    offs`` in Hugging Face's grouped matmul of MoE experts) rather than through
+    ``save_for_backward``: the saved-tensor hooks never see them, yet the graph holds them until
+    the function's backward, like saved tensors."""
+    contexts = {t.grad_fn for t in outputs if isinstance(t.grad_fn, BackwardCFunction)}
+    return [
+        t
+        for ctx in contexts
+        for t in tree_leaves(list(vars(ctx).values()))
+        if isinstance(t, torch.Tensor)
+    ]
 
 
 def placeholder_values(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
