@@ -10,13 +10,14 @@ from planner.problem import Problem, Storage
 from planner.simulate import simulate
 
 
-def random_problem(seed: int, nodes: int | None = None) -> Problem:
+def random_problem(seed: int, nodes: int | None = None, *, chain: bool = False) -> Problem:
     """A small random graph: node i makes storage i, reads i-1 and maybe an earlier one.
 
     It covers what the formulation must get right: cuts crossed by several tensors (skips),
     storages saved by their producer and/or by readers, graph outputs, workspaces, gradient
     bookkeeping, forbidden cuts and nodes that may not be checkpointed. ``nodes`` fixes the
-    size (3 to 7 nodes when not given).
+    size (3 to 7 nodes when not given). ``chain=True`` drops the skips and the extra graph
+    output: storage i is read by node i + 1 alone (the same draws otherwise).
     """
     rng = np.random.default_rng(seed)
     n = nodes or int(rng.integers(3, 8))
@@ -26,6 +27,8 @@ def random_problem(seed: int, nodes: int | None = None) -> Problem:
             reads[i].add(int(rng.integers(0, i - 1)))
     saves_input = [rng.random() < 0.5 for _ in range(n)]
     outputs = {n - 1} | ({int(rng.integers(0, n))} if rng.random() < 0.2 else set())
+    if chain:
+        reads, outputs = [set() if i == 0 else {i - 1} for i in range(n)], {n - 1}
     storages = []
     for k in range(n):
         readers = tuple(i for i in range(n) if k in reads[i])

@@ -30,6 +30,13 @@ are held by which frame), so the table is only a generator of candidates: the pl
 memory level, plus the flat ``optimal`` plan and Chen-style bisections (for the lowest floor),
 are replayed exactly by ``simulate`` and the cheapest that fits wins, or the lowest peak when
 none fits. So at budgets a flat plan meets, the answer never costs more than ``optimal``'s.
+
+On chains (``is_chain``: each node's one storage read by the next node alone) of up to
+``CHAIN_NODES`` nodes, a second dynamic program (``_Front``) follows the replay's rules
+exactly, the early stop and each frame's holds included: it keeps, per suffix of each level,
+every plan that no other beats at every kind of moment, which costs a vector of needs instead
+of one number per memory level. Its plans join the candidates, so on those chains ``rotor``
+finds a cheapest nested plan at every budget (tested against an exhaustive search).
 """
 
 from __future__ import annotations
@@ -210,7 +217,9 @@ def _known(problem: Problem) -> _Known:
     if problem not in _KNOWN:
         cuts = _candidate_cuts(problem)
         every_cut = [0, *(int(c) for c in np.flatnonzero(problem.cut_allowed)[1:-1]), problem.size]
-        _KNOWN[problem] = _Known([*table_plans(problem, cuts), *bisections(problem, every_cut)])
+        _KNOWN[problem] = _Known(
+            [*chain_plans(problem), *table_plans(problem, cuts), *bisections(problem, every_cut)]
+        )
     return _KNOWN[problem]
 
 
@@ -244,3 +253,247 @@ def solve(
         if best_key is None or key < best_key:
             best, best_key = candidate, key
     return best
+
+
+# -- the exact front on chains --------------------------------------------------------------------
+
+CHAIN_NODES = 12  # the exact front runs on chains up to this size (its fronts grow with it)
+_NONE = -(10**18)  # no moment of that kind
+
+
+def is_chain(problem: Problem) -> bool:
+    """Whether ``problem`` is a chain the exact front describes: node ``k`` makes one storage,
+    read by node ``k + 1`` alone (the last node's is the only graph output), saved by ``k``
+    and/or ``k + 1`` (by ``k`` after making it, so a recompute stopping at ``k`` makes it
+    again); no buffer copies or autocast casts."""
+    n = problem.size
+    if len(problem.storages) != n or any(problem.buffer_copies):
+        return False
+    return all(
+        s.producer == k
+        and s.readers == ((k + 1,) if k < n - 1 else ())
+        and s.is_output == (k == n - 1)
+        and set(s.savers) <= {k, k + 1}
+        and bool(problem.saves_own[k]) == (k in s.savers)
+        and (s.before_last_save or k not in s.savers)
+        and not s.cast_cache
+        for k, s in enumerate(problem.storages)
+    )
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One plan of a level's suffix. ``need`` holds the suffix's highest live bytes of its own
+    at each kind of moment (``_Front``'s indices); plans are compared by it, ``cost`` (recompute
+    seconds) and ``calls`` (checkpoint calls of one run of the suffix's segments)."""
+
+    need: tuple[int, ...]
+    cost: float
+    items: tuple[Nest, ...]
+    active: bool  # a node in it runs in its level's recompute (the early stop lies in it)
+    calls: int
+
+
+class _Front:
+    """The nested plans of a chain and their exact peaks and costs, by dynamic programming over
+    suffixes of each level, keeping every plan no other beats at every kind of moment.
+
+    A level is the forward (``top``) or the recompute of a segment ``(a, e)`` and what follows
+    it; processing a suffix is: run its first item, process the rest, do the first item's
+    backward. What the first item leaves live through the rest is added to the rest's moments,
+    so a suffix needs its own live bytes at three kinds of moment: ``W``, when its segment runs
+    whole (in the forward, or inside its parent's recompute: nothing saved, each inner call
+    holding its input until it returns); ``R``, the level's own run (the forward, or the
+    recompute, which holds the gradients pending at its trigger); ``B + p``, the backward of
+    node ``p`` and the recomputes run just before it. The rules are ``planner.nested``'s,
+    specialised to chains; ``tests/test_nested.py`` checks every plan of random chains against
+    the replay.
+
+    The input of a suffix (``x``, the storage of the node before it) is either held by the
+    item before for the whole suffix (``"held"``: not counted here) or counted here, living:
+    ``"plain"``, until its reader runs (or the call taking it returns), or until the backward of
+    the node or segment saving it; ``"frame"``, a top-level segment's input, until the backward
+    of the segment's first saving node; ``"inner"``, an inner segment's input, until the
+    segment's recompute ends, or longer as ``"plain"``.
+    """
+
+    W, R, B = 0, 1, 2
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        n = self.n = problem.size
+        storages = problem.storages
+        self.bytes = [int(s.nbytes) for s in storages] + [0]  # [-1]: the model's input, fixed
+        self.saves_own = [k in storages[k].savers for k in range(n)]
+        self.saves_input = [k > 0 and k in storages[k - 1].savers for k in range(n)]
+        self.saves = [bool(s) for s in problem.saves]
+        self.workspace = [int(x) for x in problem.workspace]
+        allocated = problem.activation_grad_alloc + problem.grad_bytes_at
+        net = allocated - problem.activation_grad_free
+        self.allocated = [int(x) for x in allocated]
+        self.pending = [int(x) for x in np.concatenate((np.cumsum(net[::-1])[::-1][1:], [0]))]
+        self.step = int(net.sum()) + problem.optimizer_step_bytes
+        self.seconds = [float(x) for x in problem.seconds]
+        self.call = float(problem.checkpoint_seconds)
+        self._levels: dict[tuple, list[_Entry]] = {}
+        self._segments: dict[tuple, list[_Entry]] = {}
+
+    def savers(self, start: int, stop: int) -> list[int]:
+        return [p for p in range(start, stop) if self.saves[p]]
+
+    def _pareto(self, entries: list[_Entry]) -> list[_Entry]:
+        """The entries no other beats: every way of combining them costs only more (the
+        compositions add and take maxima), so the front stays exact."""
+        kept: list[_Entry] = []
+        for e in sorted(entries, key=lambda e: (e.cost, e.calls, e.need)):
+            if not any(
+                k.active == e.active
+                and (k.calls <= e.calls or not self.call)
+                and all(x <= y for x, y in zip(k.need, e.need))
+                for k in kept
+            ):
+                kept.append(e)
+        return kept
+
+    def _backward(self, p: int) -> int:
+        return self.pending[p] + self.allocated[p]
+
+    def level(self, a: int, e: int, k: int, x: int, mode: str, top: bool) -> list[_Entry]:
+        """The plans of suffix ``[k, e)`` of the level of segment ``(a, e)`` (``top``: the
+        step), its input ``x`` bytes counted here as ``mode`` says."""
+        key = (a, e, k, x, mode, top)
+        if key not in self._levels:
+            if k == e:
+                entries = [_Entry((_NONE,) * (self.n + 2), 0.0, (), False, 0)]
+            else:
+                entries = [*self._stored(a, e, k, x, mode, top)]
+                entries += self._checkpointed(a, e, k, x, mode, top)
+            self._levels[key] = self._pareto(entries)
+        return self._levels[key]
+
+    def _lives(self, k: int, e: int, mode: str, saved_later: bool):
+        """Where the input of a suffix starting at ``k`` lives beyond its first item's own run:
+        (through the rest's run, at which backward positions ``p``). ``saved_later``: saved by
+        the first item (a node saving its input, a segment that saves)."""
+        if mode == "frame":
+            first = next(iter(self.savers(k, e)), e)
+            return True, lambda p: p >= first
+        if saved_later:
+            return True, lambda p: True
+        return mode == "inner", lambda p: False
+
+    def _stored(self, a, e, k, x, mode, top):
+        """Node ``k`` runs at this level, saving what it saves."""
+        size = self.n + 2
+        made = self.bytes[k]
+        own = made if self.saves_own[k] else 0
+        rest_x = 0 if own or k + 1 == e else made
+        in_rest, at = self._lives(k, e, mode, self.saves_input[k])
+        for rest in self.level(a, e, k + 1, rest_x, "held" if own else "plain", top):
+            runs = top or rest.active or (self.saves[k] and self.saves_own[k])
+            need = [_NONE] * size
+            if runs:
+                need[self.R] = x + made + self.workspace[k]
+            if rest.need[self.R] > _NONE:
+                need[self.R] = max(need[self.R], rest.need[self.R] + (x if in_rest else 0) + own)
+            for p in range(k + 1, e):
+                if rest.need[self.B + p] > _NONE:
+                    need[self.B + p] = rest.need[self.B + p] + (x if at(p) else 0) + own
+            need[self.B + k] = self._backward(k) + (x if at(k) else 0) + (own if runs else 0)
+            whole = self.bytes[k - 1] if k > a else 0
+            need[self.W] = max(whole + made + self.workspace[k], rest.need[self.W])
+            cost = rest.cost + (self.seconds[k] if runs and not top else 0.0)
+            active = top or rest.active or self.saves[k]
+            yield _Entry(tuple(need), cost, rest.items, active, rest.calls)
+
+    def _checkpointed(self, a, e, k, x, mode, top):
+        """Segment ``(k, f)`` at this level, for every ``f``, with each of its own plans."""
+        size = self.n + 2
+        for f in range(k + 1, e + 1):
+            if ((k, f) == (a, e) and not top) or not self.problem.is_valid_segment(k, f):
+                continue
+            savers = self.savers(k, f)
+            if savers:
+                inner_mode = "frame" if top or mode == "frame" else "inner"
+                inners = self.segment(k, f, x, inner_mode)
+            else:
+                inners = self.whole_only(k, f)
+            in_rest, at = self._lives(k, e, mode, bool(savers))
+            whole_input = self.bytes[k - 1] if k > a else 0
+            rest_x = self.bytes[f - 1] if f < e else 0
+            for inner in inners:
+                calls = 1 + inner.calls
+                run_cost = (0.0 if top else sum(self.seconds[k:f])) + self.call * calls
+                for rest in self.level(a, e, f, rest_x, "plain", top):
+                    runs = top or rest.active
+                    need = [_NONE] * size
+                    if runs:
+                        need[self.R] = x + inner.need[self.W]
+                    if rest.need[self.R] > _NONE:
+                        need[self.R] = max(need[self.R], rest.need[self.R] + (x if in_rest else 0))
+                    for p in range(f, e):
+                        if rest.need[self.B + p] > _NONE:
+                            need[self.B + p] = rest.need[self.B + p] + (x if at(p) else 0)
+                    last = savers[-1] if savers else k - 1
+                    for p in range(last + 1, f):  # after its last saver: no recompute yet
+                        need[self.B + p] = self._backward(p) + (x if savers else 0)
+                    for p in range(k, last + 1):
+                        need[self.B + p] = inner.need[self.B + p]
+                    need[self.W] = max(whole_input + inner.need[self.W], rest.need[self.W])
+                    cost = rest.cost + inner.cost + (run_cost if runs else 0.0)
+                    items = (Nest(k, f, inner.items), *rest.items)
+                    yield _Entry(tuple(need), cost, items, True, rest.calls + calls)
+
+    def segment(self, k: int, f: int, x: int, mode: str) -> list[_Entry]:
+        """The plans of segment ``(k, f)``, which saves something: its run whole (``W``) and
+        its recompute, run before the backward of its last saver, with the gradients pending
+        there, and its backward (``B``); its input ``x`` bytes living as ``mode`` says."""
+        key = (k, f, x, mode)
+        if key not in self._segments:
+            last = self.savers(k, f)[-1]
+            entries = []
+            for entry in self.level(k, f, k, x, mode, False):
+                need = list(entry.need)
+                if need[self.R] > _NONE:
+                    run = need[self.R] + self.pending[last]
+                    need[self.B + last] = max(need[self.B + last], run)
+                need[self.R] = _NONE
+                entries.append(_Entry(tuple(need), entry.cost, entry.items, True, entry.calls))
+            self._segments[key] = self._pareto(entries)
+        return self._segments[key]
+
+    def whole_only(self, k: int, f: int) -> list[_Entry]:
+        """The plans of segment ``(k, f)``, which saves nothing: it never recomputes, so only
+        its run whole counts (and its calls)."""
+        key = (k, f, 0, "whole")
+        if key not in self._segments:
+            entries = []
+            for entry in self.level(k, f, k, 0, "held", False):
+                need = (entry.need[self.W],) + (_NONE,) * (self.n + 1)
+                entries.append(_Entry(need, 0.0, entry.items, True, entry.calls))
+            self._segments[key] = self._pareto(entries)
+        return self._segments[key]
+
+    def plans(self) -> list[tuple[int, float, NestedChoice]]:
+        """The plans no other beats in both peak and recompute: (the peak ``simulate``
+        replays, the recompute seconds, the plan), by rising peak."""
+        scored = sorted(
+            (
+                (int(self.problem.fixed_bytes + max(max(e.need[self.R :]), self.step)), e.cost, e)
+                for e in self.level(0, self.n, 0, 0, "held", True)
+            ),
+            key=lambda scored: scored[:2],
+        )
+        result: list[tuple[int, float, NestedChoice]] = []
+        for peak, cost, entry in scored:
+            if not result or cost < result[-1][1]:
+                result.append((peak, cost, NestedChoice(entry.items)))
+        return result
+
+
+def chain_plans(problem: Problem) -> list[NestedChoice]:
+    """The exact front's plans (``_Front``) on chains of up to ``CHAIN_NODES`` nodes, else none:
+    at every budget, a cheapest nested plan that fits is among them."""
+    if not 0 < problem.size <= CHAIN_NODES or not is_chain(problem):
+        return []
+    return [plan for _, _, plan in _Front(problem).plans()]
