@@ -38,7 +38,10 @@ segments is a flat plan and simulates through ``planner.simulate``'s vectorised 
   it may update, and its recompute copies them once more; the checkpoint frame of the call
   holds the first copy, see ``_Replay._buffer_copies``;
 * the random state: each checkpoint restores the state of its own start, so inner recomputes
-  draw what the forward drew, at any depth (tests check it bit for bit).
+  draw what the forward drew, at any depth (tests check it bit for bit);
+* what a custom autograd function keeps on its context (``Storage.held_by_context``) lives as
+  long as the graph: the forward's copy to the end of backward, at any depth, a recompute's
+  copy to the end of that recompute (``planner.simulate`` likewise).
 """
 
 from __future__ import annotations
@@ -244,7 +247,10 @@ class _Replay:
         span = (0, self.problem.size) if segment is None else (segment.start, segment.stop)
         inside = self._inside(children)
         for j in storage.savers:
-            if span[0] <= j < span[1] and j not in inside:
+            if storage.held_by_context:  # the graph holds it: the forward's, to the end of
+                if segment is None:  # backward; a recompute's, to the recompute's end
+                    steps.append(self.backward_step[0])
+            elif span[0] <= j < span[1] and j not in inside:
                 steps.append(self.backward_step[j])
         users = {inside[j] for j in (*storage.readers, *storage.savers) if j in inside}
         for child in users:
@@ -287,9 +293,10 @@ class _Replay:
         reads += self._call_returns(children, storage, executed)
         if storage.is_output and segment is None:
             reads.append(last)
-        if segment is not None and len(reads) < len(storage.readers):
+        if segment is not None and (len(reads) < len(storage.readers) or storage.held_by_context):
             # Read by a node the recompute never reaches (past its early stop, or outside the
-            # segment): the segment body's variable lives until the recompute stops.
+            # segment): the segment body's variable lives until the recompute stops; a copy kept
+            # on an autograd context goes with the recompute's graph, then too.
             reads.append(self.run_end[segment])
         return max(reads, default=created_at)
 

@@ -44,6 +44,10 @@ class Storage:
     # A weight cast autocast's cache holds (inside forward: to the region's exit; recomputed:
     # to the end of the recompute, whose autocast region clears the cache).
     cast_cache: bool = False
+    # Kept by a saver's autograd context (``ctx.offs = offs``), not through saved-tensor hooks:
+    # the forward's copy lives as long as the forward's graph, to the end of backward,
+    # checkpointed or not; a recompute's copy until the recompute ends (its graph goes then).
+    held_by_context: bool = False
 
     @property
     def last_reader(self) -> int:
@@ -60,6 +64,7 @@ class StorageArrays:
     is_output: np.ndarray
     before_last_save: np.ndarray
     cast_cache: np.ndarray
+    held_by_context: np.ndarray
     read_storage: np.ndarray
     read_node: np.ndarray
     save_storage: np.ndarray
@@ -83,6 +88,7 @@ class StorageArrays:
             is_output=np.array([s.is_output for s in storages], dtype=bool),
             before_last_save=np.array([s.before_last_save for s in storages], dtype=bool),
             cast_cache=np.array([s.cast_cache for s in storages], dtype=bool),
+            held_by_context=np.array([s.held_by_context for s in storages], dtype=bool),
             read_storage=read_storage,
             read_node=read_node,
             save_storage=save_storage,
@@ -364,6 +370,7 @@ def build_problem(
     saved = [require_meta(node, "planner.saved") for node in nodes]
     writes = [require_meta(node, "planner.writes") for node in nodes]
     made_before_last_save = [require_meta(nd, "planner.made_before_last_save") for nd in nodes]
+    context_saved = set().union(*(require_meta(nd, "planner.context_saved") for nd in nodes))
 
     producer = {key: i for i, c in enumerate(created) for key in c}
     readers: dict[int, list[int]] = {key: [] for key in producer}
@@ -395,6 +402,7 @@ def build_problem(
             requires_grad=bool(nodes[producer[key]].meta["planner.requires_grad"]),
             before_last_save=key in made_before_last_save[producer[key]],
             cast_cache=key in cast_exits,
+            held_by_context=key in context_saved,
         )
         for key in sorted(producer)
     }

@@ -16,6 +16,9 @@ Keys written into ``node.meta`` (the one place they are documented):
 ``planner.saved``
     storages autograd saved for backward while this node ran (fixed storages excluded), and
     those a custom autograd function keeps as attributes of its context (``ctx.offs``).
+``planner.context_saved``
+    of those, the ones kept on a context: the graph holds them, not saved-tensor hooks, so
+    checkpointing the node does not drop them (its recompute makes a copy of its own).
 ``planner.writes``
     storages this node mutates in place.
 ``planner.workspace``
@@ -104,6 +107,7 @@ META_KEYS = (
     "planner.backward_net",
     "planner.cast_cache",
     "planner.made_before_last_save",
+    "planner.context_saved",
 )
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 # ``tensor.device`` of a fake tensor, dispatched like an op; it reads and moves no memory, and
@@ -464,8 +468,9 @@ class _Recorder(fx.Interpreter):
         with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
             out = run()
         tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        for stashed in _context_tensors(tensors):
-            self.pack(stashed)
+        stashed = _context_tensors(tensors)
+        for tensor in stashed:
+            self.pack(tensor)
         out_keys = {self.storages.key(t) for t in tensors} - {None}
         # The cache holds a cast whoever reads it: past the node, or past the whole step.
         if self.casts_outlive_step:
@@ -480,6 +485,9 @@ class _Recorder(fx.Interpreter):
         given = {self.storages.key(t) for t in passed if isinstance(t, torch.Tensor)}
         node.meta["planner.reads"] = frozenset((self.cost.reads | given) - new - {None})
         node.meta["planner.saved"] = frozenset(self.saved_by_current)
+        node.meta["planner.context_saved"] = frozenset(
+            {self.storages.key(t) for t in stashed} - {None}
+        )
         node.meta["planner.writes"] = frozenset(self.cost.writes)
         node.meta["planner.workspace"] = sum(nbytes[k] for k in new - kept)
         node.meta["planner.kept_bytes"] = sum(nbytes[k] for k in new)

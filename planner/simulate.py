@@ -25,6 +25,9 @@ The replay follows what PyTorch does with non-reentrant ``torch.utils.checkpoint
   forward when it saves nothing.
 * optimizer step: on what backward leaves (parameter gradients), ``optimizer.step()`` holds its
   temporaries (``Problem.optimizer_step_bytes``); its state is fixed memory, live all along.
+* a tensor a custom autograd function keeps on its context (``Storage.held_by_context``) lives
+  as long as the graph holding it: the forward's copy to the end of backward, checkpointed or
+  not (checkpointing drops saved tensors only), a recompute's copy to the recompute's end.
 
 A choice may also *keep* nodes inside segments (``Choice.keep``), as
 ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` does with a policy that saves
@@ -118,8 +121,12 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     saver_segment = segment_of[a.save_node]
     reader_segment = segment_of[a.read_node]
     elsewhere = np.where(saver_segment != home[a.save_storage], holds_to[saver_segment], never)
+    # A saver's autograd context holds the forward's copy, checkpointed or not, as long as the
+    # graph lives: to the end of backward (the last step, node 0's).
+    saver_release = np.where(saver_segment < 0, a.save_node, elsewhere)
+    saver_release = np.where(a.held_by_context[a.save_storage], 0, saver_release)
     release = np.minimum(
-        first(a.save_storage, np.where(saver_segment < 0, a.save_node, elsewhere)),
+        first(a.save_storage, saver_release),
         first(
             a.read_storage,
             np.where(
@@ -149,14 +156,17 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     inner_saver = first(
         a.save_storage, np.where(saver_segment == home[a.save_storage], a.save_node, never)
     )
+    # A recompute's copy of what a context holds goes with the recompute's graph, at its end.
+    inner_saver[a.held_by_context] = never
     by_saver = recomputed & (inner_saver < never)
     backward_free += _total_at(inner_saver[by_saver], a.nbytes[by_saver], n)
     # The segment's body is one Python frame: what a node beyond the stop reads, or the segment
     # returns, stays in a variable until the recompute stops. autocast's cache holds a
-    # recomputed weight cast until the recompute ends too (problem.py).
+    # recomputed weight cast until the recompute ends too (problem.py), and so does the graph
+    # of the recompute a copy kept on an autograd context.
     last_read = a.producer.copy()
     np.maximum.at(last_read, a.read_storage, np.minimum(a.read_node, end[a.read_storage]))
-    to_end = (a.cast_cache | a.is_output) & recomputed
+    to_end = (a.cast_cache | a.is_output | a.held_by_context) & recomputed
     last_read = np.where(to_end, np.maximum(last_read, end), last_read)
     by_reader = recomputed & (inner_saver == never)
     created = recomputed & ~cached

@@ -9,6 +9,7 @@ from torch import nn
 import planner.profile
 from planner import zoo
 from planner.capture import capture
+from planner.nested import nested_choice, simulate_nested
 from planner.pipeline import prepare
 from planner.profile import COMPUTE_OPS, META_KEYS, profile
 from planner.rewrite import rewrite
@@ -203,29 +204,41 @@ class _Experts(nn.Module):
 LOSS_SCALARS = 8
 
 
-@pytest.mark.parametrize("segments", [(), ((4, 7),)])
-def test_tensors_a_custom_function_keeps_on_its_context_count_as_saved(segments):
-    """Without them the prediction read 6,144 bytes (the three offsets) under the measured peak
-    (Mixtral's and Qwen2-MoE's 16-32 bytes under in the Hugging Face matrix)."""
-    torch.manual_seed(0)
-    model, args = _Experts(), (torch.randn(256, 32),)
-    captured, problem = prepare(model, args)
-    matmul = problem.names.index("grouped_mm_default")
-    assert problem.storages[problem.names.index("cumsum")].savers == (matmul,)
-    module = rewrite(captured.graph_module, model, Choice(segments))
-    measured = peak_memory(module, args).peak_bytes
-    assert measured - simulate(problem, Choice(segments)).peak_bytes == LOSS_SCALARS
-
-
-@pytest.mark.xfail(strict=True, reason="a context's tensors outlive the checkpointing of its node")
-def test_a_checkpointed_node_still_holds_what_its_context_keeps():
+@pytest.mark.parametrize(
+    "plan",
+    [
+        (),
+        ((4, 7),),  # no node keeping offsets inside
+        ((0, 5),),  # the first block whole: its forward's offsets live on to its backward
+        ((2, 4),),  # from the offsets' producer to their keeper: recomputed, then kept again
+        ((0, 15),),
+        ((0, 10), (10, 15)),
+        nested_choice([(0, 15, [(0, 5), (5, 10)])]),
+        nested_choice([(0, 10, [(2, 4, [(3, 4)])])]),
+    ],
+)
+def test_tensors_a_custom_function_keeps_on_its_context_are_predicted_exactly(plan):
     """Checkpointing drops saved tensors, not a context's attributes: the forward's context keeps
-    its offsets until the node's backward whatever the plan, which the Problem cannot say yet
-    (the replay frees them after their last reader: 2,048 bytes under)."""
+    its offsets until the node's backward whatever the plan; a recompute's copy lives until the
+    recompute ends. Without counting them the prediction read 6,144 bytes (the three offsets)
+    under the measured peak unplanned, 2,048 with the first block checkpointed (Mixtral's and
+    Qwen2-MoE's 16-32 bytes under in the Hugging Face matrix)."""
     torch.manual_seed(0)
     model, args = _Experts(), (torch.randn(256, 32),)
     captured, problem = prepare(model, args)
-    first_block = Choice(((0, 5),))
-    module = rewrite(captured.graph_module, model, first_block)
+    offsets = problem.storages[problem.names.index("cumsum")]
+    assert offsets.savers == (problem.names.index("grouped_mm_default"),)
+    assert offsets.held_by_context
+    module = rewrite(captured.graph_module, model, plan)
     measured = peak_memory(module, args).peak_bytes
-    assert measured - simulate(problem, first_block).peak_bytes == LOSS_SCALARS
+    assert measured - simulate(problem, plan).peak_bytes == LOSS_SCALARS
+
+
+def test_flat_plans_with_context_tensors_replay_alike_flat_and_nested():
+    """The flat simulator and the step-by-step replay hold a context's tensors alike."""
+    torch.manual_seed(0)
+    _, problem = prepare(_Experts(), (torch.randn(256, 32),))
+    for plan in [((0, 5),), ((2, 4),), ((1, 4), (4, 9)), ((3, 15),), ((2, 3), (7, 8))]:
+        flat = simulate(problem, plan, record=True)
+        nested = simulate_nested(problem, nested_choice(plan), record=True)
+        assert (flat.peak_bytes, flat.timeline) == (nested.peak_bytes, nested.timeline)
