@@ -265,7 +265,7 @@ def is_chain(problem: Problem) -> bool:
     """Whether ``problem`` is a chain the exact front describes: node ``k`` makes one storage,
     read by node ``k + 1`` alone (the last node's is the only graph output), saved by ``k``
     and/or ``k + 1`` (by ``k`` after making it, so a recompute stopping at ``k`` makes it
-    again); no buffer copies or autocast casts."""
+    again); no buffer copies, autocast casts or tensors kept on an autograd context."""
     n = problem.size
     if len(problem.storages) != n or any(problem.buffer_copies):
         return False
@@ -277,6 +277,7 @@ def is_chain(problem: Problem) -> bool:
         and bool(problem.saves_own[k]) == (k in s.savers)
         and (s.before_last_save or k not in s.savers)
         and not s.cast_cache
+        and not s.held_by_context
         for k, s in enumerate(problem.storages)
     )
 
