@@ -5,7 +5,8 @@ that record, so anything else the forward did happened once, at planning time, a
 
 * a custom ``torch.autograd.Function``: the graph records its forward's operations and loses
   its own backward (a gradient-reversal layer becomes a view, a straight-through estimator a
-  ``sign``), so gradients silently differ even with no segment;
+  ``sign``), so gradients silently differ even with no segment; a tensor hook registered in
+  forward (``h.register_hook(...)``) is lost the same way;
 * a draw from Python's or numpy's random generators (LayerDrop written with ``random.random()``):
   the trace-time draw is baked into the graph;
 * an attribute the forward sets on a module (an MoE layer's ``self.aux_loss``, a call counter):
@@ -39,6 +40,7 @@ _TRACER_CONSTANT = re.compile(
     r"_(tensor_constant|torchbind_obj|tree_spec_constant|opaque_obj)\d*|_\w+_constant_\d*"
 )
 _APPLY = torch.autograd.Function.__dict__["apply"]
+_REGISTER_HOOK = torch.Tensor.register_hook
 
 
 def _attributes(model: nn.Module) -> dict[tuple[str, str], object]:
@@ -57,8 +59,9 @@ def _is_users(function: type) -> bool:
 
 
 @contextlib.contextmanager
-def _recording_functions(applied: list[type]):
-    """Note every user-defined ``autograd.Function`` this thread applies meanwhile."""
+def _recording_functions(applied: list[type], hooked: list[bool]):
+    """Note every user-defined ``autograd.Function`` this thread applies meanwhile, and every
+    tensor hook it registers (``h.register_hook(...)``, which no graph records)."""
     thread = threading.get_ident()
     apply = _APPLY.__func__
 
@@ -67,11 +70,18 @@ def _recording_functions(applied: list[type]):
             applied.append(cls)
         return apply(cls, *args, **kwargs)
 
+    def registering(tensor, hook):
+        if threading.get_ident() == thread:
+            hooked.append(True)
+        return _REGISTER_HOOK(tensor, hook)
+
     torch.autograd.Function.apply = classmethod(recording)  # type: ignore[method-assign,assignment]
+    torch.Tensor.register_hook = registering  # type: ignore[method-assign]
     try:
         yield
     finally:
         torch.autograd.Function.apply = _APPLY  # type: ignore[method-assign]
+        torch.Tensor.register_hook = _REGISTER_HOOK  # type: ignore[method-assign]
 
 
 def _restore(model: nn.Module, before: dict, changed: list[tuple[str, str]]) -> None:
@@ -93,8 +103,9 @@ def refusing_side_effects(model: nn.Module):
     before = _attributes(model)
     versions = {n: p._version for n, p in model.named_parameters(remove_duplicate=False)}
     applied: list[type] = []
+    hooked: list[bool] = []
     try:
-        with _recording_functions(applied):
+        with _recording_functions(applied, hooked):
             yield
     finally:
         after = _attributes(model)
@@ -115,7 +126,7 @@ def refusing_side_effects(model: nn.Module):
         for p, k in changed
         if _set_by_forward(k, before.get((p, k), _MISSING), after.get((p, k), _MISSING), root=not p)
     ]
-    reasons = _reasons(applied, drew, set_by_forward, updated)
+    reasons = _reasons(applied, bool(hooked), drew, set_by_forward, updated)
     if reasons:
         raise PlanningError(
             f"cannot plan {type(model).__name__}: its forward does more than tensor operations, "
@@ -123,8 +134,16 @@ def refusing_side_effects(model: nn.Module):
         )
 
 
-def _reasons(applied: list[type], drew: bool, changed: list, updated: list[str]) -> list[str]:
+def _reasons(
+    applied: list[type], hooked: bool, drew: bool, changed: list, updated: list[str]
+) -> list[str]:
     reasons = []
+    if hooked:
+        reasons.append(
+            "it registers tensor hooks (tensor.register_hook): the graph would not register "
+            "them, so the gradients they change would differ. Make the hook an op (a custom "
+            "autograd op with torch.library.custom_op and register_autograd)"
+        )
     if applied:
         names = sorted({f"{f.__module__}.{f.__qualname__}" for f in applied})
         reasons.append(

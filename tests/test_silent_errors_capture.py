@@ -551,10 +551,27 @@ class MomentumEncoder(nn.Module):
         return (self.query(x) * self.key(x)).sum()
 
 
+class HalvedGradient(nn.Module):
+    """A tensor hook registered in forward: export records no node for it (6 of 12 gradients
+    off)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+            if x.requires_grad:  # a Python bool of a tensor property: symbolic_trace fails
+                x.register_hook(lambda grad: grad * 0.5)
+        return x
+
+
 @pytest.mark.parametrize(
     "make, match",
     [
         (ReversedGradient, "custom autograd functions .*_Reverse"),
+        (HalvedGradient, r"registers tensor hooks"),
         (lambda: ReversedGradient(traceable=False), "custom autograd functions .*_Reverse"),
         (LayerDrop, "Python's or numpy's random generator"),
         (AuxiliaryLoss, r"sets module attributes \(aux_loss, calls\)"),
