@@ -59,7 +59,7 @@ def _is_users(function: type) -> bool:
 
 
 @contextlib.contextmanager
-def _recording_functions(applied: list[type], hooked: list[bool]):
+def _recording_what_graphs_lose(applied: list[type], hooked: list[bool]):
     """Note every user-defined ``autograd.Function`` this thread applies meanwhile, and every
     tensor hook it registers (``h.register_hook(...)``, which no graph records)."""
     thread = threading.get_ident()
@@ -105,7 +105,7 @@ def refusing_side_effects(model: nn.Module):
     applied: list[type] = []
     hooked: list[bool] = []
     try:
-        with _recording_functions(applied, hooked):
+        with _recording_what_graphs_lose(applied, hooked):
             yield
     finally:
         after = _attributes(model)
