@@ -30,8 +30,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-test-gpu: $(STAMP)
-	$(BIN)/python -m pytest -q -m cuda
+# The venv holds the CPU build of torch, so the CUDA tests run with PYTHON (default python3),
+# whose torch must have CUDA; they fail, not skip, where it sees no GPU.
+test-gpu:
+	$(PYTHON) -c "import sys, torch; torch.cuda.is_available() or sys.exit(f'make test-gpu: {sys.executable} (torch {torch.__version__}) sees no CUDA device')"
+	PYTHONPATH=. $(PYTHON) -m pytest -q -m cuda
 
 check: lint typecheck docs wheel-smoke
 

@@ -7,7 +7,7 @@
   ``round(sqrt(n))`` segments over the model's ``n`` blocks (the last segment is not checkpointed,
   as in torch). Models that are not one ``nn.Sequential`` get an adapter with the same chunking;
   the Hugging Face models get none (:func:`has_checkpoint_sequential`).
-* :func:`compiled` -- ``torch.compile(backend="aot_eager")`` under a given
+* :func:`compiled` -- ``torch.compile`` (``aot_eager`` or ``inductor``) under a given
   ``torch._functorch.config.activation_memory_budget``.
 
 Every function returns a new module; the model passed in is never modified. ``per_block`` and
@@ -224,8 +224,8 @@ class _UNetSequential(nn.Module):
         return self.unet.head(x)
 
 
-def compiled(model: nn.Module, budget: float, tag: str) -> nn.Module:
-    """``torch.compile(backend="aot_eager")`` of ``model`` for one ``activation_memory_budget``.
+def compiled(model: nn.Module, budget: float, tag: str, backend: str = "aot_eager") -> nn.Module:
+    """``torch.compile(backend=backend)`` of ``model`` for one ``activation_memory_budget``.
 
     The budget is read when the graph is partitioned, i.e. on the first call, which must happen
     inside ``torch._functorch.config.patch(activation_memory_budget=budget)`` (see
@@ -240,7 +240,7 @@ def compiled(model: nn.Module, budget: float, tag: str) -> nn.Module:
     forward.__code__ = forward.__code__.replace(co_name=f"forward_{tag}")
     wrapper = type(f"Compiled_{tag}", (nn.Module,), {"forward": forward})()
     wrapper.inner = model
-    return torch.compile(wrapper, backend="aot_eager", fullgraph=True)
+    return torch.compile(wrapper, backend=backend, fullgraph=True)
 
 
 def compile_now(module, budget: float, step) -> None:

@@ -3,6 +3,12 @@
     .venv/bin/python benchmarks/compare.py --mode short    # a few minutes
     .venv/bin/python benchmarks/compare.py --mode full     # the run behind docs/benchmarks.md
 
+On a CUDA machine whose ``python3`` has torch, transformers, networkx and scipy (no venv: the
+venv's torch is the CPU build), one model per run keeps each run short:
+
+    PYTHONPATH=. python3 benchmarks/compare.py --device cuda --backend inductor \
+        --models hf-gpt2 --solvers auto --out benchmarks/results/cuda-hf-gpt2.json --no-page
+
 For every model of ``planner.zoo`` and the small Hugging Face GPT-2, Llama and BERT of
 ``benchmarks/hf.py`` (configurations in ``CONFIGS``) and every method:
 
@@ -11,7 +17,8 @@ For every model of ``planner.zoo`` and the small Hugging Face GPT-2, Llama and B
   Face models' own ``gradient_checkpointing_enable``);
 * ``ckpt-seq``: ``torch.utils.checkpoint.checkpoint_sequential`` with sqrt(n) segments (zoo
   models only);
-* ``compile b``: ``torch.compile(backend="aot_eager")`` with ``activation_memory_budget=b``;
+* ``compile b``: ``torch.compile(backend="aot_eager")`` with ``activation_memory_budget=b``
+  (``--backend inductor`` on CUDA: the compiler as users run it, fused kernels included);
 * ``planner``: ``solver="auto"`` and each registered solver, at budgets of 100/50/33/20 % of the
   baseline activation memory (on top of parameters, buffers, inputs and gradients), at each
   baseline's measured peak, and at the lowest peak the planner can reach, planning with node
@@ -181,7 +188,9 @@ def build_model(name, config, device):
     return zoo.build(name, **config, device=device)
 
 
-def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, pool=True):
+def bench_model(
+    name, config, mode, device, reps, roofline=False, solvers=None, pool=True, backend="aot_eager"
+):
     """Measure every method on one model; return its JSON-ready record."""
     _log(f"== {name} {config}")
     t0 = time.perf_counter()
@@ -222,7 +231,7 @@ def bench_model(name, config, mode, device, reps, roofline=False, solvers=None, 
             )
         )
     for i, b in enumerate(MODES[mode]["compile_budgets"]):
-        module = baselines.compiled(model, b, f"{name}_{i}")
+        module = baselines.compiled(model, b, f"{name}_{i}", backend)
         begin = time.perf_counter()
         baselines.compile_now(module, b, lambda m: step.training_step(m, args))
         variants.append(
@@ -548,6 +557,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--device", default=None, help="cpu (default) or cuda")
     parser.add_argument(
+        "--backend",
+        choices=["aot_eager", "inductor"],
+        default="aot_eager",
+        help="torch.compile backend of the compile baselines (inductor: CUDA only, whose "
+        "allocator statistics see every buffer; the CPU tracker was checked on aot_eager only)",
+    )
+    parser.add_argument(
         "--roofline",
         action="store_true",
         help="plan with the default roofline cost model, not measured node times",
@@ -575,6 +591,11 @@ def main(argv=None) -> dict:
         render_page(results, opts.page, opts.img_dir)
         return results
 
+    if opts.backend == "inductor" and (opts.device or "cpu") == "cpu":
+        parser.error(
+            "--backend inductor needs --device cuda: the CPU tracker's reading of inductor's "
+            "kernels is unchecked (CUDA's allocator statistics see every buffer)"
+        )
     torch.set_num_threads(opts.threads)
     torch._dynamo.config.recompile_limit = 64
     reps = opts.reps or MODES[opts.mode]["reps"]
@@ -592,6 +613,7 @@ def main(argv=None) -> dict:
         if opts.roofline
         else "measured" + ("" if opts.unpooled else ", pooled") + ", with calls",
         compile_budgets=list(MODES[opts.mode]["compile_budgets"]),
+        compile_backend=opts.backend,
         models={},
     )
     out = opts.out or ROOT / "benchmarks" / "results" / f"{opts.mode}.json"
@@ -607,6 +629,7 @@ def main(argv=None) -> dict:
             opts.roofline,
             results["solvers"],
             not opts.unpooled,
+            opts.backend,
         )
         gc.collect()
         # written after every model, so that an interrupted run keeps what it measured

@@ -489,6 +489,7 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
     page = Path(page)
     img_dir = Path(img_dir)
     mach = results["machine"]
+    backend = results.get("compile_backend", "aot_eager")
     load = mach.get("load_average")
     load_text = f", load average {load[0]:.1f} at the start" if load else ""
     out = [
@@ -560,11 +561,17 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
         "and unet has long skips, so for them an adapter chunks the blocks exactly as "
         "`checkpoint_sequential` does (last chunk not checkpointed); a unet chunk takes and "
         "returns the pending skips.",
-        '- **compile b**: `torch.compile(model, backend="aot_eager", fullgraph=True)` with '
+        f'- **compile b**: `torch.compile(model, backend="{backend}", fullgraph=True)` with '
         "`torch._functorch.config.activation_memory_budget = b` while compiling; each budget "
         "gets its own wrapper code object, else dynamo reuses the first budget's graph. Time "
-        "column `plan/compile s` is the first (compiling) step. aot_eager runs the graph "
-        "without fusion, so its time reflects recompute, not inductor speed.",
+        "column `plan/compile s` is the first (compiling) step. "
+        + (
+            "aot_eager runs the graph without fusion, so its time reflects recompute, not "
+            "inductor speed."
+            if backend == "aot_eager"
+            else "inductor fuses the pointwise work (planner's plans run eagerly), so its time "
+            "includes fusion's gain, not only recompute's cost."
+        ),
         "",
     ]
     for name, m in results["models"].items():
