@@ -23,6 +23,7 @@ import contextlib
 import itertools
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -120,9 +121,27 @@ def _check_reduction(reduction: str) -> None:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
+def _scalars(value) -> bool:
+    """A list or tuple of plain values (strings, numbers, None): what a data loader's default
+    collate makes of per-sample strings, such as file names or captions."""
+    return (
+        isinstance(value, (list, tuple))
+        and bool(value)
+        and all(isinstance(v, (str, bytes, int, float, bool, type(None))) for v in value)
+    )
+
+
+def _samples(leaf) -> int | None:
+    """Samples along dimension 0 of a tensor or numpy array; None for what has no such axis."""
+    if isinstance(leaf, (torch.Tensor, np.ndarray)) and leaf.ndim:
+        return leaf.shape[0]
+    return None
+
+
 def batch_size(batch) -> int:
-    """Samples in ``batch``: the common length of dimension 0 of its tensors (0-dim ones aside)."""
-    sizes = {t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim()}
+    """Samples in ``batch``: the common length of dimension 0 of its tensors and numpy arrays
+    (0-dim ones aside)."""
+    sizes = {n for n in map(_samples, tree_flatten(batch)[0]) if n is not None}
     if len(sizes) != 1:
         raise ValueError(
             "cannot tell the batch size: "
@@ -137,19 +156,22 @@ def batch_size(batch) -> int:
 
 
 def _split(batch, micro_batch: int) -> list:
-    """``batch`` cut along dim 0 in pieces of ``micro_batch`` samples; the last may be smaller."""
-    leaves, spec = tree_flatten(batch)
+    """``batch`` cut along dim 0 in pieces of ``micro_batch`` samples; the last may be smaller.
+
+    Tensors and numpy arrays are cut, and so is a list or tuple of plain values as long as the
+    batch (per-sample names); anything else reaches every piece whole."""
     n = batch_size(batch)
-    pieces = []
-    for begin in range(0, n, micro_batch):
-        part = [
-            leaf[begin : begin + micro_batch]
-            if isinstance(leaf, torch.Tensor) and leaf.dim()
-            else leaf
-            for leaf in leaves
-        ]
-        pieces.append(tree_unflatten(part, spec))
-    return pieces
+    leaves, spec = tree_flatten(batch, is_leaf=lambda v: _scalars(v) and len(v) == n)
+
+    def cut(leaf, begin: int):
+        if _scalars(leaf):
+            return type(leaf)(leaf[begin : begin + micro_batch])
+        return leaf if _samples(leaf) is None else leaf[begin : begin + micro_batch]
+
+    return [
+        tree_unflatten([cut(leaf, begin) for leaf in leaves], spec)
+        for begin in range(0, n, micro_batch)
+    ]
 
 
 def _sync_control(model):
@@ -210,7 +232,9 @@ def micro_batches(
     ----------
     batch
         A tensor, or a tuple, list or dict of them (nested structures too), with the samples
-        along dimension 0. Non-tensors and 0-dim tensors are passed to every micro-batch as is.
+        along dimension 0. Numpy arrays are cut the same way, and so is a list or tuple of
+        strings or numbers as long as the batch (the per-sample names a data loader collates);
+        other values and 0-dim tensors are passed to every micro-batch as is.
     micro_batch
         Samples per micro-batch; when it does not divide the batch, the last one is smaller
         and its loss weighs less (mean) so that the result is still the whole batch's gradient.

@@ -7,6 +7,7 @@ shorter last window; on a plain and on a planned (checkpointed) module.
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,30 @@ def test_structures_are_split_along_dim_0_and_other_leaves_kept():
     assert [m.data["x"].shape[0] for m in micros] == [2, 2, 1]
     assert all(m.data["pair"][1] == 7 and m.data["temperature"] == 2.0 for m in micros)
     assert [m.data["pair"][0].shape[0] for m in micros] == [2, 2, 1]
+
+
+def test_numpy_arrays_and_per_sample_names_are_cut_with_the_tensors():
+    """What a data loader yields beside tensors: per-sample weights as a numpy array, and the
+    samples' names collated into a list; a list of another length is not per-sample."""
+    batch = {
+        "x": torch.zeros(5, 3),
+        "weight": np.arange(5.0),
+        "names": [f"sample{i}" for i in range(5)],
+        "classes": ("cat", "dog"),
+    }
+    micros = list(micro_batches(batch, 2))
+    assert [m.data["weight"].tolist() for m in micros] == [[0.0, 1.0], [2.0, 3.0], [4.0]]
+    assert [m.data["names"] for m in micros] == [
+        ["sample0", "sample1"],
+        ["sample2", "sample3"],
+        ["sample4"],
+    ]
+    assert all(m.data["classes"] == ("cat", "dog") for m in micros)
+
+
+def test_a_numpy_array_of_another_length_is_refused():
+    with pytest.raises(ValueError, match=r"disagree on dimension 0 \(\[4, 5\]\)"):
+        list(micro_batches({"x": torch.zeros(5, 3), "weight": np.ones(4)}, 2))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
