@@ -158,6 +158,10 @@ class Snapshot:
         self.attribute_keys = [a[2] for a in self.attributes]
         self.attribute_values = [a[3] for a in self.attributes]
         self.tensor_arguments = tensor_arguments
+        # The model's root parameters and buffers as the planned module last took them: an
+        # entry of the planned module's own that differs was swapped there since, without
+        # __setattr__ (torch.func.functional_call), and wins for that call.
+        self.synced = {t: dict(getattr(model, t)) for t in ("_parameters", "_buffers")}
         self.warned = False
         self.warned_left_out = False
         # ``plan_call(args, example_kwargs=kwargs)`` plans another call form with the options of
@@ -380,13 +384,21 @@ class PlannedModule(fx.GraphModule):
         left_out = snapshot.left_out(args, kwargs)
         if left_out:
             return snapshot.run_without(left_out, args, kwargs)
-        # Root parameters and buffers are entries of both modules' own dicts, and the graph
-        # reads the planned module's. The model's are the reference: what replaces them
-        # (model.double(), model.load_state_dict(..., assign=True), model.to_empty()) is read
-        # here; what replaces the planned module's is written to the model (__setattr__).
-        self._parameters.update(snapshot.model._parameters)
-        self._buffers.update(snapshot.model._buffers)
+        self._read_root_state(snapshot)
         return graph_forward(self, *args, **kwargs)
+
+    def _read_root_state(self, snapshot: Snapshot) -> None:
+        """Root parameters and buffers are entries of both modules' own dicts, and the graph
+        reads the planned module's. The model's are the reference: what replaces them
+        (``model.double()``, ``model.load_state_dict(..., assign=True)``, ``model.to_empty()``)
+        is read here; what replaces the planned module's through ``__setattr__`` is written to
+        the model at once. An entry swapped on the planned module alone (``functional_call``
+        swaps ``_parameters`` entries, then puts them back) is left for the call to use."""
+        for table, synced in snapshot.synced.items():
+            own = getattr(self, table)
+            for key, value in getattr(snapshot.model, table).items():
+                if own.get(key) is synced.get(key):
+                    own[key] = synced[key] = value
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
@@ -409,7 +421,7 @@ class PlannedModule(fx.GraphModule):
         for table in ("_parameters", "_buffers"):
             own, users = getattr(self, table), getattr(snapshot.model, table)
             if name in users and name in own:
-                users[name] = own[name]
+                users[name] = snapshot.synced[table][name] = own[name]
 
     def train(self, mode: bool = True):
         model = self._planner.model
@@ -426,7 +438,7 @@ class PlannedModule(fx.GraphModule):
         for table in ("_parameters", "_buffers"):
             own, users = getattr(self, table), getattr(model, table)
             for key in users.keys() & own.keys():
-                users[key] = own[key]
+                users[key] = self._planner.synced[table][key] = own[key]
         return self
 
     def __deepcopy__(self, memo):

@@ -223,6 +223,27 @@ def test_root_tensors_replaced_on_either_module_are_the_ones_both_compute_with(r
     assert p.module.pos is model.pos and p.module.shift is model.shift
 
 
+def test_functional_call_with_root_tensors_computes_with_the_tensors_passed():
+    """``torch.func.functional_call`` swaps the planned module's own ``_parameters`` entries
+    (no ``__setattr__``): found trying the library, the call ran with the model's ``pos``."""
+    torch.manual_seed(0)
+    model, x = RootState(), torch.randn(8, 16)
+    p = sqrt_n_plan(model, (x,))
+    reference = copy.deepcopy(model)
+    grads = []
+    for module in (reference, p.module):
+        passed = {"pos": torch.randn(16, generator=torch.Generator().manual_seed(1))}
+        passed["pos"].requires_grad_()
+        passed["shift"] = torch.ones(16)
+        out = torch.func.functional_call(module, passed, (x,))
+        grads.append((out, *torch.autograd.grad(out.sum(), passed["pos"])))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert p.module.pos is model.pos and p.module.shift is model.shift  # put back
+    model.pos = nn.Parameter(torch.randn(16))  # the model's replacements are still followed
+    assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
+
+
 def test_a_model_planned_on_meta_then_materialised_trains_its_materialised_parameters():
     """Planning on the meta device, then ``model.to_empty()`` and initialisation."""
     with torch.device("meta"):
