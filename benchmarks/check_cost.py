@@ -1,5 +1,6 @@
-"""What the planned module's per-call checks cost (training flags, changed modules and attributes,
-tensor arguments, root buffers), against one forward of the zoo GPT.
+"""What the planned module's per-call checks cost (root parameters and buffers, training flags,
+changed modules and attributes, tensor arguments and dtypes), against one forward of the zoo
+GPT.
 
     .venv/bin/python benchmarks/check_cost.py        # about 20 s
 
@@ -24,10 +25,10 @@ def check_seconds(module, args) -> float:
     snapshot, name = module._planner, type(module).__name__
 
     def checks():
+        module._read_root_state(snapshot)
         snapshot.mode_changed()
         snapshot.check_unchanged(name)
-        snapshot.check_tensor_arguments(name, args, {})
-        module._buffers.update(snapshot.model._buffers)
+        snapshot.call_form(args, {})
 
     return min(timeit.repeat(checks, number=2000, repeat=5)) / 2000
 

@@ -21,7 +21,7 @@ from planner.errors import PlanningError, short_repr
 from planner.nested import NestedChoice
 from planner.optimizer import optimizer_memory
 from planner.options import CaptureOptions
-from planner.planned_module import PlannedModule, tensor_arguments
+from planner.planned_module import PlannedModule, call_dtypes, tensor_arguments
 from planner.plans import Plan
 from planner.problem import Problem, build_problem
 from planner.profile import profile
@@ -162,8 +162,10 @@ def prepare(
         leaf_modules=options.leaf_modules,
         dynamic_shapes=options.dynamic_shapes,
     )
-    # The planned module checks that calls pass these again (see planner.rewrite).
+    # The planned module checks that calls pass these again, with these dtypes (see
+    # planner.planned_module.Snapshot.call_form).
     captured.graph_module.meta["planner.tensor_arguments"] = tensor_arguments(model, args, kwargs)
+    captured.graph_module.meta["planner.call_dtypes"] = call_dtypes(model, args, kwargs)
     _check_loss_fn(loss_fn)
     prof = profile(captured.graph_module, *captured.inputs(args, kwargs), loss_fn=loss_fn)
     counted = optimizer_memory(optimizer, model) if optimizer is not None else None
@@ -348,7 +350,7 @@ def plan(
         simulated=result,
     )
     # A call leaving out a tensor argument (attention_mask) is planned like this one when first
-    # seen (see planner.planned_module.Snapshot.run_without).
+    # seen (see planner.planned_module.Snapshot.run_form).
     cast(PlannedModule, planned.module)._planner.plan_call = functools.partial(
         plan,
         model,

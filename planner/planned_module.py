@@ -3,9 +3,10 @@
 A :class:`PlannedModule` owns the user's own children, parameters and buffers
 (``share_user_state``), so its ``state_dict`` has the model's keys. On every call it checks that
 it still computes what the model computes (``Snapshot``): in another training mode it runs the
-model itself, and when the model's structure changed since planning it refuses. It reads the
-forward arguments that were tensors when planning (``tensor_arguments``, recorded by
-``planner.pipeline.prepare``). ``planner.rewrite.rewrite`` builds it.
+model itself, and when the model's structure changed since planning it refuses. A call that
+leaves out a forward argument that was a tensor when planning (``tensor_arguments``), or runs
+in other dtypes (``call_dtypes``; both recorded by ``planner.pipeline.prepare``), is a call form
+of its own, planned when first seen. ``planner.rewrite.rewrite`` builds it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import threading
 import types
 import warnings
 from collections.abc import Callable
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 from torch import fx, nn
@@ -49,19 +50,52 @@ def share_user_state(planned: nn.Module, model: nn.Module) -> None:
 def tensor_arguments(model: nn.Module, args: tuple, kwargs: dict) -> tuple[str, ...]:
     """Names of ``model.forward``'s arguments that held tensors in the call ``model(*args,
     **kwargs)``: the planned graph computes with them, so a call must pass them again."""
+    return tuple(
+        name for name, value in _named_arguments(model, args, kwargs) if _holds_tensor(value)
+    )
+
+
+def call_dtypes(model: nn.Module, args: tuple, kwargs: dict) -> CallDtypes:
+    """The dtypes of the call ``model(*args, **kwargs)``, which the planned graph was captured
+    for: a forward may branch on them (``if h.dtype == torch.float16``), and sizes follow them."""
+    arguments = {
+        name: value.dtype
+        for name, value in _named_arguments(model, args, kwargs)
+        if isinstance(value, torch.Tensor)
+    }
+    return CallDtypes(_state_dtypes(_state_tables(model)), arguments)
+
+
+class CallDtypes(NamedTuple):
+    state: tuple[torch.dtype, ...]  # of the parameters and buffers, module by module
+    arguments: dict[str, torch.dtype]  # of the arguments that are tensors, by name
+
+
+def _named_arguments(model: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
+    """``(name, value)`` of each argument of the call, those of ``**kwargs`` by their own
+    names; ``*args`` left out (no name to call them by). Empty where the call does not bind."""
     signature = inspect.signature(model.forward)
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError:
-        return ()  # capture reports the mismatch
-    names = []
+        return []  # capture reports the mismatch
+    named: list[tuple[str, object]] = []
     for name, value in bound.arguments.items():
         kind = signature.parameters[name].kind
         if kind == inspect.Parameter.VAR_KEYWORD:
-            names += [k for k, v in value.items() if _holds_tensor(v)]
-        elif kind != inspect.Parameter.VAR_POSITIONAL and _holds_tensor(value):
-            names.append(name)
-    return tuple(names)
+            named += value.items()
+        elif kind != inspect.Parameter.VAR_POSITIONAL:
+            named.append((name, value))
+    return named
+
+
+def _state_tables(model: nn.Module) -> list[dict]:
+    return [t for m in model.modules() for t in (m._parameters, m._buffers) if t]
+
+
+def _state_dtypes(tables: list[dict]) -> tuple[torch.dtype, ...]:
+    # A plain comprehension: it runs on every call, and torch.compile traces it.
+    return tuple([t.dtype for table in tables for t in table.values() if t is not None])
 
 
 def _holds_tensor(value) -> bool:
@@ -118,7 +152,9 @@ class Snapshot:
     the modules when the graph runs, so they may be replaced (``.double()``, FSDP2's sharding).
     """
 
-    def __init__(self, model: nn.Module, called: set[str], tensor_arguments):
+    def __init__(
+        self, model: nn.Module, called: set[str], tensor_arguments, dtypes: CallDtypes | None
+    ):
         self.model = model
         self.module_names = [name for name, _ in model.named_modules()]
         self.module_dicts = [m.__dict__ for _, m in model.named_modules()]
@@ -158,16 +194,21 @@ class Snapshot:
         self.attribute_keys = [a[2] for a in self.attributes]
         self.attribute_values = [a[3] for a in self.attributes]
         self.tensor_arguments = tensor_arguments
+        self.state_tables = _state_tables(model)
+        if dtypes is None:  # a graph captured elsewhere: the model's dtypes now
+            dtypes = CallDtypes(_state_dtypes(self.state_tables), {})
+        self.state_dtypes = dtypes.state
+        self.argument_dtypes = tuple(dtypes.arguments.get(name) for name, _ in tensor_arguments)
         # The model's root parameters and buffers as the planned module last took them: an
         # entry of the planned module's own that differs was swapped there since, without
         # __setattr__ (torch.func.functional_call), and wins for that call.
         self.synced = {t: dict(getattr(model, t)) for t in ("_parameters", "_buffers")}
         self.warned = False
-        self.warned_left_out = False
+        self.warned_forms: set[CallForm] = set()
         # ``plan_call(args, example_kwargs=kwargs)`` plans another call form with the options of
         # the planning call (set by ``planner.pipeline.plan``; None for loaded plans).
         self.plan_call: Callable | None = None
-        self.call_forms: dict[tuple[str, ...], nn.Module | None] = {}
+        self.call_forms: dict[CallForm, nn.Module | None] = {}
 
     def training_flags(self) -> list[bool]:
         # A plain loop, not map(itemgetter): torch.compile traces this on every call.
@@ -237,63 +278,91 @@ class Snapshot:
             stacklevel=_callers_stacklevel(),
         )
 
-    def left_out(self, args: tuple, kwargs: dict) -> list[str]:
-        """The tensor arguments of the planning call that this call leaves out (or passes as
-        None)."""
-        return [
-            name
+    def call_form(self, args: tuple, kwargs: dict) -> CallForm | None:
+        """How this call differs from the planning call (None where it does not): tensor
+        arguments left out (or passed as None), or other dtypes of the model's parameters and
+        buffers (``model.double()``) or of the tensor arguments."""
+        values = [
+            args[position] if position is not None and position < len(args) else kwargs.get(name)
             for name, position in self.tensor_arguments
-            if (
-                args[position]
-                if position is not None and position < len(args)
-                else kwargs.get(name)
-            )
-            is None
         ]
+        state = _state_dtypes(self.state_tables)
+        arguments = tuple([v.dtype if isinstance(v, torch.Tensor) else None for v in values])
+        left_out = tuple([n for (n, _), v in zip(self.tensor_arguments, values) if v is None])
+        if not left_out and state == self.state_dtypes and arguments == self.argument_dtypes:
+            return None
+        return CallForm(left_out, state, arguments)
 
-    def run_without(self, left_out: list[str], args: tuple, kwargs: dict):
-        """A call without tensor arguments the graph computes with: that call form's own plan
-        (made the first time it is seen), else the model itself (exact, not planned)."""
+    def describe(self, form: CallForm) -> str:
+        """What ``form`` changes, as the rest of a sentence that begins 'the planned Net'."""
+        parts, moved = [], []
+        if form.left_out:
+            parts.append(f"was planned with {', '.join(form.left_out)} given and is called without")
+        for label, before, now in (
+            ("parameters and buffers", self.state_dtypes, form.state),
+            ("tensor arguments", self.argument_dtypes, form.arguments),
+        ):
+            moves = {
+                f"{_dtype_name(b)} -> {_dtype_name(a)}"
+                for b, a in zip(before, now)
+                if b is not None and a is not None and b != a
+            }
+            if len(before) != len(now):
+                moves.add("tensors added or removed")
+            if moves:
+                moved.append(f"{label} {', '.join(sorted(moves))}")
+        if moved:
+            parts.append(f"is called with other dtypes than at planning ({'; '.join(moved)})")
+        return " and ".join(parts)
+
+    def run_form(self, form: CallForm, args: tuple, kwargs: dict):
+        """A call unlike the planning call (``call_form``): that call form's own plan (made
+        the first time it is seen), else the model itself (exact, not planned)."""
         if torch.is_grad_enabled() and self.plan_call is not None:
-            planned = self._call_form(tuple(left_out), args, kwargs)
+            planned = self._planned_form(form, args, kwargs)
             if planned is not None:
                 return planned(*args, **kwargs)
-        elif torch.is_grad_enabled() and not self.warned_left_out:
-            self.warned_left_out = True
+        elif torch.is_grad_enabled() and form not in self.warned_forms:
+            self.warned_forms.add(form)
             warnings.warn(
-                f"the planned {type(self.model).__name__} was planned with "
-                f"{', '.join(left_out)} given and is called without: its graph computes "
-                "with them, so this call runs the model directly (results are exact, memory "
-                "is not reduced). Plan with the call you train with to checkpoint it.",
+                f"the planned {type(self.model).__name__} {self.describe(form)}: its graph "
+                "was captured for the planning call, so this call runs the model directly "
+                "(results are exact, memory is not reduced). Plan with the call you train with "
+                "(after a dtype move, plan the moved model) to checkpoint it.",
                 stacklevel=_callers_stacklevel(),
             )
         return self.model(*args, **kwargs)
 
-    def _call_form(self, left_out: tuple[str, ...], args: tuple, kwargs: dict):
-        """The planned module of the calls that leave out ``left_out``, planned once with the
-        planning call's budget, solver and options; None where no plan fits (the model runs)."""
+    def _planned_form(self, form: CallForm, args: tuple, kwargs: dict):
+        """The planned module of the calls of ``form``, planned once with the planning call's
+        budget, solver and options; None where no plan fits (the model runs)."""
         assert self.plan_call is not None
         with _PLANNING_CALL_FORM:
-            if left_out in self.call_forms:
-                return self.call_forms[left_out]
-            name = type(self.model).__name__
+            if form in self.call_forms:
+                return self.call_forms[form]
+            name, difference = type(self.model).__name__, self.describe(form)
             try:
                 planned = self.plan_call(args, example_kwargs=kwargs).module
             except PlanningError as error:
                 planned = None
                 message = (
-                    f"the planned {name} was planned with {', '.join(left_out)} given and is "
-                    f"called without; planning that call form failed ({error}), so calls "
-                    "without them run the model directly (exact, memory not reduced)."
+                    f"the planned {name} {difference}; planning that call form failed "
+                    f"({error}), so such calls run the model directly (exact, memory not "
+                    "reduced)."
                 )
             else:
                 message = (
-                    f"the planned {name} was planned with {', '.join(left_out)} given and is "
-                    "called without: planner planned this call form once, with the same "
-                    "budget, solver and options, and runs its plan for every such call."
+                    f"the planned {name} {difference}: planner planned this call form once, "
+                    "with the same budget, solver and options, and runs its plan for every "
+                    "such call."
+                )
+            if form.state != self.state_dtypes or form.arguments != self.argument_dtypes:
+                message += (
+                    " A plan holds for the dtypes it was made with: forward may branch on "
+                    "them (Hugging Face T5 clamps in float16 only), and memory follows them."
                 )
             warnings.warn(message, UserWarning, stacklevel=_callers_stacklevel())
-            self.call_forms[left_out] = planned
+            self.call_forms[form] = planned
             return planned
 
     def run_model(self, args: tuple, kwargs: dict):
@@ -316,6 +385,19 @@ class Snapshot:
                 stacklevel=_callers_stacklevel(),
             )
         return self.model(*args, **kwargs)
+
+
+class CallForm(NamedTuple):
+    """A call unlike the planning call: the tensor arguments it leaves out, and the dtypes of
+    the model's parameters and buffers and of its tensor arguments (None: not a tensor)."""
+
+    left_out: tuple[str, ...]
+    state: tuple[torch.dtype, ...]
+    arguments: tuple[torch.dtype | None, ...]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 _INTERNAL = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
@@ -355,7 +437,8 @@ class PlannedModule(fx.GraphModule):
     out a tensor argument of the planning call (``attention_mask``) is a call form of its own:
     the first such call plans it (same budget, solver and options; a warning says so) and
     every later one runs that plan; a loaded plan, or a call form no plan fits, runs the model
-    itself (exact, not planned).
+    itself (exact, not planned). So is a call in other dtypes than at planning (``.double()``
+    after planning): the graph bakes in the branches forward took on dtypes.
     ``train()`` sets the model's mode (through the model's own ``train``); ``.to()``,
     ``.double()``... convert the model's tensors, root ones included.
     Pickling and ``copy.copy`` refuse: the module is tied to the model object it was planned
@@ -378,13 +461,13 @@ class PlannedModule(fx.GraphModule):
 
     def _checked_call(self, graph_forward, args: tuple, kwargs: dict):
         snapshot = self._planner
+        self._read_root_state(snapshot)
         if snapshot.mode_changed():
             return snapshot.run_model(args, kwargs)
         snapshot.check_unchanged(type(self).__name__)
-        left_out = snapshot.left_out(args, kwargs)
-        if left_out:
-            return snapshot.run_without(left_out, args, kwargs)
-        self._read_root_state(snapshot)
+        form = snapshot.call_form(args, kwargs)
+        if form is not None:
+            return snapshot.run_form(form, args, kwargs)
         return graph_forward(self, *args, **kwargs)
 
     def _read_root_state(self, snapshot: Snapshot) -> None:

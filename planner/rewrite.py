@@ -425,6 +425,7 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
         tensor_arguments=argument_positions(
             planned, captured.meta.get("planner.tensor_arguments", ())
         ),
+        dtypes=captured.meta.get("planner.call_dtypes"),
     )
     for segment in built:
         segment.root = planned

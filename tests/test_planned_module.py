@@ -30,9 +30,11 @@ from planner.pipeline import prepare
 from planner.planned_module import PlannedModule
 from planner.rewrite import rewrite
 from planner.solvers.auto import lowest_peak
+from planner.step import peak_memory
 from strategies import ModelSpec, assert_equivalent, build, inputs, model_specs, random_segments
 
 EXAMPLES = settings.default.max_examples
+TRACKER_EXTRA = 8  # the CPU tracker reads 8 bytes above a float32 prediction (test_huggingface.py)
 
 
 def tight_plan(model, args, kwargs=None):
@@ -172,6 +174,60 @@ def test_buffers_registered_on_the_model_itself_follow_a_move_of_either():
         assert model.shift.dtype == torch.float64
         assert_equivalent(reference, model, p.module, (x.double(),), {})
         assert p.module.shift is model.shift
+
+
+class DtypeBranch(nn.Module):
+    """A forward that branches on a dtype, as Hugging Face T5 clamps only in float16:
+    ``symbolic_trace`` cannot branch on a proxy, so ``torch.export`` captures the branch taken."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        if x.dtype == torch.float32:
+            x = x * 2
+        return x
+
+
+def test_a_dtype_move_plans_the_moved_call_once_exactly_and_within_the_budget():
+    """Found trying the library: after ``model.double()`` the plan ran the float32 branch
+    (outputs off by 0.4). The first call in the new dtypes plans it (a call form of its own)."""
+    torch.manual_seed(0)
+    model, x = DtypeBranch(), torch.randn(64, 32)
+    _, problem = prepare(copy.deepcopy(model).double(), (x.double(),))
+    budget = lowest_peak(problem).peak_bytes  # a budget the float64 call needs segments for
+    p = planner.plan(model, (x,), budget_bytes=budget)
+    assert p.capture_method == "export"
+    reference = copy.deepcopy(model).double()
+    model.double()
+    with pytest.warns(UserWarning, match=r"other dtypes than at planning.*float32 -> float64"):
+        p.module(x.double())
+    [(key, form)] = p.module._planner.call_forms.items()
+    assert key.state == (torch.float64,) * 12 and key.arguments == (torch.float64,)
+    assert any(n.target is torch.utils.checkpoint.checkpoint for n in form.graph.nodes)
+    # The tracker's known extra is two scalars (the loss and backward's seed): 16 bytes here.
+    assert peak_memory(p.module, (x.double(),)).peak_bytes <= budget + 2 * TRACKER_EXTRA
+    assert_equivalent(reference, model, p.module, (x.double(),), {})
+    reference.float()
+    model.float()  # the planning dtypes again: the first plan runs, with no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_equivalent(reference, model, p.module, (x,), {})
+
+
+def test_a_loaded_plan_runs_the_model_after_a_dtype_move_and_says_to_plan_again(tmp_path):
+    torch.manual_seed(0)
+    model, x = DtypeBranch(), torch.randn(64, 32)
+    planner.plan(model, (x,), budget_gb=1, solver="sqrt_n").save(tmp_path / "p.json")
+    loaded = planner.load(tmp_path / "p.json", model, (x,))
+    reference = copy.deepcopy(model).double()
+    model.double()
+    with pytest.warns(UserWarning, match=r"runs the model directly.*plan the moved model"):
+        out = loaded.module(x.double())
+    torch.testing.assert_close(out, reference(x.double()), rtol=0, atol=0)
 
 
 class RootState(nn.Module):
@@ -486,13 +542,14 @@ def test_a_call_leaving_out_a_tensor_argument_is_planned_once_as_a_call_form_of_
     with pytest.warns(UserWarning, match=r"called without: planner planned this call form once"):
         out = call(p.module, x)
     torch.testing.assert_close(out, model(x, scale=0.5), rtol=0, atol=0)
-    form = p.module._planner.call_forms[("mask",)]
+    [(key, form)] = p.module._planner.call_forms.items()
+    assert key.left_out == ("mask",)
     assert isinstance(form, PlannedModule) and form is not p.module
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.testing.assert_close(call(p.module, x), model(x, scale=0.5), rtol=0, atol=0)
     assert not [w for w in caught if "call form" in str(w.message)], "planned only once"
-    assert p.module._planner.call_forms[("mask",)] is form
+    assert p.module._planner.call_forms == {key: form}
     assert_equivalent(reference, model, p.module, (x,), {"scale": 0.5})
     mask = torch.zeros(4, 8)
     torch.testing.assert_close(p.module(x, mask, 0.5), model(x, mask, 0.5), rtol=0, atol=0)
