@@ -33,8 +33,10 @@ from torch.utils.checkpoint import (
     _CachedTorchDispatchMode,
     _CachingTorchDispatchMode,
     checkpoint,
+    create_selective_checkpoint_contexts,
 )
 
+from planner.errors import PlanningError
 from planner.export_leaves import CALLS_KEY, positions
 from planner.model_call import CALL_KEY
 from planner.nested import Nest, NestedChoice
@@ -262,6 +264,19 @@ class Segment:
     def restores_buffers(self) -> bool:
         return bool(self.modules or self.tensors)
 
+    @property
+    def compiles(self) -> bool:
+        """Whether torch.compile runs this segment exactly without ``contexts``: it applies
+        buffer updates once, but recomputes from the buffers as updated. A BatchNorm's output
+        reads its running statistics only in eval mode, when it does not update them; any other
+        buffer could be read after an update."""
+        root = self.root
+        assert root is not None, "rewrite sets root before the segment can run"
+        return not self.tensors and all(
+            isinstance(root.get_submodule(target), nn.modules.batchnorm._BatchNorm)
+            for target in self.modules
+        )
+
     def buffers(self) -> list[torch.Tensor]:
         """The buffers the segment can write, as the planned module holds them now."""
         root = self.root
@@ -333,6 +348,28 @@ class _Box:
 
     def __init__(self, value):
         self.value = value
+
+
+def _context_fn(segment: Segment):
+    """``segment.contexts``; under torch.compile, which calls ``context_fn`` while tracing and
+    recomputes in its own graph, a policy that recomputes every op (see ``Segment.compiles``)."""
+    if not torch.compiler.is_compiling():
+        return segment.contexts
+    if not segment.compiles:
+        raise PlanningError(
+            "torch.compile cannot run this plan exactly: a checkpointed segment reads buffers "
+            f"({', '.join(segment.modules + segment.tensors)}) that forward may update in "
+            "place, and a compiled recompute would read them as updated, not as the forward "
+            "read them. Plans whose segments update only the statistics of BatchNorm modules "
+            "called as single nodes, or keep nodes, compile. Compile the model unplanned "
+            "(torch.compile(model); torch._functorch.config.activation_memory_budget sets its "
+            "recompute), or run the plan without torch.compile."
+        )
+    return functools.partial(create_selective_checkpoint_contexts, _recompute_all)
+
+
+def _recompute_all(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _box(value):
@@ -492,7 +529,7 @@ def _checkpoint_segment(
     callee = graph.get_attr(name)
     kwargs = {"use_reentrant": False, "preserve_rng_state": True}
     if segment.restores_buffers or selective:
-        kwargs["context_fn"] = graph.call_function(getattr, (callee, "contexts"))
+        kwargs["context_fn"] = graph.call_function(_context_fn, (callee,))
     args = (
         callee,
         *[graph.call_function(_box, (env[a],)) if a in boxed else env[a] for a in inputs],

@@ -28,7 +28,9 @@ import planner
 from planner import zoo
 from planner.pipeline import prepare
 from planner.planned_module import PlannedModule
-from planner.rewrite import rewrite
+from planner.problem import compute_nodes
+from planner.rewrite import _context_fn, rewrite
+from planner.simulate import Choice
 from planner.solvers.auto import lowest_peak
 from planner.step import peak_memory
 from strategies import ModelSpec, assert_equivalent, build, inputs, model_specs, random_segments
@@ -666,6 +668,86 @@ def test_torch_compile_traces_the_planned_module_in_one_graph():
     reference(x).sum().backward()
     for a, b in zip(reference.parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
+
+
+class UpdatesRootBuffer(RootState):
+    """A root buffer read inside a segment and updated later in forward (restored on
+    recompute)."""
+
+    def forward(self, x):
+        h = self.layers[:3](x + self.shift)
+        self.shift.add_(1.0)
+        return self.layers[3:](h) + self.pos
+
+
+def _kept_linears(model, args, kwargs):
+    """Every node in one segment, each Linear's node kept (a selective segment)."""
+    captured, problem = prepare(model, args, kwargs)
+    gm = captured.graph_module
+    keep = [
+        k
+        for k, node in enumerate(compute_nodes(gm))
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.Linear)
+    ]
+    return rewrite(gm, model, Choice(((0, problem.size),), frozenset(keep[:2])))
+
+
+def _lowest(model, args, kwargs):
+    return tight_plan(model, args, kwargs).module
+
+
+COMPILED_PLANS = {
+    "BatchNorm, traced": (traced_batchnorm_model, _lowest),
+    "kept nodes": (lambda: (Blocks(), (torch.randn(4, 8),), {}), _kept_linears),
+}
+
+
+@pytest.mark.parametrize("case", COMPILED_PLANS)
+def test_torch_compile_of_a_plan_whose_segments_pass_context_fn_trains_like_the_model(case):
+    """Segments that restore buffers or keep nodes pass ``checkpoint`` a ``context_fn``,
+    which torch.compile refused (an opaque TypeError, found trying the library). Compiled,
+    they recompute everything: the functional graph updates buffers once and recomputes from
+    the values the forward read, so the plan trains exactly as the compiled model."""
+    torch.manual_seed(0)
+    make_model, make_planned = COMPILED_PLANS[case]
+    model, args, kwargs = make_model()
+    reference = copy.deepcopy(model)
+    planned = make_planned(model, args, kwargs)
+    assert any(n.target is _context_fn for n in planned.graph.nodes), "needs a context_fn"
+    reference.compile(backend="aot_eager", fullgraph=True)
+    planned.compile(backend="aot_eager", fullgraph=True)
+    assert_equivalent(reference, model, planned, args, kwargs)
+
+
+REFUSED_UNDER_COMPILE = {
+    # Compiled, the first segment's recompute would read ``shift`` after forward's ``add_``:
+    # wrong gradients (measured: all of ``layers.0``'s).
+    "root buffer updated in forward": (
+        lambda: (UpdatesRootBuffer(), (torch.randn(8, 16),), {}),
+        lambda model, args, kwargs: rewrite(
+            prepare(model, args, kwargs)[0].graph_module, model, ((0, 4), (5, 9))
+        ),
+    ),
+    # Buffers read by ATen ops: the rule cannot tell a BatchNorm's from any other.
+    "BatchNorm, exported": (exported_batchnorm_model, _lowest),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED_UNDER_COMPILE)
+def test_torch_compile_of_a_plan_that_could_recompute_from_an_updated_buffer_says_so(case):
+    """``fullgraph=True`` raises the reason; otherwise Dynamo runs the forward eagerly, where
+    the plan is exact."""
+    torch.manual_seed(0)
+    make_model, make_planned = REFUSED_UNDER_COMPILE[case]
+    model, args, kwargs = make_model()
+    reference = copy.deepcopy(model)
+    planned = make_planned(model, args, kwargs)
+    strict = copy.deepcopy(planned)
+    strict.compile(backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"(?s)PlanningError.*would read them as updated"):
+        strict(*args, **kwargs)
+    planned.compile(backend="aot_eager")
+    assert_equivalent(reference, model, planned, args, kwargs)
 
 
 @pytest.mark.parametrize("where", ["the model", "a traced-through block"])
