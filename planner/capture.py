@@ -166,6 +166,17 @@ def _refusing_manual_checkpoints(model: nn.Module):
             del function.apply
 
 
+# torch.nn's composite modules: Python over Linear, LayerNorm, MultiheadAttention and dropout,
+# which fx would keep whole (one node: no segment inside). Their fast path needs grad off.
+TRACED_TORCH_MODULES = (
+    nn.Transformer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+)
+
+
 class LeafTracer(fx.Tracer):
     """``symbolic_trace``'s tracer, also keeping instances of ``leaf_modules`` as single nodes."""
 
@@ -192,9 +203,11 @@ class LeafTracer(fx.Tracer):
         return noting_output_types, args
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-        return isinstance(module, self.leaf_modules) or super().is_leaf_module(
-            module, qualified_name
-        )
+        if isinstance(module, self.leaf_modules):
+            return True
+        if isinstance(module, TRACED_TORCH_MODULES):
+            return False
+        return super().is_leaf_module(module, qualified_name)
 
     def call_module(self, m, forward, args, kwargs):
         """fx patches ``nn.Module.__call__`` for the whole process while tracing: a module

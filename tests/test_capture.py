@@ -19,6 +19,9 @@ import planner.capture
 from planner.capture import LeafTracer
 from planner.export_leaves import CALLS_KEY
 from planner.simulate import simulate
+from planner.solvers.auto import lowest_peak
+from planner.step import peak_memory
+from strategies import assert_equivalent
 
 
 class ReplacesItsBuffer(nn.Module):
@@ -366,3 +369,55 @@ def test_hooks_on_kept_layers_are_refused_while_planning_an_export():
     with pytest.raises(planner.PlanningError, match="register the hooks after planning"):
         planner.plan(model, args, budget_gb=1, example_kwargs=kwargs,
                      leaf_modules=_decoder_layer(model))  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# torch.nn's transformer modules: traced through, not one opaque node
+
+
+class StockTransformer(nn.Module):
+    """A model of torch.nn's own transformer modules (dropout on, train mode)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        encoder = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+        decoder = nn.TransformerDecoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+        if kind == "encoder":
+            self.body = nn.TransformerEncoder(encoder, 3, enable_nested_tensor=False)
+        elif kind == "decoder":
+            self.body = nn.TransformerDecoder(decoder, 2)
+        elif kind == "transformer":
+            self.body = nn.Transformer(32, 4, 2, 2, 64, dropout=0.1, batch_first=True)
+        else:  # layers stacked by hand
+            self.body = nn.ModuleList([copy.deepcopy(encoder) for _ in range(3)])
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x):
+        if self.kind in ("decoder", "transformer"):
+            h = self.body(x, x)
+        elif self.kind == "encoder":
+            h = self.body(x)
+        else:
+            h = x
+            for layer in self.body:
+                h = layer(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder", "transformer", "layers"])
+def test_torch_transformer_modules_are_traced_through_and_planned_inside_exactly(kind):
+    """Found trying the library: fx kept each of them whole (a 3-layer encoder was one node,
+    no budget below the baseline could be met). Traced through, segments fall inside them."""
+    torch.manual_seed(0)
+    model, x = StockTransformer(kind), torch.randn(4, 16, 32)
+    reference = copy.deepcopy(model)
+    captured, problem = planner.prepare(model, (x,))
+    modules = [n.target for n in captured.graph_module.graph.find_nodes(op="call_module")]
+    assert not [m for m in modules if m.startswith("body")], "a transformer module kept whole"
+    baseline, lowest = simulate(problem, ()).peak_bytes, lowest_peak(problem).peak_bytes
+    assert lowest < 0.75 * baseline
+    p = planner.plan(model, (x,), budget_bytes=(lowest + baseline) // 2)
+    assert p.segments
+    assert peak_memory(p.module, (x,)).peak_bytes <= p.budget_bytes + 8  # the tracker's 8 bytes
+    assert_equivalent(reference, model, p.module, (x,), {})
