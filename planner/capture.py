@@ -240,6 +240,9 @@ class LeafTracer(fx.Tracer):
 
 
 def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> fx.GraphModule:
+    if _variadic_tensors(model, args, kwargs, inspect.Parameter.VAR_KEYWORD):
+        # fx makes one placeholder of **kwargs, which the profile cannot fill by name.
+        raise TypeError("symbolic_trace cannot pass tensors through **kwargs")
     concrete = _non_tensor_arguments(model, args, kwargs)
     tracer = LeafTracer(leaf_modules)
     grad_enabled = torch.is_grad_enabled()
@@ -593,6 +596,41 @@ def _inexact(model: nn.Module, trace_error: Exception, why: str, advice: str) ->
     )
 
 
+def _variadic_tensors(model: nn.Module, args: tuple, kwargs: dict, kind) -> bool:
+    """Whether the call passes a tensor through ``forward``'s parameter of ``kind`` (``*args``:
+    ``inspect.Parameter.VAR_POSITIONAL``, ``**kwargs``: ``VAR_KEYWORD``)."""
+    signature = inspect.signature(model.forward)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return False  # capture reports the mismatch
+    return any(
+        signature.parameters[key].kind == kind
+        and any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
+        for key, value in bound.arguments.items()
+    )
+
+
+def _refuse_variadic_calls(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Raise a PlanningError for a ``torch.compile``d module, or a call whose tensors reach
+    ``forward`` through ``*args`` (a pass-through wrapper): neither capture can give those
+    inputs names, which the planned module's calls and checks need."""
+    name = type(model).__name__
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise PlanningError(
+            f"{name} is a torch.compile'd module: plan the module it compiles "
+            "(planner.plan(model._orig_mod, ...)), then compile the planned module "
+            "(torch.compile(plan.module))."
+        )
+    if _variadic_tensors(model, args, kwargs, inspect.Parameter.VAR_POSITIONAL):
+        raise PlanningError(
+            f"{name}.forward takes the example's tensors through *args, which planner cannot "
+            "capture (the graph's inputs need names). Plan the module it passes them to (a "
+            f"wrapper's inner model: planner.plan(wrapper.model, ...)), or give {name}.forward "
+            "named parameters (forward(self, x, mask=None, **kwargs))."
+        )
+
+
 @paused_collection()
 def capture(
     model: nn.Module,
@@ -619,6 +657,7 @@ def capture(
     """
     kwargs = kwargs or {}
     leaf_modules = module_classes(leaf_modules)
+    _refuse_variadic_calls(model, args, kwargs)
     fixed = _without_cache(model, args, kwargs)
     with (
         CAPTURE_LOCK,

@@ -349,3 +349,75 @@ def test_example_kwargs_must_be_a_dict_by_name(example_kwargs, monkeypatch):
     monkeypatch.setattr(planner.pipeline, "capture", None)  # refused before any capture
     with pytest.raises(TypeError, match="example_kwargs must be a dict of keyword arguments"):
         plan_of(model, args, example_kwargs, budget_gb=1)
+
+
+# --------------------------------------------------------------------------------------------
+# forwards taking tensors through *args / **kwargs, and torch.compile'd models
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x, scale):
+        x = x * scale
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class PassThrough(nn.Module):
+    """The usual wrapper: ``forward(self, *args, **kwargs)`` calls the inner model."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = Inner()
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+class KeywordTensors(Inner):
+    """``scale`` reaches forward through ``**kwargs``."""
+
+    def forward(self, x, **kwargs):
+        return super().forward(x, kwargs["scale"])
+
+
+X, SCALE = torch.randn(8, 16), torch.randn(16)
+
+
+@pytest.mark.parametrize(
+    "make, args, kwargs, match",
+    [
+        (PassThrough, (X, SCALE), {}, r"PassThrough.forward takes .* through \*args.*inner model"),
+        (PassThrough, (X,), {"scale": SCALE}, r"through \*args"),
+        (
+            lambda: torch.compile(Inner(), backend="eager"),
+            (X, SCALE),
+            {},
+            r"torch.compile'd module: plan the module it compiles \(planner.plan\(model._orig_mod",
+        ),
+    ],
+    ids=["*args", "*args and **kwargs", "torch.compile"],
+)
+def test_tensors_passed_through_star_args_are_refused_with_what_to_plan(make, args, kwargs, match):
+    """Found trying the library: the error blamed the inputs' shapes ('_guards_fn':
+    'NoneType' object has no attribute 'size') or was a bare TypeError."""
+    model = make()
+    before = model_state(model)
+    with pytest.raises(PlanningError, match=match):
+        planner.plan(model, args, budget_gb=1, example_kwargs=kwargs)
+    assert_same_state(before, model_state(model))
+
+
+def test_tensors_passed_through_keyword_varargs_plan_exactly():
+    """symbolic_trace makes one placeholder of ``**kwargs``, which failed in the profile;
+    torch.export names each keyword."""
+    torch.manual_seed(0)
+    model = KeywordTensors()
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (X,), budget_gb=1, solver="sqrt_n", example_kwargs={"scale": SCALE})
+    assert p.segments and p.capture_method == "export"
+    assert_equivalent(reference, model, p.module, (X,), {"scale": SCALE})
