@@ -8,6 +8,7 @@ transformers) go through ``torch.export.export(strict=False)``, which records AT
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import operator
@@ -31,6 +32,7 @@ from planner.export_leaves import (
 )
 from planner.gcpause import paused_collection
 from planner.model_call import CALL_KEY, ModelCall, container_types
+from planner.planned_module import PlannedModule
 from planner.regions import (
     CAPTURE_LOCK,
     InexactRegions,
@@ -596,6 +598,38 @@ def _inexact(model: nn.Module, trace_error: Exception, why: str, advice: str) ->
     )
 
 
+@functools.cache
+def _graph_module_names() -> frozenset[str]:
+    """Attributes the planned module (an ``fx.GraphModule``) has and a plain module has not."""
+    graph_module = fx.GraphModule(nn.Module(), fx.Graph())
+    plain = nn.Module()
+    return frozenset((set(dir(PlannedModule)) | set(vars(graph_module))) - set(dir(plain)))
+
+
+def _refuse_graph_module_names(model: nn.Module) -> None:
+    """Raise a PlanningError for a child, parameter or buffer of the model itself named like
+    an attribute of the planned module (``code``, ``graph``, ``meta``): the planned module
+    owns the model's own, under the same names, and would resolve the name to its own."""
+    reserved = _graph_module_names()
+    clashes = [
+        name
+        for table in ("_modules", "_parameters", "_buffers")
+        for name in getattr(model, table)
+        if name in reserved
+    ]
+    if clashes:
+        name = type(model).__name__
+        raise PlanningError(
+            f"{name} has {', '.join(repr(c) for c in clashes)} at its top level, named like an "
+            "attribute of the torch.fx.GraphModule that planner builds (code, graph, meta, "
+            "...): the planned module, which holds the model's own under the same names, "
+            "would find its own attribute instead. Rename "
+            f"{'them' if len(clashes) > 1 else 'it'} (self.{clashes[0]}_ = ...; a "
+            "state_dict pre-hook can map old checkpoints' keys), or plan a submodule of "
+            f"{name} that holds it under its own name."
+        )
+
+
 def _variadic_tensors(model: nn.Module, args: tuple, kwargs: dict, kind) -> bool:
     """Whether the call passes a tensor through ``forward``'s parameter of ``kind`` (``*args``:
     ``inspect.Parameter.VAR_POSITIONAL``, ``**kwargs``: ``VAR_KEYWORD``)."""
@@ -658,6 +692,7 @@ def capture(
     kwargs = kwargs or {}
     leaf_modules = module_classes(leaf_modules)
     _refuse_variadic_calls(model, args, kwargs)
+    _refuse_graph_module_names(model)
     fixed = _without_cache(model, args, kwargs)
     with (
         CAPTURE_LOCK,

@@ -421,3 +421,19 @@ def test_tensors_passed_through_keyword_varargs_plan_exactly():
     p = planner.plan(model, (X,), budget_gb=1, solver="sqrt_n", example_kwargs={"scale": SCALE})
     assert p.segments and p.capture_method == "export"
     assert_equivalent(reference, model, p.module, (X,), {"scale": SCALE})
+
+
+@pytest.mark.parametrize("name", ["code", "graph", "meta"])
+def test_a_top_level_child_named_like_a_graph_module_attribute_is_refused_by_name(name):
+    """Found trying the library: the messages blamed the inputs ('str' object is not
+    callable) or were fx's own. A child of that name deeper in the model plans."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    model.add_module(name, nn.Linear(8, 8))
+    before = model_state(model)
+    with pytest.raises(PlanningError, match=rf"'{name}' at its top level.*Rename it"):
+        planner.plan(model, (torch.randn(4, 8),), budget_gb=1)
+    assert_same_state(before, model_state(model))
+    nested = nn.Sequential(model, nn.Linear(8, 8))
+    reference = copy.deepcopy(nested)
+    p = planner.plan(nested, (torch.randn(4, 8),), budget_gb=1, solver="sqrt_n")
+    assert_equivalent(reference, nested, p.module, (torch.randn(4, 8),), {})
