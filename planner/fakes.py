@@ -266,6 +266,10 @@ class Copies:
             for name, attribute in vars(value).items():
                 if isinstance(attribute, torch.Tensor):
                     module.__dict__[name] = self(attribute)
+            if isinstance(value, nn.modules.batchnorm._BatchNorm) and value.momentum is None:
+                # A cumulative average reads float(num_batches_tracked), which a fake cannot
+                # give; any momentum runs the same ops on the same tensors.
+                module.__dict__["momentum"] = 0.1
             return module
         return value
 

@@ -22,6 +22,7 @@ from planner.pipeline import prepare
 from planner.regions import enter_autocast, enter_grad_mode, exit_region
 from planner.rewrite import rewrite
 from planner.solvers.auto import lowest_peak
+from planner.step import peak_memory
 from strategies import (
     RegionSpec,
     assert_equivalent,
@@ -639,3 +640,36 @@ def test_a_custom_function_in_a_module_kept_whole_keeps_its_backward():
     p.module(x).sum().backward()
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+class CumulativeNorms(nn.Module):
+    """BatchNorm with ``momentum=None`` (a cumulative average: its forward reads
+    ``float(num_batches_tracked)``) in residual blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None))
+            for _ in range(4)
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return x
+
+
+def test_batchnorm_with_a_cumulative_average_is_planned_with_the_models_statistics():
+    """Found trying the library: the fake-tensor profile could not read the count and the
+    model was refused with a message about input shapes. Statistics, ``num_batches_tracked``
+    included, must come out as the model's after each step (no double update on recompute)."""
+    torch.manual_seed(0)
+    model, x = CumulativeNorms(), torch.randn(2, 4, 8, 8)
+    reference = copy.deepcopy(model)
+    _, problem = prepare(model, (x,))
+    p = planner.plan(model, (x,), budget_bytes=lowest_peak(problem).peak_bytes)
+    assert p.segments
+    assert all(block[1].momentum is None for block in model.blocks)
+    assert_equivalent(reference, model, p.module, (x,), {})
+    assert int(model.blocks[0][1].num_batches_tracked) == 2  # one per step of the two
+    assert peak_memory(p.module, (x,)).peak_bytes <= p.predicted_peak_bytes + 8  # tracker's 8
