@@ -70,7 +70,12 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -450,6 +455,23 @@ class _Recorder(fx.Interpreter):
             # (``nn.Identity``): a checkpoint starting at a later node still takes them.
             passed = [t for n in node.all_input_nodes for t in tree_leaves(self.env.get(n))]
             return self.record(node, lambda: super(_Recorder, self).run_node(node), passed)
+        except (DynamicOutputShapeException, DataDependentOutputException) as error:
+            what = (
+                "reads a Python number from a tensor (.item(), float(t), int(t)), which "
+                "depends on the tensor's values"
+                if error.func is torch.ops.aten._local_scalar_dense.default
+                else f"calls {error.func}, whose result's sizes torch's fake tensors cannot "
+                "give (they may depend on the values in its inputs)"
+            )
+            raise PlanningError(
+                f"the model's forward cannot be profiled at node {node.name!r} ({node.op} "
+                f"{node.target}): it {what}, and planner's profile runs on fake tensors, which "
+                "have sizes only. The inputs are not at fault. Keep that computation out of the "
+                "planned forward: plan the part before "
+                "it (return what it takes, e.g. the log-probabilities of a CTC loss) and apply "
+                "it to the planned module's output in the training step (its own memory is then "
+                "not in the prediction)."
+            ) from error
         except Exception as error:
             raise PlanningError(
                 f"the model's forward failed on the example inputs at node {node.name!r} "

@@ -437,3 +437,32 @@ def test_a_top_level_child_named_like_a_graph_module_attribute_is_refused_by_nam
     reference = copy.deepcopy(nested)
     p = planner.plan(nested, (torch.randn(4, 8),), budget_gb=1, solver="sqrt_n")
     assert_equivalent(reference, nested, p.module, (torch.randn(4, 8),), {})
+
+
+class CTCHead(nn.Module):
+    """A speech head computing ``F.ctc_loss`` in forward, lengths as tensors (as Hugging Face's
+    CTC heads pass them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU())
+        self.out = nn.Linear(16, 6)
+
+    def forward(self, features, targets, input_lengths, target_lengths):
+        log_probs = self.out(self.body(features)).log_softmax(-1).transpose(0, 1)
+        return nn.functional.ctc_loss(log_probs, targets, input_lengths, target_lengths)
+
+
+def test_an_op_whose_result_sizes_fakes_cannot_give_is_named_without_blaming_the_inputs():
+    """Found trying the library: CTC loss in forward got "check the example inputs' shapes and
+    dtypes", which were fine (the model trains)."""
+    model = CTCHead()
+    args = (torch.randn(2, 12, 16), torch.randint(1, 6, (2, 4)), torch.full((2,), 12))
+    args += (torch.full((2,), 4),)
+    model(*args).backward()
+    before = model_state(model)
+    with pytest.raises(
+        PlanningError, match=r"aten._ctc_loss.Tensor.*inputs are not at fault.*out of the planned"
+    ):
+        planner.plan(model, args, budget_gb=1)
+    assert_same_state(before, model_state(model))
