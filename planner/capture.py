@@ -630,6 +630,40 @@ def _refuse_graph_module_names(model: nn.Module) -> None:
         )
 
 
+def _refuse_layerdrop(model: nn.Module) -> None:
+    """Raise a PlanningError for a model in training with LayerDrop on (Hugging Face's
+    ``*layerdrop`` config options, a module's ``layerdrop``): its forward skips each layer when
+    a random draw falls below it, a choice made anew at every step, which one captured graph
+    cannot replay (torch.export fails on the branch with a data-dependent guard)."""
+    if not model.training:
+        return  # LayerDrop draws only in training
+    config = getattr(model, "config", None)
+    options = {
+        key: value
+        for key, value in (vars(config) if config is not None else {}).items()
+        if key.endswith("layerdrop") and isinstance(value, (int, float)) and value > 0
+    }
+    modules = [
+        name or "the model"
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "layerdrop", None), (int, float)) and m.layerdrop > 0
+    ]
+    if not options and not modules:
+        return
+    found = [f"config.{k}={v}" for k, v in options.items()]
+    found += [f"{name}.layerdrop" for name in modules[:3]] + ["..."] * (len(modules) > 3)
+    turn_off = [f"config.{k} = 0.0" for k in options] + [
+        f"{name}.layerdrop = 0.0" for name in modules[:3]
+    ]
+    raise PlanningError(
+        f"{type(model).__name__} uses LayerDrop ({', '.join(found)}): in training, its forward "
+        "skips each layer when a random draw falls below that probability, a choice made anew "
+        "at every step, which a captured graph cannot replay. Plan and train with LayerDrop "
+        f"off: {'; '.join(turn_off)} (modules copy the config's value when built: set it in "
+        "the config before building the model, or on the modules)."
+    )
+
+
 def _variadic_tensors(model: nn.Module, args: tuple, kwargs: dict, kind) -> bool:
     """Whether the call passes a tensor through ``forward``'s parameter of ``kind`` (``*args``:
     ``inspect.Parameter.VAR_POSITIONAL``, ``**kwargs``: ``VAR_KEYWORD``)."""
@@ -693,6 +727,7 @@ def capture(
     leaf_modules = module_classes(leaf_modules)
     _refuse_variadic_calls(model, args, kwargs)
     _refuse_graph_module_names(model)
+    _refuse_layerdrop(model)
     fixed = _without_cache(model, args, kwargs)
     with (
         CAPTURE_LOCK,

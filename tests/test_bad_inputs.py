@@ -466,3 +466,51 @@ def test_an_op_whose_result_sizes_fakes_cannot_give_is_named_without_blaming_the
     ):
         planner.plan(model, args, budget_gb=1)
     assert_same_state(before, model_state(model))
+
+
+class LayerDrop(nn.Module):
+    """Skips each layer in training when a random draw falls below ``layerdrop`` (drawing only
+    when it is on, as Hugging Face's encoders do)."""
+
+    def __init__(self, layerdrop: float):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.layerdrop = layerdrop
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and self.layerdrop > 0 and torch.rand([]) < self.layerdrop:
+                continue
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_layerdrop_is_refused_with_the_option_to_turn_off():
+    """Found trying the library (BART's ``encoder_layerdrop``): the message was torch.export's
+    data-dependent guard and advice that did not apply."""
+    model, x = LayerDrop(0.2), torch.randn(4, 8)
+    before = model_state(model)
+    with pytest.raises(PlanningError, match=r"uses LayerDrop \(the model.layerdrop\).*random draw"):
+        planner.plan(model, (x,), budget_gb=1)
+    assert_same_state(before, model_state(model))
+    model.layerdrop = 0.0
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n")
+    assert_equivalent(reference, model, p.module, (x,), {})
+
+
+def test_hugging_face_layerdrop_names_the_config_options():
+    transformers = pytest.importorskip("transformers")
+    from hf_families import _bart_config
+
+    config = _bart_config()
+    config.encoder_layerdrop = config.decoder_layerdrop = 0.3
+    model = transformers.BartForConditionalGeneration(config).train()
+    ids = torch.randint(3, 64, (2, 8))
+    with pytest.raises(
+        PlanningError,
+        match=r"config.encoder_layerdrop=0.3, config.decoder_layerdrop=0.3.*"
+        r"config.encoder_layerdrop = 0.0; config.decoder_layerdrop = 0.0; "
+        r"model.encoder.layerdrop = 0.0",
+    ):
+        planner.plan(model, (ids,), budget_gb=1, example_kwargs={"labels": ids})
