@@ -289,9 +289,19 @@ class Snapshot:
         state = _state_dtypes(self.state_tables)
         arguments = tuple([v.dtype if isinstance(v, torch.Tensor) else None for v in values])
         left_out = tuple([n for (n, _), v in zip(self.tensor_arguments, values) if v is None])
-        if not left_out and state == self.state_dtypes and arguments == self.argument_dtypes:
-            return None
+        moved = [
+            a is not None and b is not None and a != b
+            for a, b in zip(arguments, self.argument_dtypes)
+        ]
+        if not left_out and state == self.state_dtypes and not any(moved):
+            return None  # (a value that is no tensor, a tracer's proxy, has no dtype to compare)
         return CallForm(left_out, state, arguments)
+
+    def _dtypes_moved(self, form: CallForm) -> bool:
+        return form.state != self.state_dtypes or any(
+            a is not None and b is not None and a != b
+            for a, b in zip(form.arguments, self.argument_dtypes)
+        )
 
     def describe(self, form: CallForm) -> str:
         """What ``form`` changes, as the rest of a sentence that begins 'the planned Net'."""
@@ -356,7 +366,7 @@ class Snapshot:
                     "with the same budget, solver and options, and runs its plan for every "
                     "such call."
                 )
-            if form.state != self.state_dtypes or form.arguments != self.argument_dtypes:
+            if self._dtypes_moved(form):
                 message += (
                     " A plan holds for the dtypes it was made with: forward may branch on "
                     "them (Hugging Face T5 clamps in float16 only), and memory follows them."
