@@ -248,6 +248,7 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> 
     concrete = _non_tensor_arguments(model, args, kwargs)
     tracer = LeafTracer(leaf_modules)
     grad_enabled = torch.is_grad_enabled()
+    rng = torch.random.get_rng_state()
     capturing.tracer = tracer
     try:
         with _keeping_buffers(model) as changed:
@@ -255,6 +256,11 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> 
     finally:
         capturing.tracer = None
         torch._C._set_grad_enabled(grad_enabled)  # forward may switch it without restoring it
+    if not torch.equal(rng, torch.random.get_rng_state()):
+        # A random op on no traced value (torch.randn(8)) ran for real: its draw would be a
+        # constant of the graph, the same every step. torch.export records the op.
+        torch.random.set_rng_state(rng)
+        raise RuntimeError("forward drew from torch's random generator outside the traced values")
     if changed:
         # A buffer is a plain tensor while tracing: ``self.calls += 1`` ran once, for real, and
         # the graph would never repeat it. torch.export records such updates.

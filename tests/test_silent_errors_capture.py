@@ -673,3 +673,27 @@ def test_batchnorm_with_a_cumulative_average_is_planned_with_the_models_statisti
     assert_equivalent(reference, model, p.module, (x,), {})
     assert int(model.blocks[0][1].num_batches_tracked) == 2  # one per step of the two
     assert peak_memory(p.module, (x,)).peak_bytes <= p.predicted_peak_bytes + 8  # tracker's 8
+
+
+class ConstantShapeNoise(nn.Module):
+    """``torch.randn(8)`` takes no traced value: ``symbolic_trace`` ran it for real."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) + 0.1 * torch.randn(8)
+        return x
+
+
+def test_a_random_draw_on_no_traced_value_is_an_op_of_the_graph_not_a_constant():
+    """Found in this round: the traced graph held the capture's draw as a constant, the same
+    noise at every step (outputs off by 0.3). Such a forward goes to torch.export."""
+    torch.manual_seed(0)
+    model, x = ConstantShapeNoise(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n")
+    assert p.capture_method == "export" and p.segments
+    assert_equivalent(reference, model, p.module, (x,), {})
