@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from planner.attention import exact_attention
@@ -241,6 +242,20 @@ class LeafTracer(fx.Tracer):
         return super().create_arg(a)
 
 
+class _RandomDraws(TorchDispatchMode):
+    """Notes the first random op that runs for real (in this thread: dispatch modes are per
+    thread) while ``symbolic_trace`` runs forward; traced ops never dispatch."""
+
+    def __init__(self):
+        super().__init__()
+        self.op = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.op is None and torch.Tag.nondeterministic_seeded in func.tags:
+            self.op = func
+        return func(*args, **(kwargs or {}))
+
+
 def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> fx.GraphModule:
     if _variadic_tensors(model, args, kwargs, inspect.Parameter.VAR_KEYWORD):
         # fx makes one placeholder of **kwargs, which the profile cannot fill by name.
@@ -248,19 +263,17 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> 
     concrete = _non_tensor_arguments(model, args, kwargs)
     tracer = LeafTracer(leaf_modules)
     grad_enabled = torch.is_grad_enabled()
-    rng = torch.random.get_rng_state()
     capturing.tracer = tracer
     try:
-        with _keeping_buffers(model) as changed:
+        with _keeping_buffers(model) as changed, _RandomDraws() as draws:
             graph = tracer.trace(model, concrete_args=concrete or None)
     finally:
         capturing.tracer = None
         torch._C._set_grad_enabled(grad_enabled)  # forward may switch it without restoring it
-    if not torch.equal(rng, torch.random.get_rng_state()):
+    if draws.op is not None:
         # A random op on no traced value (torch.randn(8)) ran for real: its draw would be a
         # constant of the graph, the same every step. torch.export records the op.
-        torch.random.set_rng_state(rng)
-        raise RuntimeError("forward drew from torch's random generator outside the traced values")
+        raise RuntimeError(f"forward ran {draws.op} on no traced value: its draw would be baked")
     if changed:
         # A buffer is a plain tensor while tracing: ``self.calls += 1`` ran once, for real, and
         # the graph would never repeat it. torch.export records such updates.
