@@ -188,6 +188,94 @@ class MetaKernels:
         return outputs[0] if single else kind(outputs)
 
 
+def _on_larger_storage(tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``tensor``'s sizes and strides on a storage of ``nbytes`` (when that is more than its own):
+    what a kernel that allocates more than it returns (then narrows or resizes) really holds."""
+    if tensor.untyped_storage().nbytes() >= nbytes:
+        return tensor
+    storage = torch.empty(nbytes, dtype=torch.uint8, device=tensor.device).untyped_storage()
+    larger = tensor.new_empty(0)
+    return larger.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+def _embedding_bag(args: tuple, kwargs: dict, out: tuple) -> tuple:
+    """The CPU kernel makes ``offset2bag`` one element longer, then resizes it down (when it
+    makes one at all), and ``bag_size`` as long as ``offsets`` before dropping the last bag's
+    (``include_last_offset``): 8 and more bytes its fake kernel leaves out."""
+    output, offset2bag, bag_size, max_indices = out
+    offsets = args[2] if len(args) > 2 else kwargs["offsets"]
+    if offset2bag.numel():
+        size = (offset2bag.numel() + 1) * offset2bag.element_size()
+        offset2bag = _on_larger_storage(offset2bag, size)
+    bag_size = _on_larger_storage(bag_size, offsets.numel() * bag_size.element_size())
+    return output, offset2bag, bag_size, max_indices
+
+
+@functools.cache
+def _rnn_workspace_bytes(func, call: tuple) -> int:
+    """The bytes of the workspace the real CPU kernel of ``func`` returns for ``call`` (its
+    arguments, tensors given by shape and dtype)."""
+    # Real tensors: made with every mode off (a fake mode would make fakes, run fake kernels).
+    with _disable_current_modes(), torch.enable_grad():  # the kernel makes none without grad
+        args = [
+            torch.zeros(value[1], dtype=value[2]) if _is_tensor_spec(value) else value
+            for value in call
+        ]
+        return func(*args)[3].untyped_storage().nbytes()
+
+
+def _is_tensor_spec(value) -> bool:
+    return isinstance(value, tuple) and value[:1] == ("tensor",)
+
+
+def _frozen(value):
+    """A hashable stand-in for an ATen argument: tensors by shape and dtype."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _mkldnn_rnn_layer(args: tuple, kwargs: dict, out: tuple) -> tuple:
+    """oneDNN decides the size of an LSTM layer's workspace (the gates and states backward
+    reads: 1.27 MB for LSTM(32, 64) at 8 x 40, 3.3x the rest of that step), and the fake
+    kernel returns an empty one. The real kernel is run once per distinct call, on zeros, to
+    read it: oneDNN's sizes depend on its version and on the CPU."""
+    output, hy, cy, workspace = out
+    call = tuple(_frozen(value) for value in (*args, *kwargs.values()))
+    nbytes = _rnn_workspace_bytes(torch.ops.aten.mkldnn_rnn_layer.default, call)
+    return output, hy, cy, workspace.new_empty(nbytes)  # uint8, as the real one
+
+
+def _mkldnn_rnn_layer_backward(args: tuple, kwargs: dict, out: tuple) -> tuple:
+    """The real kernel returns the two bias gradients on storages of their own; the fake one
+    returns one tensor twice."""
+    bias_ih, bias_hh = out[3:5]
+    if bias_hh.untyped_storage()._cdata == bias_ih.untyped_storage()._cdata:
+        return (*out[:4], torch.empty_like(bias_hh), *out[5:])
+    return out
+
+
+# CPU kernels whose results hold more memory than their fake kernels' (torch 2.13): each takes
+# (args, kwargs, fake result) and returns the result on storages of the real sizes.
+_CPU_ALLOCATIONS: dict[torch._ops.OpOverload, Callable[[tuple, dict, tuple], tuple]] = {
+    torch.ops.aten._embedding_bag.default: _embedding_bag,
+    torch.ops.aten._embedding_bag_forward_only.default: _embedding_bag,
+    torch.ops.aten.mkldnn_rnn_layer.default: _mkldnn_rnn_layer,
+    torch.ops.aten.mkldnn_rnn_layer_backward.default: _mkldnn_rnn_layer_backward,
+}
+
+
+def real_cpu_allocations(func, args: tuple, kwargs: dict, out):
+    """``out`` with the storage sizes that ``func``'s CPU kernel really allocates, where its
+    fake kernel reports less (see ``_CPU_ALLOCATIONS``); ``out`` itself elsewhere."""
+    fix = _CPU_ALLOCATIONS.get(func)
+    if fix is None or not all(t.device.type == "cpu" for t in tensors_in(out)):
+        return out
+    return fix(args, kwargs, out)
+
+
 # Kernels that refuse operands of different dtypes on every device, where meta kernels (and so
 # the profile) accept them: an int64 input into a float nn.Linear would fail only when run.
 

@@ -414,6 +414,14 @@ def build_problem(
     net = np.array([require_meta(node, "planner.backward_net") for node in nodes], np.int64)
     grad_alloc = high - grad_bytes_at
     grad_free = high - net
+    workspace = np.array([require_meta(nd, "planner.workspace") for nd in nodes], np.int64)
+    if n:
+        # The step holds its loss from the loss's forward to its end: re-made at the first
+        # backward step, never freed there (the loss node's own copy goes after its forward).
+        grad_alloc[n - 1] += profile.loss_bytes
+        # The default loss sums the outputs right after the last node, while they are live.
+        if profile.loss is None:
+            workspace[n - 1] = max(workspace[n - 1], profile.default_loss_high)
 
     cut_delta = np.zeros(n + 2, dtype=np.int64)
     for s in storages.values():
@@ -461,7 +469,7 @@ def build_problem(
         flops=flops,
         bytes_moved=moved,
         seconds=cost_model.seconds(flops, moved, [node.name for node in nodes]),
-        workspace=np.array([require_meta(nd, "planner.workspace") for nd in nodes], np.int64),
+        workspace=workspace,
         created_bytes=np.array([sum(c.values()) for c in created], dtype=np.int64),
         saves=np.array([bool(s) for s in saved], dtype=bool),
         saves_own=np.array([bool(made) for made in made_before_last_save], dtype=bool),

@@ -90,6 +90,7 @@ from planner.fakes import (
     all_on_meta,
     op_facts,
     quiet_fake_failures,
+    real_cpu_allocations,
     tensors_in,
 )
 from planner.gcpause import paused_collection
@@ -132,6 +133,12 @@ class Profile:
     seconds: float = 0.0
     # The user's loss, recorded as one more node after the graph's last (see ``loss_node``).
     loss: fx.Node | None = None
+    # The loss's storage: the training step holds the loss until it ends (its backward and
+    # the optimizer step), long after the loss node, if any, created it.
+    loss_bytes: int = 0
+    # The default loss (no ``loss_fn``): the most bytes its sums hold at once, made after the
+    # graph's last node while the outputs are still live.
+    default_loss_high: int = 0
 
     def fixed_bytes(self, kind: str) -> int:
         return sum(self.storage_bytes[s] for s, k in self.fixed_kind.items() if k == kind)
@@ -168,6 +175,15 @@ class _Storages:
             key = self.keys[storage._cdata] = len(self.keys)
             self.nbytes[key] = storage.nbytes()
             self.alive.append(storage)
+        return key
+
+    def fixed_key(self, original, stand_in) -> int | None:
+        """The key of a stand-in for one of the user's tensors, counted at the size of the
+        user's storage: a fake copy has only what its elements span, where the real storage
+        may hold more (``torch.hann_window(128)`` holds 129 floats)."""
+        key = self.key(stand_in)
+        if key is not None and isinstance(original, torch.Tensor):
+            self.nbytes[key] = max(self.nbytes[key], original.untyped_storage().nbytes())
         return key
 
 
@@ -268,7 +284,7 @@ class _CostMode(TorchDispatchMode):
         if func.overloadpacket in _SAME_DTYPE_OPS:
             _check_same_dtype(func, inputs)
         before = len(self.storages.keys)
-        out = self.call(func, args, kwargs)
+        out = real_cpu_allocations(func, args, kwargs, self.call(func, args, kwargs))
         if func in _CPU_MIXED_DTYPE_NORMS:
             out = _cpu_statistics(out, inputs)
         facts = op_facts(func)
@@ -378,8 +394,10 @@ class _BackwardMemory(TorchDispatchMode):
 
     def enter(self, node: fx.Node) -> None:
         self._close()
-        self.current, self.start = node, self.live
-        self.high.setdefault(node, 0)
+        # What the loss's backward allocated before the first node (the seed, ``ones_like``
+        # of the loss, held by ``backward()`` until it returns) counts as that node's.
+        self.current, self.start = node, (0 if self.current is None else self.live)
+        self.high[node] = max(self.high.get(node, 0), self.live - self.start)
         self.net.setdefault(node, 0)
 
     def _close(self) -> None:
@@ -397,7 +415,7 @@ class _BackwardMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = self.call(func, args, kwargs)
+        out = real_cpu_allocations(func, args, kwargs, self.call(func, args, kwargs))
         grew = False
         for t in tensors_in(_computed(func, args, kwargs, out)):
             if t.layout is not torch.strided:
@@ -414,6 +432,37 @@ class _BackwardMemory(TorchDispatchMode):
         # Only an allocation can raise the high-water mark (enter() starts every node at 0).
         if grew and self.current is not None:
             self.high[self.current] = max(self.high[self.current], self.live - self.start)
+        return out
+
+
+class _HighWater(TorchDispatchMode):
+    """The most bytes of new storages live at once while it is on (weak references tell when
+    they are freed): what a piece of the step outside the graph, the default loss, holds."""
+
+    def __init__(self, call: Callable):
+        super().__init__()
+        self.call = call
+        self.live = self.high = 0
+        self.tracked: dict[int, weakref.ref] = {}
+
+    def _free(self, cdata: int, nbytes: int, reference: weakref.ref) -> None:
+        if self.tracked.pop(cdata, None) is not None:
+            self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = {t.untyped_storage()._cdata for t in tensors_in((args, tuple(kwargs.values())))}
+        out = self.call(func, args, kwargs)
+        for t in tensors_in(out):
+            storage = t.untyped_storage()
+            cdata = storage._cdata
+            if cdata in inputs or cdata in self.tracked:
+                continue
+            nbytes = storage.nbytes()
+            free = functools.partial(self._free, cdata, nbytes)
+            self.tracked[cdata] = weakref.ref(storage, free)
+            self.live += nbytes
+            self.high = max(self.high, self.live)
         return out
 
 
@@ -671,6 +720,7 @@ def profile(
             else:
                 copies = Copies(functools.partial(mode.from_tensor, static_shapes=True))
                 call = FakeCall(mode)
+        originals = tree_leaves((args, kwargs))
         args, kwargs = tree_map_only(torch.Tensor, copies, (args, kwargs))
         # Every stand-in now, before the run: meta copies are made by ops that the cost mode
         # would count as memory of the node that first used the tensor.
@@ -678,18 +728,18 @@ def profile(
             if module is not gm:  # the graph runs here, not gm: a copy would only recompile it
                 copies(module)
         for p in gm.parameters():
-            key = storages.key(copies(p))
+            key = storages.fixed_key(p, copies(p))
             if key is None:  # not strided (sparse): no storage to count
                 continue
             fixed_kind[key] = "parameter"
             if p.requires_grad:
                 trainable.add(key)
         for b in gm.buffers():
-            key = storages.key(copies(b))
+            key = storages.fixed_key(b, copies(b))
             if key is not None:
                 fixed_kind.setdefault(key, "buffer")
-        for t in tree_leaves((args, kwargs)):
-            key = storages.key(t)  # None for non-tensors
+        for original, t in zip(originals, tree_leaves((args, kwargs))):
+            key = storages.fixed_key(original, t)  # None for non-tensors
             if key is not None:
                 fixed_kind.setdefault(key, "input")
         cost = _CostMode(storages, call)
@@ -700,8 +750,10 @@ def profile(
             output = recorder.run(*placeholder_values(gm, args, kwargs))
         output_keys = {k for t in tree_leaves(output) if (k := storages.key(t)) is not None}
         loss_at = None if loss_fn is None else loss_node(loss_fn)
+        default_loss = _HighWater(call)
         if loss_fn is None or loss_at is None:
-            loss = training_loss(output)
+            with default_loss:
+                loss = training_loss(output)
         else:
             recorder.backward.nodes.append(loss_at)
             with cost:
@@ -709,6 +761,7 @@ def profile(
                     loss_at, functools.partial(_run_loss, loss_fn, output, copies)
                 )
         del output
+        loss_bytes = loss.untyped_storage().nbytes()
         # A loss_fn's labels, saved for backward, are the user's: replaced there as well.
         labels = _StandIns(copies) if loss_fn is not None else contextlib.nullcontext()
         with recorder.backward, labels:
@@ -730,4 +783,6 @@ def profile(
         output_storages=frozenset(output_keys),
         seconds=time.perf_counter() - start,
         loss=loss_at,
+        loss_bytes=loss_bytes,
+        default_loss_high=default_loss.high,
     )
