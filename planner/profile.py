@@ -77,6 +77,8 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.autograd.function import BackwardCFunction
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
@@ -682,6 +684,31 @@ def check_loss(loss) -> None:
         )
 
 
+def warn_of_hook_computed_weights(gm: fx.GraphModule) -> None:
+    """Warn of modules whose weight a forward pre-hook computes (the old hook-based
+    ``torch.nn.utils.weight_norm`` and ``spectral_norm``): the hook stores it as a plain
+    attribute that lives past the node's backward, into the next step, and every recompute
+    makes another; the profile does not follow it (measured: 66 KB over a plan's prediction
+    with six 64x64 layers, about the size of their weights)."""
+    hooked = {
+        name: "weight_norm" if isinstance(hook, WeightNorm) else "spectral_norm"
+        for name, module in gm.named_modules()
+        for hook in module._forward_pre_hooks.values()
+        if isinstance(hook, (WeightNorm, SpectralNorm))
+    }
+    if hooked:
+        kinds = sorted(set(hooked.values()))
+        warnings.warn(
+            f"{', '.join(list(hooked)[:4])}{', ...' if len(hooked) > 4 else ''} compute their "
+            f"weights in forward pre-hooks (torch.nn.utils.{' / '.join(kinds)}): the tensors "
+            "they store on the modules are not counted, so the measured peak can exceed the "
+            "prediction by about their bytes. Use "
+            f"{' / '.join('torch.nn.utils.parametrizations.' + k for k in kinds)} instead, "
+            "which plans exactly.",
+            stacklevel=2,
+        )
+
+
 @paused_collection()
 def profile(
     gm: fx.GraphModule, args: tuple, kwargs: dict | None = None, *, loss_fn: Callable | None = None
@@ -703,6 +730,7 @@ def profile(
     """
     start = time.perf_counter()
     kwargs = kwargs or {}
+    warn_of_hook_computed_weights(gm)
     storages = _Storages()
     fixed_kind: dict[int, str] = {}
     trainable: set[int] = set()
