@@ -174,8 +174,8 @@ def _measured_and_simulated(spec, choice_of):
 
 
 def _offset(model, args, problem) -> int:
-    """What the tracker measures beyond the replay with nothing checkpointed (the loss's
-    scalars): the same for every plan when the replay is exact."""
+    """What the tracker measures beyond the replay with nothing checkpointed (none since the
+    loss's scalars are modelled): the same for every plan when the replay is exact."""
     return peak_memory(model, args).peak_bytes - simulate(problem, ()).peak_bytes
 
 
@@ -223,8 +223,8 @@ def test_simulated_peak_equals_the_measured_peak_on_a_resnet(spec):
 
 @functools.cache
 def _zoo(name: str):
-    """A zoo model, captured and profiled, and the tracker's offset from the replay (the loss's
-    scalars: 4 or 8 bytes, the same for every plan when the replay is exact)."""
+    """A zoo model, captured and profiled, and the tracker's offset from the replay (see
+    ``_offset``)."""
     from planner import zoo
 
     model, args = zoo.build(name)
@@ -356,7 +356,7 @@ def test_only_chains_get_the_exact_front():
 
 def test_the_chain_front_predicts_the_measured_peak_of_a_real_chain():
     """The zoo MLP (Linear, ReLU, ...) is a chain: each plan of the front is measured at the
-    peak it predicts, less the tracker's offset (the loss's scalars)."""
+    peak it predicts, less the tracker's offset (see ``_offset``)."""
     from planner import zoo
     from planner.solvers.rotor import _Front
 
