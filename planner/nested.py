@@ -346,11 +346,15 @@ class _Replay:
             by_producer.setdefault(s.producer, []).append(s)
 
         forward = {p: p for p in range(n)}
+        outputs_read_by_loss = 0  # graph outputs freed once the loss has read them
         for p in range(n):
             transient[p] = problem.workspace[p]
             alloc[p] += problem.created_bytes[p]
             for s in by_producer.get(p, ()):
-                free[self._release(None, s, p, forward, n - 1)] += s.nbytes
+                released = self._release(None, s, p, forward, n - 1)
+                free[released] += s.nbytes
+                if s.is_output and released == n - 1:
+                    outputs_read_by_loss += s.nbytes
         seconds = flops = 0.0
         for segment, executed in self.runs.items():
             at = dict(executed)
@@ -380,11 +384,18 @@ class _Replay:
             alloc[step] += problem.activation_grad_alloc[p] + problem.grad_bytes_at[p]
             free[step] += problem.activation_grad_free[p]
 
+        first_backward = self.backward_step.get(n - 1, n)
+        if first_backward > n:  # recomputes run before it: they hold the loss and the seed
+            alloc[n] += problem.loss_bytes
+            free[first_backward - 1] += problem.loss_bytes
         after = np.cumsum(alloc - free)
         live = after + free + transient
         step_bytes = int(after[-1]) if steps else 0
         step_bytes += problem.optimizer_step_bytes
         peak = max(int(live.max(initial=0)), step_bytes)
+        if n:  # the default loss, summing the outputs after the last node has run
+            loss_high = int(after[n - 1]) + outputs_read_by_loss + problem.default_loss_high
+            peak = max(peak, loss_high)
         timeline = None
         if record:
             timeline = tuple(zip(self.phases, self.positions, live.tolist()))

@@ -161,6 +161,12 @@ class Problem:
     # (``CostModel.checkpoint_seconds`` and ``keep_seconds``; ``planner.simulate`` charges them).
     checkpoint_seconds: float = 0.0
     keep_seconds: float = 0.0
+    # The loss and backward's seed: live from the end of forward, counted in the first backward
+    # step's allocation; a recompute that runs before that step holds them too (simulate).
+    loss_bytes: int = 0
+    # The default loss (no loss_fn node): what its sums hold at once, right after the last node
+    # while the graph's outputs are still live (simulate).
+    default_loss_high: int = 0
 
     @property
     def size(self) -> int:
@@ -414,14 +420,10 @@ def build_problem(
     net = np.array([require_meta(node, "planner.backward_net") for node in nodes], np.int64)
     grad_alloc = high - grad_bytes_at
     grad_free = high - net
-    workspace = np.array([require_meta(nd, "planner.workspace") for nd in nodes], np.int64)
     if n:
         # The step holds its loss from the loss's forward to its end: re-made at the first
         # backward step, never freed there (the loss node's own copy goes after its forward).
         grad_alloc[n - 1] += profile.loss_bytes
-        # The default loss sums the outputs right after the last node, while they are live.
-        if profile.loss is None:
-            workspace[n - 1] = max(workspace[n - 1], profile.default_loss_high)
 
     cut_delta = np.zeros(n + 2, dtype=np.int64)
     for s in storages.values():
@@ -469,7 +471,7 @@ def build_problem(
         flops=flops,
         bytes_moved=moved,
         seconds=cost_model.seconds(flops, moved, [node.name for node in nodes]),
-        workspace=workspace,
+        workspace=np.array([require_meta(nd, "planner.workspace") for nd in nodes], np.int64),
         created_bytes=np.array([sum(c.values()) for c in created], dtype=np.int64),
         saves=np.array([bool(s) for s in saved], dtype=bool),
         saves_own=np.array([bool(made) for made in made_before_last_save], dtype=bool),
@@ -495,6 +497,8 @@ def build_problem(
         checkpoint_seconds=cost_model.checkpoint_seconds,
         keep_seconds=cost_model.keep_seconds,
         buffer_copies=_buffer_copies(gm, nodes),
+        loss_bytes=profile.loss_bytes + profile.seed_bytes,
+        default_loss_high=profile.default_loss_high if profile.loss is None else 0,
     )
 
 

@@ -141,6 +141,9 @@ class Profile:
     # The default loss (no ``loss_fn``): the most bytes its sums hold at once, made after the
     # graph's last node while the outputs are still live.
     default_loss_high: int = 0
+    # The gradient seeding backward (``ones_like`` of the loss), held until backward returns;
+    # the fake backward counts it in the first node's allocation.
+    seed_bytes: int = 0
 
     def fixed_bytes(self, kind: str) -> int:
         return sum(self.storage_bytes[s] for s, k in self.fixed_kind.items() if k == kind)
@@ -789,7 +792,7 @@ def profile(
                     loss_at, functools.partial(_run_loss, loss_fn, output, copies)
                 )
         del output
-        loss_bytes = loss.untyped_storage().nbytes()
+        loss_bytes, seed_bytes = loss.untyped_storage().nbytes(), loss.element_size()
         # A loss_fn's labels, saved for backward, are the user's: replaced there as well.
         labels = _StandIns(copies) if loss_fn is not None else contextlib.nullcontext()
         with recorder.backward, labels:
@@ -813,4 +816,5 @@ def profile(
         loss=loss_at,
         loss_bytes=loss_bytes,
         default_loss_high=default_loss.high,
+        seed_bytes=seed_bytes,
     )

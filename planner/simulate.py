@@ -149,6 +149,8 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     np.maximum.at(last_use, a.read_storage[argument], returns[reader_segment[argument]])
     in_forward = ~triggered & ~cached
     forward_free = _total_at(last_use[in_forward], a.nbytes[in_forward], n)
+    # Graph outputs the forward frees once the loss has read them (after its last node).
+    outputs_read_by_loss = int(a.nbytes[in_forward & a.is_output & (last_use == n - 1)].sum())
 
     end = ends[home]  # -1 outside segments: nothing is recomputed
     made = a.before_last_save & problem.saves_own[end]
@@ -172,7 +174,24 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     created = recomputed & ~cached
     recompute_alloc = _total_at(a.producer[created], a.nbytes[created], n)
     recompute_free = _total_at(last_read[by_reader], a.nbytes[by_reader], n)
-    return forward_free, backward_free, recompute_alloc, recompute_free, ends[:-1]
+    return (
+        forward_free,
+        backward_free,
+        recompute_alloc,
+        recompute_free,
+        ends[:-1],
+        outputs_read_by_loss,
+    )
+
+
+def _hold_loss_through_first_recompute(problem, phase, alloc, free) -> None:
+    """The loss and backward's seed live from the end of forward; the first backward step
+    allocates them (``Problem.loss_bytes``). A recompute that runs before that step (a segment
+    ending at the last saving node of the graph) holds them too. ``phase``: 2 for backward."""
+    first_backward = int(np.argmax(phase == 2)) if problem.size else 0
+    if first_backward > problem.size:  # recompute steps come between forward and it
+        alloc[problem.size] += problem.loss_bytes
+        free[first_backward - 1] += problem.loss_bytes
 
 
 def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
@@ -197,7 +216,7 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     segment_of = np.full(n, -1, dtype=np.int64)
     for k, (start, stop) in enumerate(segments):
         segment_of[start:stop] = k
-    forward_free, backward_free, recompute_alloc, recompute_free, ends = _releases(
+    forward_free, backward_free, recompute_alloc, recompute_free, ends, outputs = _releases(
         problem, segments, segment_of, kept
     )
 
@@ -254,9 +273,12 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     )
     alloc = alloc + np.concatenate(extra_alloc)
     free = free + np.concatenate(extra_free)
+    _hold_loss_through_first_recompute(problem, phase, alloc, free)
     after = np.cumsum(alloc - free)
     live = after + free + transient  # at each step's high point
     peak = int(live.max(initial=0))
+    if n:  # the default loss, summing the outputs after the last node has run
+        peak = max(peak, int(after[n - 1]) + outputs + problem.default_loss_high)
     # optimizer.step() runs on what backward leaves (gradients), with its temporaries.
     step = int(after[-1]) + problem.optimizer_step_bytes if n else problem.optimizer_step_bytes
     peak = max(peak, step)

@@ -206,15 +206,7 @@ class _Experts(nn.Module):
         ((4, 7),),  # no node keeping offsets inside
         ((0, 5),),  # the first block whole: its forward's offsets live on to its backward
         ((2, 4),),  # from the offsets' producer to their keeper: recomputed, then kept again
-        pytest.param(
-            ((0, 15),),
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the loss's value and backward's seed are replayed from the first "
-                "backward step; a recompute before it (the last node's segment) runs without "
-                "them: 4 bytes under",
-            ),
-        ),
+        ((0, 15),),
         ((0, 10), (10, 15)),
         nested_choice([(0, 15, [(0, 5), (5, 10)])]),
         nested_choice([(0, 10, [(2, 4, [(3, 4)])])]),
