@@ -54,6 +54,8 @@ class Simulation:
 def validate_segments(problem: Problem, segments) -> Segments:
     """Sorted, disjoint, valid segments, or a ValueError naming the bad one."""
     result = tuple(sorted((int(a), int(b)) for a, b in segments))
+    if _segments_valid(problem, result):
+        return result
     previous_stop = 0
     for start, stop in result:
         if not problem.is_valid_segment(start, stop):
@@ -68,6 +70,50 @@ def validate_segments(problem: Problem, segments) -> Segments:
     return result
 
 
+def _segments_valid(problem: Problem, segments: Segments) -> bool:
+    """Whether sorted ``segments`` are all valid and disjoint, in a few array operations (a
+    replay checks hundreds of segments; ``validate_segments`` then names a bad one)."""
+    if not segments:
+        return True
+    starts, stops = np.array(segments, dtype=np.int64).T
+    if starts[0] < 0 or stops[-1] > problem.size or (starts >= stops).any():
+        return False
+    if (starts[1:] < stops[:-1]).any():
+        return False
+    barred = np.concatenate(([0], np.cumsum(~problem.checkpointable)))
+    allowed = problem.cut_allowed
+    return bool(
+        allowed[starts].all() and allowed[stops].all() and (barred[stops] == barred[starts]).all()
+    )
+
+
+def _keep_valid(problem: Problem, segments: Segments, keep: frozenset[int]) -> bool:
+    """Whether ``keep`` is valid under valid ``segments`` (see ``validate_choice``), in a few
+    array operations; ``validate_choice`` then names what is wrong."""
+    kept = np.array(sorted(keep), dtype=np.int64)
+    if kept[0] < 0 or kept[-1] >= problem.size or not problem.keepable[kept].all():
+        return False
+    if not segments:
+        return False
+    starts, stops = np.array(segments, dtype=np.int64).T
+    last = problem.last_saving[stops - 1]  # recompute_stop, for every segment at once
+    runs_to = np.where(last < starts, starts, last + problem.saves_own[np.maximum(last, 0)])
+    home = np.searchsorted(starts, kept, side="right") - 1  # the segment starting at or before
+    if (home < 0).any() or (kept >= runs_to[home]).any():
+        return False  # in no segment, or past what its recompute runs (runs_to <= stop)
+    # Random nodes run by a recompute: no kept one before a recomputed one of its segment.
+    random = np.flatnonzero(problem.random)
+    inside = np.searchsorted(starts, random, side="right") - 1
+    run = (inside >= 0) & (random < runs_to[np.maximum(inside, 0)])
+    random, inside = random[run], inside[run]
+    is_kept = np.isin(random, kept)
+    first_kept = np.full(len(segments), problem.size, dtype=np.int64)
+    np.minimum.at(first_kept, inside[is_kept], random[is_kept])
+    last_recomputed_random = np.full(len(segments), -1, dtype=np.int64)
+    np.maximum.at(last_recomputed_random, inside[~is_kept], random[~is_kept])
+    return bool((first_kept >= last_recomputed_random).all())
+
+
 def validate_choice(problem: Problem, choice) -> Choice:
     """A valid ``Choice`` with sorted segments, or a ValueError naming what is wrong.
 
@@ -80,6 +126,8 @@ def validate_choice(problem: Problem, choice) -> Choice:
     keep = frozenset(int(k) for k in choice.keep)
     if not keep:
         return Choice(segments)
+    if _keep_valid(problem, segments, keep):
+        return Choice(segments, keep)
     ordered = sorted(keep)
     for k in ordered:
         if not 0 <= k < problem.size:
