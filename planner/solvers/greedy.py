@@ -8,6 +8,8 @@ node's saved bytes to the total and keeps the cheapest plan whose simulated peak
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from planner.problem import Problem
@@ -27,8 +29,24 @@ def greedy_cuts(problem: Problem, threshold: float) -> list[int]:
     return cuts
 
 
+# Plans found, per problem and (budget, thresholds): ``optimal`` replays greedy's plan as a
+# candidate and ``auto`` runs greedy after it, at the same budget (25 replays each).
+_FOUND: weakref.WeakKeyDictionary[Problem, dict[tuple[int, int], Segments]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 @register("greedy")
 def solve(problem: Problem, budget_bytes: int, *, thresholds: int = 24, **options) -> Segments:
+    found = _FOUND.setdefault(problem, {})
+    key = (int(budget_bytes), thresholds)
+    if key not in found:
+        found[key] = _search(problem, budget_bytes, thresholds)
+    return found[key]
+
+
+def _search(problem: Problem, budget_bytes: int, thresholds: int) -> Segments:
+    """The cheapest plan of the threshold search that fits, else the one of lowest peak."""
     saved = problem.saved_bytes_per_node()
     total = float(saved.sum())
     if total <= 0:
