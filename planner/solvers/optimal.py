@@ -95,6 +95,7 @@ from planner.simulate import (
     as_choice,
     last_recomputed,
     recompute_stop,
+    recomputed_nodes,
     simulate,
 )
 from planner.solvers import register
@@ -1166,11 +1167,10 @@ def _searched_plan(
         segments = as_choice(best).segments
         # The search's best plan is among those the keep pass tries: nothing dearer can win.
         ceiling = found[0] if found is not None and found[1].segments == segments else math.inf
-        for kept in [
-            *_keep_pass(search, segments, ceiling),
-            *_prefix_keeps(problem, budget_bytes, segments),
-        ]:
+        for kept in _keep_pass(search, segments, ceiling):
             results[kept] = simulate(problem, kept)
+        to_beat = results[_best(results, budget_bytes)].recompute_seconds
+        results.update(_prefix_keeps(problem, budget_bytes, segments, to_beat))
         best = _best(results, budget_bytes)
     return best
 
@@ -1336,18 +1336,48 @@ def _block_groups(problem: Problem) -> list[Segments]:
     return [segments_between(problem, cuts[k - 1 :: k]) for k in GROUPS if k <= max(len(cuts), 1)]
 
 
-def _prefix_keeps(problem: Problem, budget: int, segments: Segments) -> list[Choice]:
+def _prefix_keeps(
+    problem: Problem, budget: int, segments: Segments, to_beat: float
+) -> dict[Choice, Simulation]:
     """Keeps chosen after the segments, as ``optimal`` did before ``_keep_pass``, where they can
     still win: of a few segmentations (``segments`` and ``_block_groups``), each gets the
     longest fitting prefix of its eligible nodes by ``_keep_value`` (``_best_prefix``), then
     each of its next ``FILL_NODES`` eligible nodes that still fits (``_fill``). Bounded by
-    counts: at most about 25 replays per segmentation."""
+    counts: at most about 25 replays per segmentation.
+
+    ``to_beat``: the recompute seconds of the best fitting plan found before. A plan costing as
+    much or more cannot win (it would rank after it), so a fill that could not go below it even
+    keeping all its nodes (``_least_seconds``) is not replayed, and neither is its plan."""
     if simulate(problem, segments).peak_bytes > budget:
-        return []
+        return {}
     value = _keep_value(problem)
-    plans = []
+    plans = {}
     for candidate in dict.fromkeys([segments, *_block_groups(problem)]):
         found = _best_prefix(problem, budget, candidate, value)
-        if found is not None:
-            plans.append(_fill(problem, budget, found[:2], found[2])[1])
-    return [plan for plan in plans if plan.keep]
+        if found is None:
+            continue
+        result, choice, rest = found
+        if _least_seconds(problem, choice, rest[:FILL_NODES]) >= to_beat:
+            continue
+        result, choice = _fill(problem, budget, (result, choice), rest)
+        if choice.keep:
+            plans[choice] = result
+            to_beat = min(to_beat, result.recompute_seconds)
+    return plans
+
+
+def _least_seconds(problem: Problem, choice: Choice, more: np.ndarray) -> float:
+    """A lower bound on the recompute seconds of ``choice`` with any of the nodes ``more`` kept
+    too, each run by its segment's recompute and worth keeping (``_keep_value``: it spares more
+    seconds than keeping it costs), so that keeping all of them costs least.
+
+    Computed in other floating-point order than ``simulate``'s sum, so it is lowered by far more
+    than any rounding could move either (``1e-9`` of the sum of every term's size)."""
+    runs = recomputed_nodes(problem, Choice(choice.segments, choice.keep | set(more.tolist())))
+    kept = len(choice.keep) + more.size
+    calls = problem.checkpoint_seconds * len(choice.segments) + problem.keep_seconds * kept
+    rounding = 1e-9 * (
+        float(np.abs(problem.seconds).sum())
+        + problem.size * (abs(problem.checkpoint_seconds) + abs(problem.keep_seconds))
+    )
+    return float(problem.seconds[runs].sum()) + calls - rounding
