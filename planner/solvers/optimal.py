@@ -1281,10 +1281,10 @@ def _eligible(problem: Problem, segments: Segments, value: np.ndarray) -> np.nda
     return order[np.argsort(-value[order], kind="stable")]
 
 
-def _best_prefix(problem: Problem, budget: int, segments: Segments, value: np.ndarray):
+def _best_prefix(problem: Problem, budget: int, segments: Segments, order: np.ndarray):
     """(simulation, choice, the eligible nodes left out) keeping the most valuable eligible
-    nodes of ``segments`` that fit: a binary search over how many, in ``_keep_value`` order;
-    None when ``segments`` alone does not fit.
+    nodes of ``segments`` (``order``: ``_eligible``) that fit: a binary search over how many,
+    in ``_keep_value`` order; None when ``segments`` alone does not fit.
 
     More kept nodes hold more memory and cost less to recompute, so the search looks for the
     longest prefix that fits, among ``PREFIXES + 1`` evenly spaced lengths (every length when
@@ -1292,7 +1292,6 @@ def _best_prefix(problem: Problem, budget: int, segments: Segments, value: np.nd
     the graph's size. Peaks are not strictly monotone in the length, so the answer is a prefix
     that fits (every candidate is simulated), not always the longest.
     """
-    order = _eligible(problem, segments, value)
     lengths = np.unique(np.linspace(0, order.size, min(order.size, PREFIXES) + 1).round()).astype(
         int
     )
@@ -1346,14 +1345,17 @@ def _prefix_keeps(
     counts: at most about 25 replays per segmentation.
 
     ``to_beat``: the recompute seconds of the best fitting plan found before. A plan costing as
-    much or more cannot win (it would rank after it), so a fill that could not go below it even
-    keeping all its nodes (``_least_seconds``) is not replayed, and neither is its plan."""
+    much or more cannot win (it would rank after it), so a segmentation, or a fill, that could
+    not go below it even keeping all its eligible nodes (``_least_seconds``) is not replayed."""
     if simulate(problem, segments).peak_bytes > budget:
         return {}
     value = _keep_value(problem)
     plans = {}
     for candidate in dict.fromkeys([segments, *_block_groups(problem)]):
-        found = _best_prefix(problem, budget, candidate, value)
+        order = _eligible(problem, candidate, value)
+        if _least_seconds(problem, Choice(candidate), order) >= to_beat:
+            continue
+        found = _best_prefix(problem, budget, candidate, order)
         if found is None:
             continue
         result, choice, rest = found
