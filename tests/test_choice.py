@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from planner.simulate import Choice, recompute_stop, validate_choice, validate_segments
-from tests.problems import random_problem
+from problems import random_problem
 
 
 def rules_allow(problem, segments, keep) -> bool:

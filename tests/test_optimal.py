@@ -518,3 +518,65 @@ def test_no_ceiling_where_a_block_can_cost_less_than_nothing():
     negative = dataclasses.replace(problem, keep_seconds=-1.0)
     assert not optimal._Search(negative, t, 1 << 30, False, False, 1).prunable
     assert not optimal._Search(problem, t, 1 << 30, True, False, 1).prunable  # peaks, not costs
+
+
+@settings(max_examples=40)
+@given(st.integers(0, 10_000), st.data())
+def test_least_recompute_seconds_is_never_above_the_replay(seed, data):
+    """The bound that lets ``greedy`` and ``_prefix_keeps`` skip replays: below what the replay
+    charges, by no more than rounding."""
+    from planner.solvers.common import least_recompute_seconds
+    from strategies import random_choices
+
+    problem = random_problem(seed, 12)
+    choice = data.draw(random_choices(problem))
+    replayed = simulate(problem, choice).recompute_seconds
+    bound = least_recompute_seconds(problem, choice)
+    assert bound <= replayed
+    assert replayed - bound <= 1e-6 * float(problem.seconds.sum())
+
+
+def every_replay(monkeypatch, module) -> None:
+    """Make ``module`` replay every candidate (no bound ever skips one)."""
+    monkeypatch.setattr(module, "least_recompute_seconds", lambda problem, choice: -math.inf)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_skips_only_replays_that_could_not_win(seed, monkeypatch):
+    from planner.solvers import greedy
+
+    problem = long_problem(300, seed)
+    baseline = simulate(problem, ()).peak_bytes
+    lowest = simulate(problem, greedy.solve(problem, 0)).peak_bytes
+    budgets = [int(lowest + f * (baseline - lowest)) for f in (0.0, 0.1, 0.5, 0.9)]
+    skipping = [greedy.solve(problem, budget) for budget in budgets]
+    greedy._FOUND.clear()
+    every_replay(monkeypatch, greedy)
+    assert skipping == [greedy.solve(problem, budget) for budget in budgets]
+
+
+@pytest.mark.parametrize("fraction", (0.7, 0.9))  # below, no kept node fits
+def test_prefix_keeps_replays_every_plan_that_could_beat_the_one_to_beat(
+    gpt_problem, fraction, monkeypatch
+):
+    """``_prefix_keeps`` leaves out segmentations and fills that could not go below
+    ``to_beat``: below it, the cheapest plan it finds is the one it finds replaying all."""
+    problem = gpt_problem
+    baseline = simulate(problem, ()).peak_bytes
+    lowest = simulate(problem, SOLVERS["optimal"](problem, 0, keep=False)).peak_bytes
+    budget = int(lowest + fraction * (baseline - lowest))
+    segments = as_choice(SOLVERS["optimal"](problem, budget, keep=False)).segments
+    with monkeypatch.context() as patch:
+        patch.setattr(optimal, "least_recompute_seconds", lambda problem, choice: -math.inf)
+        every = optimal._prefix_keeps(problem, budget, segments, math.inf)
+    costs = sorted(r.recompute_seconds for r in every.values())
+    assert costs
+    left_out = 0
+    for to_beat in (math.inf, *costs, costs[0] / 2):
+        plans = optimal._prefix_keeps(problem, budget, segments, to_beat)
+        assert all(every[plan] == result for plan, result in plans.items())
+        below = [cost for cost in costs if cost < to_beat]
+        if below:
+            assert min(r.recompute_seconds for r in plans.values()) == below[0]
+        left_out += len(plans) < len(every)
+    assert left_out  # the bound did spare replays

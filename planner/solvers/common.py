@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
+
 from planner.errors import short_repr
 from planner.nested import NestedChoice, validate_nested
 from planner.problem import Problem
-from planner.simulate import Choice, Segments, Simulation, validate_choice, validate_segments
+from planner.simulate import (
+    Choice,
+    Segments,
+    Simulation,
+    as_choice,
+    call_seconds,
+    recomputed_nodes,
+    validate_choice,
+    validate_segments,
+)
 
 
 def segments_between(problem: Problem, cuts) -> Segments:
@@ -21,6 +32,20 @@ def rank(result: Simulation, budget_bytes: int) -> tuple[bool, float]:
     by peak (so that, when nothing fits, the first is the one that comes closest)."""
     fits = result.peak_bytes <= budget_bytes
     return (not fits, result.recompute_seconds if fits else result.peak_bytes)
+
+
+def least_recompute_seconds(problem: Problem, choice) -> float:
+    """A lower bound on ``simulate(problem, choice).recompute_seconds``, without the replay: the
+    same terms (``recomputed_nodes``, ``call_seconds``) summed in another order, so lowered by
+    far more than rounding can move either sum (``1e-9`` of the sum of every term's size).
+    A candidate whose bound is at least the cost of a plan that fits cannot rank before it."""
+    choice = as_choice(choice)
+    runs = recomputed_nodes(problem, choice)
+    rounding = 1e-9 * (
+        float(np.abs(problem.seconds).sum())
+        + problem.size * (abs(problem.checkpoint_seconds) + abs(problem.keep_seconds))
+    )
+    return float(problem.seconds[runs].sum()) + call_seconds(problem, choice) - rounding
 
 
 def checked_result(name: str, result, problem: Problem) -> Segments | Choice | NestedChoice:

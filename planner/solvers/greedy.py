@@ -15,7 +15,7 @@ import numpy as np
 from planner.problem import Problem
 from planner.simulate import Segments, simulate
 from planner.solvers import register
-from planner.solvers.common import rank, segments_between
+from planner.solvers.common import least_recompute_seconds, rank, segments_between
 
 
 def greedy_cuts(problem: Problem, threshold: float) -> list[int]:
@@ -59,6 +59,9 @@ def _search(problem: Problem, budget_bytes: int, thresholds: int) -> Segments:
     best: Segments = ()
     best_key = None
     for segments in dict.fromkeys(candidates):
+        if best_key is not None and not best_key[0]:  # a plan fits: replay only a cheaper one
+            if least_recompute_seconds(problem, segments) >= best_key[1]:
+                continue
         key = rank(simulate(problem, segments), budget_bytes)
         if best_key is None or key < best_key:
             best, best_key = segments, key

@@ -95,10 +95,10 @@ from planner.simulate import (
     as_choice,
     last_recomputed,
     recompute_stop,
-    recomputed_nodes,
     simulate,
 )
 from planner.solvers import register
+from planner.solvers.common import least_recompute_seconds
 
 NEVER = np.iinfo(np.int64).max
 STORED, SEGMENT = -1, 0  # kinds of blocks in the search's states; above 0: a keep set's id
@@ -1371,15 +1371,6 @@ def _prefix_keeps(
 def _least_seconds(problem: Problem, choice: Choice, more: np.ndarray) -> float:
     """A lower bound on the recompute seconds of ``choice`` with any of the nodes ``more`` kept
     too, each run by its segment's recompute and worth keeping (``_keep_value``: it spares more
-    seconds than keeping it costs), so that keeping all of them costs least.
-
-    Computed in other floating-point order than ``simulate``'s sum, so it is lowered by far more
-    than any rounding could move either (``1e-9`` of the sum of every term's size)."""
-    runs = recomputed_nodes(problem, Choice(choice.segments, choice.keep | set(more.tolist())))
-    kept = len(choice.keep) + more.size
-    calls = problem.checkpoint_seconds * len(choice.segments) + problem.keep_seconds * kept
-    rounding = 1e-9 * (
-        float(np.abs(problem.seconds).sum())
-        + problem.size * (abs(problem.checkpoint_seconds) + abs(problem.keep_seconds))
-    )
-    return float(problem.seconds[runs].sum()) + calls - rounding
+    seconds than keeping it costs), so that keeping all of them costs least."""
+    kept = Choice(choice.segments, choice.keep | set(more.tolist()))
+    return least_recompute_seconds(problem, kept)
