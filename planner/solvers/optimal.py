@@ -1337,7 +1337,7 @@ def _block_groups(problem: Problem) -> list[Segments]:
 
 def _prefix_keeps(
     problem: Problem, budget: int, segments: Segments, to_beat: float
-) -> dict[Choice, Simulation]:
+) -> dict[Segments | Choice, Simulation]:
     """Keeps chosen after the segments, as ``optimal`` did before ``_keep_pass``, where they can
     still win: of a few segmentations (``segments`` and ``_block_groups``), each gets the
     longest fitting prefix of its eligible nodes by ``_keep_value`` (``_best_prefix``), then
@@ -1350,7 +1350,7 @@ def _prefix_keeps(
     if simulate(problem, segments).peak_bytes > budget:
         return {}
     value = _keep_value(problem)
-    plans = {}
+    plans: dict[Segments | Choice, Simulation] = {}
     for candidate in dict.fromkeys([segments, *_block_groups(problem)]):
         order = _eligible(problem, candidate, value)
         if _least_seconds(problem, Choice(candidate), order) >= to_beat:
