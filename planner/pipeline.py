@@ -167,7 +167,9 @@ def prepare(
     captured.graph_module.meta["planner.tensor_arguments"] = tensor_arguments(model, args, kwargs)
     captured.graph_module.meta["planner.call_dtypes"] = call_dtypes(model, args, kwargs)
     _check_loss_fn(loss_fn)
-    prof = profile(captured.graph_module, *captured.inputs(args, kwargs), loss_fn=loss_fn)
+    prof = profile(
+        captured.graph_module, *captured.inputs(args, kwargs), loss_fn=loss_fn, model=model
+    )
     counted = optimizer_memory(optimizer, model) if optimizer is not None else None
     if optimizer_state_bytes is None:
         optimizer_state_bytes = counted.state_bytes if counted is not None else 0

@@ -4,7 +4,8 @@ FLOPs and bytes moved. No real activation memory is used.
 
 Storages are the unit of memory: two tensors that share a storage (views) cost it once. Every
 storage is given a small integer key. Storages of parameters, buffers, model inputs and constants
-are *fixed*: they are live for the whole step whatever the plan does.
+are *fixed*: they are live for the whole step whatever the plan does (the model's parameters and
+buffers all, those forward never reads included).
 
 Keys written into ``node.meta`` (the one place they are documented):
 
@@ -69,7 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -712,9 +713,41 @@ def warn_of_hook_computed_weights(gm: fx.GraphModule) -> None:
         )
 
 
+def _unread_state(model: nn.Module, gm: fx.GraphModule) -> list[tuple[str, torch.Tensor]]:
+    """``("parameter" | "buffer", tensor)`` for each storage of ``model``'s parameters and
+    buffers that ``gm`` does not hold: those forward never reads (an EMA copy of the network,
+    an unused head, a table longer than the example needs), which ``symbolic_trace`` leaves out
+    of the graph. They are live for the whole step all the same. Tied tensors count once."""
+    seen = {t.untyped_storage()._cdata for t in _held_tensors(gm)}
+    unread = []
+    for kind, tensors in (("parameter", model.parameters()), ("buffer", model.buffers())):
+        for tensor in tensors:
+            if tensor.layout is not torch.strided:  # sparse: no storage to count
+                continue
+            storage = tensor.untyped_storage()._cdata
+            if storage not in seen:
+                seen.add(storage)
+                unread.append((kind, tensor))
+    return unread
+
+
+def _held_tensors(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The strided tensors ``gm``'s modules hold: parameters, buffers and plain attributes
+    (tensor constants of the graph)."""
+    held = [*gm.parameters(), *gm.buffers()]
+    for module in gm.modules():
+        held += [value for value in vars(module).values() if isinstance(value, torch.Tensor)]
+    return [t for t in held if t.layout is torch.strided]
+
+
 @paused_collection()
 def profile(
-    gm: fx.GraphModule, args: tuple, kwargs: dict | None = None, *, loss_fn: Callable | None = None
+    gm: fx.GraphModule,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    loss_fn: Callable | None = None,
+    model: nn.Module | None = None,
 ) -> Profile:
     """Annotate every compute node of ``gm`` (see the module docstring) from one fake training
     step: forward, the loss, backward.
@@ -730,6 +763,9 @@ def profile(
     autocast (around the call or in forward) such a copy is made of fake tensors on autocast's
     device instead, since autocast does not cast the ops of meta tensors.
     Savings are deduplicated by storage; parameter storages are fixed, never saved.
+
+    ``model``, the module ``gm`` was captured from, adds its parameters and buffers that ``gm``
+    does not hold to the fixed storages (see ``_unread_state``).
     """
     start = time.perf_counter()
     kwargs = kwargs or {}
@@ -773,6 +809,10 @@ def profile(
             key = storages.fixed_key(original, t)  # None for non-tensors
             if key is not None:
                 fixed_kind.setdefault(key, "input")
+        for kind, tensor in _unread_state(model, gm) if model is not None else ():
+            key = storages.key(tensor)  # the user's own tensor: nothing runs on it
+            if key is not None:
+                fixed_kind.setdefault(key, kind)
         cost = _CostMode(storages, call)
         recorder = _Recorder(gm, storages, cost, copies)
         # closing_regions: a forward that leaves a grad mode set must not leave it set here.
@@ -810,7 +850,8 @@ def profile(
     return Profile(
         storage_bytes=dict(storages.nbytes),
         fixed_kind=fixed_kind,
-        trainable=frozenset(trainable),
+        # A parameter no node reads gets no gradient (an unused head an export keeps).
+        trainable=frozenset(trainable & read),
         output_storages=frozenset(output_keys),
         seconds=time.perf_counter() - start,
         loss=loss_at,
