@@ -244,7 +244,8 @@ ELEMENTWISE_STORAGE_LOSSES = {
 
 def _denoiser() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.SiLU()) for _ in range(4)])
+    blocks = [nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.SiLU()) for _ in range(4)]
+    return nn.Sequential(*blocks)
 
 
 class _LossInForward(nn.Module):
