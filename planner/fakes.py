@@ -258,9 +258,9 @@ def _mkldnn_rnn_layer_backward(args: tuple, kwargs: dict, out: tuple) -> tuple:
 
 
 def _loss_on_elementwise_storage(args: tuple, kwargs: dict, loss: torch.Tensor) -> torch.Tensor:
-    """The CPU kernels of these losses compute the elementwise loss (the broadcast inputs' size)
-    and reduce it onto its own storage; the fake kernels return one element. The step holds
-    the loss to its end: 256 KiB under for ``F.mse_loss`` of 4 x 16 x 32 x 32 floats."""
+    """The CPU kernels of these losses return the reduced loss on a storage as large as the
+    elementwise loss (the broadcast inputs' size); the fake kernels, on one element. The step
+    holds the loss to its end: 256 KiB under for ``F.mse_loss`` of 4 x 16 x 32 x 32 floats."""
     if loss.dim() > 0:
         return loss  # reduction="none": the elementwise loss is the result already
     shape = torch.broadcast_shapes(*(t.shape for t in tensors_in((*args, *kwargs.values()))))
