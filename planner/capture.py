@@ -339,7 +339,7 @@ def _export(
     if calls is not None:
         hold_call_arguments(gm, calls)
     checks = [c for c in causal if c is not None] if dynamic_shapes else []
-    ModelCall(model, args, kwargs, fixed=fixed, sizes=dynamic_shapes, checks=checks).install(gm)
+    ModelCall(model, args, kwargs, fixed=fixed, checks=checks).install(gm)
     return gm
 
 
@@ -698,17 +698,46 @@ def _variadic_tensors(model: nn.Module, args: tuple, kwargs: dict, kind) -> bool
     )
 
 
+def _wrappers() -> list[tuple[type, str, str, str, str]]:
+    """Modules wrapping the user's: (class, what it is, what it does to the module it holds,
+    the attribute holding it, how to wrap the planned module instead)."""
+    return [
+        (
+            torch._dynamo.eval_frame.OptimizedModule,
+            "a torch.compile'd module",
+            "compiles",
+            "_orig_mod",
+            "compile the planned module (torch.compile(plan.module))",
+        ),
+        (
+            nn.DataParallel,
+            "an nn.DataParallel wrapper",
+            "wraps",
+            "module",
+            "wrap the planned module (nn.DataParallel(plan.module))",
+        ),
+        (
+            nn.parallel.DistributedDataParallel,
+            "a DistributedDataParallel wrapper",
+            "wraps",
+            "module",
+            "wrap the planned module (DistributedDataParallel(plan.module, ...))",
+        ),
+    ]
+
+
 def _refuse_variadic_calls(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Raise a PlanningError for a ``torch.compile``d module, or a call whose tensors reach
-    ``forward`` through ``*args`` (a pass-through wrapper): neither capture can give those
-    inputs names, which the planned module's calls and checks need."""
+    """Raise a PlanningError for a ``torch.compile``d, ``DataParallel`` or DDP module (each
+    says what to plan instead), or a call whose tensors reach ``forward`` through ``*args`` (a
+    pass-through wrapper): neither capture can give those inputs names, which the planned
+    module's calls and checks need."""
     name = type(model).__name__
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        raise PlanningError(
-            f"{name} is a torch.compile'd module: plan the module it compiles "
-            "(planner.plan(model._orig_mod, ...)), then compile the planned module "
-            "(torch.compile(plan.module))."
-        )
+    for wrapper, what, does, inner, then in _wrappers():
+        if isinstance(model, wrapper):
+            raise PlanningError(
+                f"{name} is {what}: plan the module it {does} "
+                f"(planner.plan(model.{inner}, ...)), then {then}."
+            )
     if _variadic_tensors(model, args, kwargs, inspect.Parameter.VAR_POSITIONAL):
         raise PlanningError(
             f"{name}.forward takes the example's tensors through *args, which planner cannot "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import warnings
 from collections.abc import Mapping
 
 import torch
@@ -36,7 +35,6 @@ class ModelCall:
         *,
         fixed: dict | None = None,
         output=None,
-        sizes: bool = False,
         checks=(),
     ):
         self.model_name = type(model).__name__
@@ -55,9 +53,6 @@ class ModelCall:
                 for name, value in passed.items()
                 if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
             }
-            # Sizes the plan's budget was made for; larger calls get a warning.
-            self.largest = _sizes(passed) if sizes else None
-            self.warned = False
 
     def _passed(self, args: tuple, kwargs: dict) -> dict:
         """The call's arguments by name (``**kwargs`` ones too), planner's fixed ones added."""
@@ -114,15 +109,6 @@ class ModelCall:
                     f"{self.constants[name]!r} and computes with that value; this call passes "
                     f"{name}={value!r}. Plan again with {name}={value!r} in the example inputs."
                 )
-        if self.largest is not None and not self.warned and _larger(_sizes(values), self.largest):
-            self.warned = True
-            warnings.warn(
-                f"a call of the plan of {self.model_name} has larger tensors than the example "
-                f"it was planned for ({_describe_sizes(self.largest)}): its peak may exceed the "
-                "budget. Plan with example inputs of the largest size you train with.",
-                UserWarning,
-                stacklevel=4,
-            )
         graph_args = tuple(values[name] for name in self.positional)
         graph_kwargs = {name: values[name] for name in self.keywords}
         for check in self.checks:
@@ -146,26 +132,6 @@ class ModelCall:
 
     def _after_forward(self, module, args, output):
         return self.output(output)
-
-
-def _sizes(arguments: dict) -> dict:
-    return {
-        name: tuple(value.shape)
-        for name, value in arguments.items()
-        if isinstance(value, torch.Tensor)
-    }
-
-
-def _larger(sizes: dict, largest: dict) -> bool:
-    return any(
-        len(shape) == len(largest.get(name, shape))
-        and any(a > b for a, b in zip(shape, largest.get(name, shape)))
-        for name, shape in sizes.items()
-    )
-
-
-def _describe_sizes(sizes: dict) -> str:
-    return ", ".join(f"{name} {list(shape)}" for name, shape in sizes.items())
 
 
 def _same(value, expected) -> bool:

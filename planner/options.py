@@ -25,7 +25,9 @@ class CaptureOptions:
         ``planner.export_leaves``.
     dynamic_shapes
         For models captured by ``torch.export``: let the planned module take other sizes of its
-        tensor arguments than the example's. Models ``symbolic_trace`` captures take any size.
+        tensor arguments than the example's. Models ``symbolic_trace`` captures take other sizes
+        without it. Either way the budget holds up to the example's sizes: a call with a larger
+        dimension warns once.
     """
 
     leaf_modules: tuple[type, ...] = ()

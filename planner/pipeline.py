@@ -21,7 +21,7 @@ from planner.errors import PlanningError, short_repr
 from planner.nested import NestedChoice
 from planner.optimizer import optimizer_memory
 from planner.options import CaptureOptions
-from planner.planned_module import PlannedModule, call_dtypes, tensor_arguments
+from planner.planned_module import PlannedModule, call_dtypes, call_sizes, tensor_arguments
 from planner.plans import Plan
 from planner.problem import Problem, build_problem
 from planner.profile import profile
@@ -166,6 +166,7 @@ def prepare(
     # planner.planned_module.Snapshot.call_form).
     captured.graph_module.meta["planner.tensor_arguments"] = tensor_arguments(model, args, kwargs)
     captured.graph_module.meta["planner.call_dtypes"] = call_dtypes(model, args, kwargs)
+    captured.graph_module.meta["planner.call_sizes"] = call_sizes(model, args, kwargs)
     _check_loss_fn(loss_fn)
     prof = profile(
         captured.graph_module, *captured.inputs(args, kwargs), loss_fn=loss_fn, model=model
@@ -267,7 +268,8 @@ def plan(
         For models captured by ``torch.export`` (Hugging Face transformers): let the planned
         module take other batch sizes and sequence lengths than the example's (capture is
         slower). The budget holds for the example's sizes: give the largest you train with;
-        a larger call warns. Models ``symbolic_trace`` captures take any size anyway.
+        a larger call warns. Models ``symbolic_trace`` captures take other sizes without it;
+        their budget also holds up to the example's sizes (a larger call warns too).
     loss_fn
         The training step's loss: ``loss_fn(output)`` returns a 0-dim tensor from what the
         model returns; labels come through its closure, e.g.

@@ -1,12 +1,14 @@
 """The planned module: the rewritten graph, tied to the model it was planned from.
 
 A :class:`PlannedModule` owns the user's own children, parameters and buffers
-(``share_user_state``), so its ``state_dict`` has the model's keys. On every call it checks that
+(``share_user_state``) and saves and loads its root state through the model
+(``planner.model_state``), so its ``state_dict`` is the model's. On every call it checks that
 it still computes what the model computes (``Snapshot``): in another training mode it runs the
 model itself, and when the model's structure changed since planning it refuses. A call that
 leaves out a forward argument that was a tensor when planning (``tensor_arguments``), or runs
 in other dtypes (``call_dtypes``; both recorded by ``planner.pipeline.prepare``), is a call form
-of its own, planned when first seen. ``planner.rewrite.rewrite`` builds it.
+of its own, planned when first seen; a call with larger tensors than then (``call_sizes``)
+warns once. ``planner.rewrite.rewrite`` builds it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
 from planner.errors import PlanningError
+from planner.model_state import ModelStateDict
 
 # One call form is planned at a time, in whichever thread first makes that call.
 _PLANNING_CALL_FORM = threading.Lock()
@@ -64,6 +67,28 @@ def call_dtypes(model: nn.Module, args: tuple, kwargs: dict) -> CallDtypes:
         if isinstance(value, torch.Tensor)
     }
     return CallDtypes(_state_dtypes(_state_tables(model)), arguments)
+
+
+def call_sizes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, tuple[torch.Size, ...]]:
+    """The shapes of the tensors of each argument of the call ``model(*args, **kwargs)`` that
+    holds some, by name: the plan's budget holds up to these sizes."""
+    sizes = {name: _shapes(value) for name, value in _named_arguments(model, args, kwargs)}
+    return {name: shapes for name, shapes in sizes.items() if shapes}
+
+
+def _shapes(value) -> tuple[torch.Size, ...]:
+    if isinstance(value, torch.Tensor):  # the common case, without a pytree walk
+        return (value.shape,)
+    return tuple(leaf.shape for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
+
+
+def _larger(shapes: tuple[torch.Size, ...], planned: tuple[torch.Size, ...]) -> bool:
+    """Whether some dimension of ``shapes`` exceeds the planned one (other ranks: not
+    comparable)."""
+    return shapes != planned and any(  # equal, the common case: one tuple comparison
+        len(shape) == len(before) and any(a > b for a, b in zip(shape, before))
+        for shape, before in zip(shapes, planned)
+    )
 
 
 class CallDtypes(NamedTuple):
@@ -153,7 +178,12 @@ class Snapshot:
     """
 
     def __init__(
-        self, model: nn.Module, called: set[str], tensor_arguments, dtypes: CallDtypes | None
+        self,
+        model: nn.Module,
+        called: set[str],
+        tensor_arguments,
+        dtypes: CallDtypes | None,
+        sizes: dict[str, tuple[torch.Size, ...]] | None = None,
     ):
         self.model = model
         self.module_names = [name for name, _ in model.named_modules()]
@@ -199,6 +229,9 @@ class Snapshot:
             dtypes = CallDtypes(_state_dtypes(self.state_tables), {})
         self.state_dtypes = dtypes.state
         self.argument_dtypes = tuple(dtypes.arguments.get(name) for name, _ in tensor_arguments)
+        # The shapes of each tensor argument's tensors at planning (``call_sizes``).
+        self.argument_sizes = [(sizes or {}).get(name, ()) for name, _ in tensor_arguments]
+        self.warned_larger = False
         # The model's root parameters and buffers as the planned module last took them: an
         # entry of the planned module's own that differs was swapped there since, without
         # __setattr__ (torch.func.functional_call), and wins for that call.
@@ -296,6 +329,33 @@ class Snapshot:
         if not left_out and state == self.state_dtypes and not any(moved):
             return None  # (a value that is no tensor, a tracer's proxy, has no dtype to compare)
         return CallForm(left_out, state, arguments)
+
+    def warn_if_larger(self, args: tuple, kwargs: dict) -> None:
+        """Once: a tensor argument is larger than when planning (a longer batch of a
+        length-bucketed dataset, a batch size raised), so the step may exceed the budget, which
+        holds up to the example's sizes. Smaller calls use less memory, and so do calls without
+        gradients (validation)."""
+        if self.warned_larger or not torch.is_grad_enabled():
+            return
+        for (name, position), planned in zip(self.tensor_arguments, self.argument_sizes):
+            if _larger(_shapes(_argument(name, position, args, kwargs)), planned):
+                break
+        else:
+            return
+        self.warned_larger = True
+        sizes = ", ".join(
+            f"{name} {[list(s) for s in shapes] if len(shapes) > 1 else list(shapes[0])}"
+            for (name, _), shapes in zip(self.tensor_arguments, self.argument_sizes)
+            if shapes
+        )
+        warnings.warn(
+            f"a call of the planned {type(self.model).__name__} has larger tensors than the "
+            f"example it was planned for ({sizes}): its peak may exceed the budget, which "
+            "holds up to the example's sizes. Plan with example inputs of the largest size "
+            "you train with.",
+            UserWarning,
+            stacklevel=_callers_stacklevel(),
+        )
 
     def _dtypes_moved(self, form: CallForm) -> bool:
         return form.state != self.state_dtypes or any(
@@ -406,6 +466,11 @@ class CallForm(NamedTuple):
     arguments: tuple[torch.dtype | None, ...]
 
 
+def _argument(name: str, position: int | None, args: tuple, kwargs: dict):
+    """The value of argument ``name`` (at ``position``, if positional) in a call."""
+    return args[position] if position is not None and position < len(args) else kwargs.get(name)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -433,7 +498,7 @@ def _module_change(name: str, before: dict, now: dict) -> str:
     return ", ".join(parts)
 
 
-class PlannedModule(fx.GraphModule):
+class PlannedModule(ModelStateDict, fx.GraphModule):
     """The planned module: the rewritten graph, and checks that it still matches the model.
 
     Every call first compares the training flags of the model's modules with those at planning.
@@ -448,7 +513,10 @@ class PlannedModule(fx.GraphModule):
     the first such call plans it (same budget, solver and options; a warning says so) and
     every later one runs that plan; a loaded plan, or a call form no plan fits, runs the model
     itself (exact, not planned). So is a call in other dtypes than at planning (``.double()``
-    after planning): the graph bakes in the branches forward took on dtypes.
+    after planning): the graph bakes in the branches forward took on dtypes. A call with
+    gradients and a tensor larger than the example's in some dimension warns once: the budget
+    holds up to the example's sizes. ``state_dict`` and ``load_state_dict`` save and load the
+    root's own state through the model (``planner.model_state``).
     ``train()`` sets the model's mode (through the model's own ``train``); ``.to()``,
     ``.double()``... convert the model's tensors, root ones included.
     Pickling and ``copy.copy`` refuse: the module is tied to the model object it was planned
@@ -478,7 +546,9 @@ class PlannedModule(fx.GraphModule):
         form = snapshot.call_form(args, kwargs)
         if form is not None:
             return snapshot.run_form(form, args, kwargs)
-        return graph_forward(self, *args, **kwargs)
+        output = graph_forward(self, *args, **kwargs)
+        snapshot.warn_if_larger(args, kwargs)  # after: export's static graphs refuse other sizes
+        return output
 
     def _read_root_state(self, snapshot: Snapshot) -> None:
         """Root parameters and buffers are entries of both modules' own dicts, and the graph
@@ -492,6 +562,10 @@ class PlannedModule(fx.GraphModule):
             for key, value in getattr(snapshot.model, table).items():
                 if own.get(key) is synced.get(key):
                     own[key] = synced[key] = value
+
+    def _load_from_state_dict(self, *args) -> None:
+        super()._load_from_state_dict(*args)  # through the model (planner.model_state)
+        self._read_root_state(self._planner)  # assign=True gave the model new root tensors
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)

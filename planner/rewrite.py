@@ -463,6 +463,7 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
             planned, captured.meta.get("planner.tensor_arguments", ())
         ),
         dtypes=captured.meta.get("planner.call_dtypes"),
+        sizes=captured.meta.get("planner.call_sizes"),
     )
     for segment in built:
         segment.root = planned
