@@ -31,11 +31,9 @@ from planner.step import peak_memory, training_loss
 from strategies import assert_equivalent, build, inputs, model_specs
 
 EXAMPLES = max(4, settings.default.max_examples // 3)
-# The loss value and the gradient that seeds backward (4 bytes each) are not modelled.
-LOSS_SCALARS = 8
-# Everything else is: the copies of BatchNorm running statistics that a checkpointed segment
-# keeps to put them back after its recompute included (``Problem.buffer_copies``).
-BOOKKEEPING = LOSS_SCALARS
+# A loss that is a node of the graph (a loss_fn, or a model returning its loss) is predicted
+# 4 bytes over the measured step (safe; not looked into), everything else to the byte.
+LOSS_NODE_OVER = 4
 
 
 def _main_output(out) -> torch.Tensor:
@@ -98,7 +96,7 @@ def test_measured_step_with_the_users_loss_fits_and_matches_the_prediction(spec,
     _, _, args, kwargs, loss_fn, budget, p = _planned(spec, kind, fraction)
     step = peak_memory(p.module, args, kwargs, loss_fn=loss_fn).activation_peak_bytes
     fixed = p.problem.fixed_bytes
-    assert step <= budget - fixed + BOOKKEEPING
+    assert step <= budget - fixed
     assert math.isclose(p.predicted_peak_bytes - fixed, step, rel_tol=0.05)
 
 
@@ -124,7 +122,7 @@ def test_the_copies_of_batchnorm_statistics_a_segment_keeps_are_predicted_to_the
         started=0,
     )
     measured = peak_memory(p.module, args)
-    assert p.predicted_peak_bytes <= measured.peak_bytes <= p.predicted_peak_bytes + LOSS_SCALARS
+    assert p.predicted_peak_bytes <= measured.peak_bytes <= p.predicted_peak_bytes
 
 
 def _gpt_with_cross_entropy(vocab=2048):
@@ -141,7 +139,7 @@ def test_cross_entropy_over_a_vocabulary_is_predicted_to_the_byte():
     _, without = prepare(model, args)
     _, problem = prepare(model, args, loss_fn=loss_fn)
     assert simulate(without, ()).peak_bytes < 0.8 * measured
-    assert abs(simulate(problem, ()).peak_bytes - measured) <= LOSS_SCALARS
+    assert 0 <= simulate(problem, ()).peak_bytes - measured <= LOSS_NODE_OVER
     assert problem.has_loss and problem.names[-1] == "loss_fn"
     assert not problem.checkpointable[-1]
 
@@ -151,7 +149,7 @@ def test_a_plan_with_the_loss_fits_a_budget_the_loss_would_break():
     _, problem = prepare(model, args, loss_fn=loss_fn)
     budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
     p = planner.plan(model, args, budget_bytes=budget, loss_fn=loss_fn)
-    assert peak_memory(p.module, args, loss_fn=loss_fn).peak_bytes <= budget + LOSS_SCALARS
+    assert peak_memory(p.module, args, loss_fn=loss_fn).peak_bytes <= budget
     blind = planner.plan(model, args, budget_bytes=budget)  # planned for the sum of outputs
     assert peak_memory(blind.module, args, loss_fn=loss_fn).peak_bytes > budget
 
@@ -171,7 +169,7 @@ def test_a_model_that_returns_its_own_loss_needs_no_loss_fn():
     model, args = planner.zoo.gpt(layers=2)  # forward(idx, targets) returns the loss
     p = planner.plan(model, args, budget_gb=1)
     measured = peak_memory(p.module, args).peak_bytes
-    assert abs(p.predicted_peak_bytes - measured) <= LOSS_SCALARS
+    assert 0 <= p.predicted_peak_bytes - measured <= LOSS_NODE_OVER
 
 
 def test_loss_fn_must_be_callable():
@@ -271,8 +269,8 @@ def test_a_loss_reduced_on_its_elementwise_storage_is_predicted_in_loss_fn(name)
     loss_fn = lambda out: loss(out, target)  # noqa: E731
     budget, p = _at_lowest_budget(model, (x,), loss_fn)
     measured = peak_memory(p.module, (x,), loss_fn=loss_fn).peak_bytes
-    assert p.predicted_peak_bytes <= measured <= p.predicted_peak_bytes + LOSS_SCALARS
-    assert measured <= budget + LOSS_SCALARS
+    assert p.predicted_peak_bytes <= measured <= p.predicted_peak_bytes
+    assert measured <= budget
 
 
 @pytest.mark.parametrize("name", sorted(ELEMENTWISE_STORAGE_LOSSES))
@@ -281,5 +279,5 @@ def test_a_loss_reduced_on_its_elementwise_storage_is_predicted_in_forward(name)
     model = _LossInForward(ELEMENTWISE_STORAGE_LOSSES[name])
     budget, p = _at_lowest_budget(model, args)
     measured = peak_memory(p.module, args).peak_bytes
-    assert p.predicted_peak_bytes <= measured <= p.predicted_peak_bytes + LOSS_SCALARS
-    assert measured <= budget + LOSS_SCALARS
+    assert p.predicted_peak_bytes <= measured <= p.predicted_peak_bytes
+    assert measured <= budget

@@ -672,7 +672,7 @@ def test_batchnorm_with_a_cumulative_average_is_planned_with_the_models_statisti
     assert all(block[1].momentum is None for block in model.blocks)
     assert_equivalent(reference, model, p.module, (x,), {})
     assert int(model.blocks[0][1].num_batches_tracked) == 2  # one per step of the two
-    assert peak_memory(p.module, (x,)).peak_bytes <= p.predicted_peak_bytes + 8  # tracker's 8
+    assert peak_memory(p.module, (x,)).peak_bytes <= p.predicted_peak_bytes
 
 
 class ConstantShapeNoise(nn.Module):

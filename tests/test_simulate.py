@@ -38,6 +38,7 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
         next((j for j in range(start, stop) if problem.saves[j]), None) for start, stop in segments
     ]
     forward_free, backward_free = [0] * n, [0] * n
+    outputs_read_by_loss = 0
     recompute_alloc, recompute_free = [0] * n, [0] * n
     for s in problem.storages:
         home = segment_of[s.producer]
@@ -67,6 +68,8 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
                 if segment_of[j] >= 0 and segment_of[j] != home
             ]
             forward_free[max([n - 1 if s.is_output else s.last_reader, *returns])] += s.nbytes
+            if s.is_output:  # read by the loss after the last node, then freed
+                outputs_read_by_loss += s.nbytes
         if home < 0:
             continue
         start, stop = segments[home]
@@ -100,13 +103,19 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
 
     live = peak = 0
     seconds, timeline = 0.0, []
+    # The loss and backward's seed, made when forward ends: a recompute that runs before the
+    # first backward step (which counts them itself) holds them too.
+    loss_held = problem.loss_bytes
 
     def step(phase, position, alloc, transient, free):
-        nonlocal live, peak
+        nonlocal live, peak, loss_held
         live += int(alloc)
-        peak = max(peak, live + int(transient))
-        timeline.append((phase, position, live + int(transient)))
+        high = live + int(transient) + (loss_held if phase == "recompute" else 0)
+        peak = max(peak, high)
+        timeline.append((phase, position, high))
         live -= int(free)
+        if phase == "backward":
+            loss_held = 0
 
     for i in range(n):
         # A kept node's temporaries are held, not transient.
@@ -117,6 +126,8 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
             max(problem.workspace[i] - held[i], 0),
             forward_free[i],
         )
+    if n:  # the default loss sums the outputs after the last node, before they are freed
+        peak = max(peak, live + outputs_read_by_loss + problem.default_loss_high)
     for i in range(n - 1, -1, -1):
         k = segment_of[i]
         # The recompute runs before the backward of the segment's last saving node, the first
