@@ -254,7 +254,9 @@ def plan(
         Exactly one: the memory of the whole training step, in GiB (2**30 bytes) or bytes:
         parameters + gradients + optimizer state + activations + working memory of the largest
         operation; or, when higher, what ``optimizer.step()`` holds (parameters, gradients,
-        state and its temporaries).
+        state and its temporaries). Gradients count from backward on: the step starts with
+        ``.grad`` None (``zero_grad(set_to_none=True)``, the default); zeroed in place, they
+        are held through the step, about their size more (``plan_batch`` plans accumulation).
     example_kwargs
         Keyword arguments of the call.
     solver
