@@ -14,12 +14,15 @@ planned module itself run as on any module.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch import nn
 
-if TYPE_CHECKING:
-    from planner.planned_module import Snapshot
+
+class _HoldsModel(Protocol):
+    """What this module reads of the planned module's ``Snapshot``: the user's model."""
+
+    model: nn.Module
 
 
 class ModelStateDict(nn.Module):
@@ -27,7 +30,7 @@ class ModelStateDict(nn.Module):
     ``load_state_dict`` treat the root module as the model's root, so both modules' checkpoints
     have the same keys and values and each loads into the other."""
 
-    _planner: Snapshot  # set by planner.rewrite.rewrite
+    _planner: _HoldsModel  # the Snapshot, set by planner.rewrite.rewrite
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
