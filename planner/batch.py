@@ -426,6 +426,7 @@ def plan_batch(
         started=start,
         capture_options=capture_options,
     )
+    chosen.module._planner.gradients_held = option.steps > 1
     options = [
         dataclasses.replace(o, note="chosen" + (f"; {o.note}" if o.note else ""))
         if o is option

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 
 from planner.errors import PlanningError
 from planner.model_state import ModelStateDict
+from planner.units import mib
 
 # One call form is planned at a time, in whichever thread first makes that call.
 _PLANNING_CALL_FORM = threading.Lock()
@@ -220,6 +221,11 @@ class Snapshot:
         self.parameters = list(model.parameters())
         self.trainable = [p.requires_grad for p in self.parameters]
         self.warned_trainable = False
+        # Whether the plan counts gradients as held from the start of the step (plan_batch's
+        # accumulation windows); a plan that counts them from backward on warns once when a
+        # call starts with gradients held.
+        self.gradients_held = False
+        self.warned_gradients = False
         self.attribute_dicts = [a[1] for a in self.attributes]
         self.attribute_keys = [a[2] for a in self.attributes]
         self.attribute_values = [a[3] for a in self.attributes]
@@ -308,6 +314,32 @@ class Snapshot:
             f"({sum(self.trainable)} of {len(self.parameters)} required grad then, {now} now): "
             "the plan's memory prediction was made for the others and no longer holds "
             "(gradients stay exact). Plan again after changing which parameters train.",
+            stacklevel=_callers_stacklevel(),
+        )
+
+    def warn_if_gradients_held(self) -> None:
+        """Once: a call with gradients starts while parameters hold ``.grad`` (zeroed in place by
+        ``zero_grad(set_to_none=False)``, or accumulated by a hand-written loop), which the plan
+        counts from backward on: the step holds about their size more than the budget."""
+        if (
+            self.gradients_held
+            or self.warned_gradients
+            or not torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+        ):
+            return
+        held = sum(p.grad.nbytes for p in self.parameters if p.grad is not None)
+        if not held:
+            return
+        self.warned_gradients = True
+        warnings.warn(
+            f"the planned {type(self.model).__name__} is called while its parameters hold "
+            f"gradients ({mib(held)}, {held} bytes): the plan counts gradients from backward on, "
+            "as a step that starts with .grad None makes them, so this step can exceed the "
+            "budget by about their size. Free them before each step "
+            "(optimizer.zero_grad(set_to_none=True), the default), or plan gradient "
+            "accumulation with planner.plan_batch, which counts them from the start.",
+            UserWarning,
             stacklevel=_callers_stacklevel(),
         )
 
@@ -515,8 +547,10 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
     itself (exact, not planned). So is a call in other dtypes than at planning (``.double()``
     after planning): the graph bakes in the branches forward took on dtypes. A call with
     gradients and a tensor larger than the example's in some dimension warns once: the budget
-    holds up to the example's sizes. ``state_dict`` and ``load_state_dict`` save and load the
-    root's own state through the model (``planner.model_state``).
+    holds up to the example's sizes; so does one that starts while parameters hold gradients,
+    unless the plan counts them (``plan_batch``'s accumulation). ``state_dict`` and
+    ``load_state_dict`` save and load the root's own state through the model
+    (``planner.model_state``).
     ``train()`` sets the model's mode (through the model's own ``train``); ``.to()``,
     ``.double()``... convert the model's tensors, root ones included.
     Pickling and ``copy.copy`` refuse: the module is tied to the model object it was planned
@@ -546,6 +580,7 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         form = snapshot.call_form(args, kwargs)
         if form is not None:
             return snapshot.run_form(form, args, kwargs)
+        snapshot.warn_if_gradients_held()
         output = graph_forward(self, *args, **kwargs)
         snapshot.warn_if_larger(args, kwargs)  # after: export's static graphs refuse other sizes
         return output

@@ -785,6 +785,7 @@ def test_unfreezing_after_planning_warns_that_the_memory_no_longer_holds():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         p.module(x).sum().backward()  # as planned: no warning
+    model.zero_grad(set_to_none=True)
     model.requires_grad_(True)
     with pytest.warns(UserWarning, match="frozen or unfrozen after planning"):
         p.module(x).sum().backward()

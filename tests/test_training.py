@@ -6,6 +6,7 @@ shorter last window; on a plain and on a planned (checkpointed) module.
 """
 
 import contextlib
+import warnings
 
 import numpy as np
 import pytest
@@ -24,6 +25,13 @@ def regression_model():
     model, (x,) = zoo.mlp_chain(depth=6, width=16, batch=BATCH, seed=0)
     y = torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(1))
     return model, (x, y)
+
+
+# plan() counts gradients from backward on, so it warns when a micro-batch after the first
+# starts with them held; plan_batch plans accumulation (see the end of this file).
+ACCUMULATING_WITH_PLAN = pytest.mark.filterwarnings(
+    "ignore:the planned Sequential is called while its parameters hold gradients"
+)
 
 
 def planned(model, batch):
@@ -53,6 +61,7 @@ def assert_same_grads(actual, expected):
         torch.testing.assert_close(actual[name], expected[name], msg=name)
 
 
+@ACCUMULATING_WITH_PLAN
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("micro_batch", [1, 2, 4, 5, 10, 32], ids=lambda m: f"micro{m}")
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "planned"])
@@ -110,6 +119,7 @@ def test_a_numpy_array_of_another_length_is_refused():
         list(micro_batches({"x": torch.zeros(5, 3), "weight": np.ones(4)}, 2))
 
 
+@ACCUMULATING_WITH_PLAN
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_windows_over_a_loader_end_with_a_partial_window(reduction):
     model, batch = regression_model()
@@ -213,3 +223,62 @@ def test_backward_needs_a_scalar_loss():
     micro = next(micro_batches(torch.ones(4, 2, requires_grad=True), 2))
     with pytest.raises(ValueError, match="scalar loss"):
         micro.backward(micro.data * 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Gradients held when a step starts: plan() counts them from backward on, plan_batch from the
+# start of an accumulation window.
+# --------------------------------------------------------------------------------------------
+
+
+def _step(module, batch):
+    loss_of(module, batch, "mean").backward()
+
+
+def test_a_step_starting_with_gradients_zeroed_in_place_warns_once():
+    model, batch = regression_model()
+    module = planned(model, batch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(module, batch)  # .grad None: what the plan counts
+    optimizer.zero_grad(set_to_none=False)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    with pytest.warns(UserWarning, match=rf"hold gradients \(0\.0 MiB, {held} bytes\).*plan_batch"):
+        _step(module, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _step(module, batch)  # once
+
+
+def test_steps_that_free_gradients_or_run_without_them_do_not_warn():
+    model, batch = regression_model()
+    module = planned(model, batch)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            _step(module, batch)
+            optimizer.step()
+            optimizer.zero_grad()  # set_to_none=True, the default
+        _step(module, batch)
+        with torch.no_grad():
+            module(batch[0])  # validation between steps holds gradients and makes none
+
+
+def test_accumulation_planned_by_plan_batch_does_not_warn():
+    model, _ = regression_model()
+
+    def make_inputs(size):
+        return zoo.mlp_chain(depth=6, width=16, batch=size, seed=0)[1]
+
+    choice = planner.plan_batch(
+        model, make_inputs, budget_bytes=2**30, global_batch=BATCH, micro_batches=[5]
+    )
+    assert choice.steps == 2
+    batch = (make_inputs(BATCH)[0], torch.randn(BATCH, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for micro in micro_batches(batch, choice.micro_batch):
+            with micro:
+                micro.backward(loss_of(choice.module, micro.data, "mean"))
