@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from planner.errors import PlanningError, positive_int
 from planner.nested import NestedChoice
 from planner.options import CaptureOptions
 from planner.pipeline import assemble, budget_in_bytes, prepare
+from planner.planned_module import PlannedModule
 from planner.plans import Plan
 from planner.problem import Problem
 from planner.simulate import Choice, Segments, Simulation, as_choice, simulate
@@ -426,7 +428,8 @@ def plan_batch(
         started=start,
         capture_options=capture_options,
     )
-    chosen.module._planner.gradients_held = option.steps > 1
+    # Later micro-batches of a window start with the gradients held: counted, so no warning.
+    cast(PlannedModule, chosen.module)._planner.gradients_held = option.steps > 1
     options = [
         dataclasses.replace(o, note="chosen" + (f"; {o.note}" if o.note else ""))
         if o is option
