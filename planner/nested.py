@@ -46,6 +46,7 @@ segments is a flat plan and simulates through ``planner.simulate``'s vectorised 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -131,10 +132,29 @@ def validate_nested(problem: Problem, choice) -> NestedChoice:
     segments at one level are disjoint; an inner segment lies inside its parent and is smaller.
     """
     choice = nested_choice(choice)
+    # Checked per level in plain Python (``validate_segments`` works out the same from whole
+    # arrays each call, too slow for the hundreds of levels of a deep plan); it names what is
+    # wrong when this finds something.
+    n, allowed = problem.size, problem.cut_allowed.tolist()
+    barred = np.concatenate(([0], np.cumsum(~problem.checkpointable))).tolist()
+
+    def valid(ordered: list[Nest]) -> bool:
+        previous = 0
+        for s in ordered:
+            if not (
+                previous <= s.start < s.stop <= n
+                and allowed[s.start]
+                and allowed[s.stop]
+                and barred[s.start] == barred[s.stop]
+            ):
+                return False
+            previous = s.stop
+        return True
 
     def check(nests: tuple[Nest, ...], parent: Nest | None) -> tuple[Nest, ...]:
         ordered = sorted(nests, key=lambda s: (s.start, s.stop))
-        validate_segments(problem, [(s.start, s.stop) for s in ordered])
+        if not valid(ordered):
+            validate_segments(problem, [(s.start, s.stop) for s in ordered])
         for s in ordered:
             if parent is not None and not (
                 parent.start <= s.start < s.stop <= parent.stop
@@ -145,155 +165,194 @@ def validate_nested(problem: Problem, choice) -> NestedChoice:
                     f"({parent.start}, {parent.stop}): an inner segment must be smaller than, "
                     "and contained in, the segment holding it"
                 )
-        return tuple(Nest(s.start, s.stop, check(s.inner, s)) for s in ordered)
+        checked = [(s, check(s.inner, s)) for s in ordered]
+        if all(a is b for a, b in zip(ordered, nests)) and all(s.inner is c for s, c in checked):
+            return nests  # already in order: the same objects (hashes and lookups stay cheap)
+        return tuple(Nest(s.start, s.stop, inner) for s, inner in checked)
 
     return NestedChoice(check(choice.segments, None))
 
 
-def recompute_end(problem: Problem, segment: Nest) -> int:
-    """The last position the recompute of ``segment`` reaches (early stop), or start - 1.
+def _last_in(positions: list[int], start: int, stop: int) -> int | None:
+    """The last of sorted ``positions`` in ``[start, stop)``, or None."""
+    index = bisect.bisect_left(positions, stop) - 1
+    return positions[index] if index >= 0 and positions[index] >= start else None
+
+
+def recompute_end(segment: Nest, saving: list[int]) -> int:
+    """The last position the recompute of ``segment`` reaches (early stop), or start - 1;
+    ``saving``: the sorted positions of the nodes that save something.
 
     That is the last node of the segment's own level that saves something, or the start of an
     inner segment (which saves its inputs there), whichever comes later.
     """
-    end = segment.start - 1
-    inside = np.zeros(segment.stop - segment.start, dtype=bool)
-    for child in segment.inner:
-        inside[child.start - segment.start : child.stop - segment.start] = True
-        end = max(end, child.start)
-    own = np.flatnonzero(problem.saves[segment.start : segment.stop] & ~inside)
-    if own.size:
-        end = max(end, segment.start + int(own[-1]))
-    return end
+    end = max((child.start for child in segment.inner), default=segment.start - 1)
+    stop = segment.stop
+    for child in reversed(segment.inner):  # the stretches of its own level, last first
+        last = _last_in(saving, child.stop, stop)
+        if last is not None:
+            return max(end, last)
+        stop = child.start
+    last = _last_in(saving, segment.start, stop)
+    return end if last is None else max(end, last)
 
 
 class _Replay:
-    """The step-by-step replay of one nested plan (see the module docstring)."""
+    """The step-by-step replay of one nested plan (see the module docstring).
+
+    A level is the forward (depth 0, ``segment`` None) or the recompute of a segment (depth 1
+    for a top-level one, and so on). Position ``p`` lies in ``levels[p]`` segments, one per
+    depth: ``owner[d][p]`` is the one of depth ``d + 1`` (segments of one depth are disjoint),
+    so the segment of a level's children holding ``p`` is ``owner[depth][p]`` when
+    ``owner[depth - 1][p]`` is the level's segment: no maps to build or look up.
+    """
 
     def __init__(self, problem: Problem, choice: NestedChoice):
         self.problem = problem
         self.top = choice.segments
+        self.nests = list(choice.walk())  # parents first
+        self.levels = [0] * problem.size
+        self.owner: list[list[Nest | None]] = []
+        self.depth: dict[Nest, int] = {}  # the depth of a segment's recompute
+        self.depth.update((segment, 1) for segment in self.top)
+        for segment in self.nests:  # parents first: children overwrite their levels
+            depth = self.depth[segment]
+            self.depth.update((child, depth + 1) for child in segment.inner)
+            if len(self.owner) < depth:
+                self.owner.append([None] * problem.size)
+            width = segment.stop - segment.start
+            self.owner[depth - 1][segment.start : segment.stop] = [segment] * width
+            self.levels[segment.start : segment.stop] = [depth] * width
         self.phases: list[str] = []
         self.positions: list[int] = []
-        self.backward_step: dict[int, int] = {}
-        self.runs: dict[Nest, list[tuple[int, int]]] = {}  # (position, step) of each recompute
+        self.backward_step: list[int] = []  # per position
+        # Each recompute: its first step, and the end of the positions it runs (``_run_stop``).
+        self.runs: dict[Nest, tuple[int, int]] = {}
         self.run_end: dict[Nest, int] = {}  # the last step of each recompute
-        self.end: dict[Nest, int] = {s: recompute_end(problem, s) for s in choice.walk()}
-        self._maps: dict[tuple[Nest, ...], dict[int, Nest]] = {}
+        saving = np.flatnonzero(problem.saves).tolist()
+        self.end: dict[Nest, int] = {s: recompute_end(s, saving) for s in self.nests}
         # A checkpoint's frame lives while anything saved through it does: from the first to
         # the last node that saves inside it (at any depth); None when nothing does.
         self.saving: dict[Nest, tuple[int, int] | None] = {}
-        for segment in choice.walk():
-            saving = np.flatnonzero(problem.saves[segment.start : segment.stop])
-            self.saving[segment] = (
-                (segment.start + int(saving[0]), segment.start + int(saving[-1]))
-                if saving.size
-                else None
-            )
+        for segment in self.nests:
+            first = bisect.bisect_left(saving, segment.start)
+            last = bisect.bisect_left(saving, segment.stop) - 1
+            self.saving[segment] = (saving[first], saving[last]) if first <= last else None
+        self.count: dict[Nest, int] = {}  # segments in each one's tree, itself included
+        for segment in reversed(self.nests):  # children first
+            self.count[segment] = 1 + sum(self.count[child] for child in segment.inner)
         self._schedule()
 
     # -- the order of steps --------------------------------------------------------------------
-    def _add(self, phase: str, position: int) -> int:
-        self.phases.append(phase)
-        self.positions.append(position)
-        return len(self.phases) - 1
-
-    def _executed(self, segment: Nest) -> list[int]:
-        """Positions the recompute of ``segment`` runs, in order (inner segments whole)."""
+    def _run_stop(self, segment: Nest) -> int:
+        """The recompute of ``segment`` runs positions ``[segment.start, this)`` in order, its
+        inner segments whole: up to its early stop, short of an inner segment whose inputs
+        are the last thing saved (which does not run). The early stop never falls strictly
+        inside an inner segment (``recompute_end``), so no inner segment is cut."""
         end = self.end[segment]
-        children = {child.start: child for child in segment.inner}
-        result, q = [], segment.start
-        while q <= end:
-            child = children.get(q)
-            if child is None:
-                result.append(q)
-                q += 1
-            elif child.start == end:
-                break  # its inputs are the last thing saved: it does not run
-            else:
-                result.extend(range(child.start, child.stop))
-                q = child.stop
-        return result
+        return end if any(child.start == end for child in segment.inner) else end + 1
 
     def _schedule(self) -> None:
         n = self.problem.size
-        for p in range(n):
-            self._add("forward", p)
+        self.phases += ["forward"] * n
+        self.positions += range(n)
+        self.backward_step = [0] * n
         unpacking: dict[int, list[Nest]] = {}
-        for segment in (s for top in self.top for s in top.walk()):  # parents first
+        for segment in self.nests:  # parents first
             saving = self.saving[segment]
             if saving is not None:  # the first unpack recomputes: the last saver's backward
                 unpacking.setdefault(saving[1], []).append(segment)
         for p in range(n - 1, -1, -1):
             for segment in unpacking.get(p, ()):
-                self.runs[segment] = [
-                    (q, self._add("recompute", q)) for q in self._executed(segment)
-                ]
-                self.run_end[segment] = len(self.phases) - 1
-            self.backward_step[p] = self._add("backward", p)
+                stop = self._run_stop(segment)
+                self.runs[segment] = (len(self.positions), stop)
+                self.phases += ["recompute"] * (stop - segment.start)
+                self.positions += range(segment.start, stop)
+                self.run_end[segment] = len(self.positions) - 1
+            self.backward_step[p] = len(self.positions)
+            self.phases.append("backward")
+            self.positions.append(p)
 
     # -- what holds each copy of a storage -----------------------------------------------------
-    def _inside(self, children: tuple[Nest, ...]) -> dict[int, Nest]:
-        """Position -> the segment among ``children`` that holds it."""
-        inside = self._maps.get(children)
-        if inside is None:
-            inside = {p: child for child in children for p in range(child.start, child.stop)}
-            self._maps[children] = inside
-        return inside
-
-    def _holds(self, segment: Nest | None, storage, home: Nest | None, children) -> list[int]:
-        """Steps until which the level of ``segment`` (None: the forward) holds ``storage``."""
-        steps = []
-        span = (0, self.problem.size) if segment is None else (segment.start, segment.stop)
-        inside = self._inside(children)
-        for j in storage.savers:
-            if storage.held_by_context:  # the graph holds it: the forward's, to the end of
-                if segment is None:  # backward; a recompute's, to the recompute's end
-                    steps.append(self.backward_step[0])
-            elif span[0] <= j < span[1] and j not in inside:
+    def _holds(self, segment: Nest, storage) -> list[int]:
+        """Steps until which the recompute of ``segment``, which does not hold the producer of
+        ``storage``, holds it: its own nodes that save it, and its children that take it."""
+        depth, steps, users = self.depth[segment], [], set()
+        for j in (*storage.readers, *storage.savers):
+            if self.levels[j] < depth or self.owner[depth - 1][j] is not segment:
+                continue  # outside the segment
+            if self.levels[j] > depth:
+                users.add(self.owner[depth][j])
+            elif j in storage.savers and not storage.held_by_context:
                 steps.append(self.backward_step[j])
-        users = {inside[j] for j in (*storage.readers, *storage.savers) if j in inside}
-        for child in users:
-            saving = self.saving[child]
-            if child is home or saving is None:  # a checkpoint that saves nothing holds nothing
-                continue
-            if segment is None:  # a top-level segment holds its inputs while its frame lives
-                steps.append(self.backward_step[saving[0]])
-            else:
-                steps.append(self._input_hold(child, storage))
+        steps.extend(self._input_hold(child, storage) for child in users if self.saving[child])
         return steps
 
     def _input_hold(self, segment: Nest, storage) -> int:
         """The last step an input of ``segment``'s recompute stays alive through its level."""
-        return max([self.run_end[segment], *self._holds(segment, storage, None, segment.inner)])
+        return max([self.run_end[segment], *self._holds(segment, storage)])
 
-    def _call_returns(self, children, storage, executed: dict[int, int]) -> list[int]:
-        """Steps where the checkpoint calls that take ``storage`` as an argument return, in a
-        run of the body holding ``children``: the calling body's variable and ``checkpoint``'s
-        own arguments hold it until then, whatever the callee saves. The outermost such call,
-        among the segments of any depth that run whole here, returns last."""
-        steps = []
-        for j in storage.readers:
-            nests = children
-            while (child := self._inside(nests).get(j)) is not None:
-                if not child.start <= storage.producer < child.stop:
-                    if child.stop - 1 in executed:  # not run when the recompute stops at it
-                        steps.append(executed[child.stop - 1])
-                    break
-                nests = child.inner
-        return steps
+    def _crossings(self, storage) -> tuple[dict[int, int], list[tuple[int, Nest]]]:
+        """What holds ``storage`` in each level holding its producer, by the level's depth (0:
+        the forward, else the recompute of ``owner[depth - 1][producer]``), worked out once
+        for every run of that level: the last step until which the level holds it, where
+        something does (its own nodes that save it, a child segment that takes it as an
+        input: a top-level one while its frame lives, an inner one as ``_input_hold`` says);
+        and the checkpoint calls taking it, read by ``_release``.
 
-    def _release(self, segment, storage, created_at: int, executed: dict[int, int], last) -> int:
-        children = self.top if segment is None else segment.inner
-        home = self._inside(children).get(storage.producer)
-        holds = self._holds(segment, storage, home, children)
-        if holds:
-            return max(holds)
-        reads = [executed[j] for j in storage.readers if j in executed]
-        reads += self._call_returns(children, storage, executed)
+        A reader or saver ``j`` leaves the producer's segments at some depth ``k``: it is a
+        node of level ``k`` itself, or inside its child ``owner[k][j]``, which does not hold
+        the producer (deeper levels on the producer's side do not hold ``j``).
+        """
+        owner, levels, p = self.owner, self.levels, storage.producer
+        holds: dict[int, int] = {}
+        entered: list[tuple[int, Nest]] = []  # (k, owner[k][j]) per reader j, see above
+        users: set[tuple[int, Nest]] = set()
+        if storage.held_by_context and storage.savers:  # the graph holds it: the forward's to
+            holds[0] = self.backward_step[0]  # the end of backward, a recompute's to its end
+        savers = set(storage.savers)
+        for index, j in enumerate((*storage.readers, *storage.savers)):
+            k = min(levels[j], levels[p])
+            while k and owner[k - 1][j] is not owner[k - 1][p]:
+                k -= 1
+            if k < levels[j]:
+                child = owner[k][j]
+                users.add((k, child))
+                if index < len(storage.readers):
+                    entered.append((k, child))
+            elif j in savers and not storage.held_by_context:
+                holds[k] = max(holds.get(k, -1), self.backward_step[j])
+        for k, child in users:
+            saving = self.saving[child]
+            if saving is None:  # a checkpoint that saves nothing holds nothing
+                continue
+            if k == 0:  # a top-level segment holds its inputs while its frame lives
+                step = self.backward_step[saving[0]]
+            else:
+                step = self._input_hold(child, storage)
+            holds[k] = max(holds.get(k, -1), step)
+        return holds, entered
+
+    def _release(
+        self, segment, storage, crossings, created_at: int, first: int, stop: int, last
+    ) -> int:
+        """The step after which the copy of ``storage`` made at ``created_at`` in the level of
+        ``segment`` (None: the forward) is freed; that level runs positions ``[start, stop)``
+        from step ``first``, in order."""
+        depth, start = (0, 0) if segment is None else (self.depth[segment], segment.start)
+        holds, entered = crossings
+        if depth in holds:
+            return holds[depth]
+        read = [j for j in storage.readers if start <= j < stop]
+        # The checkpoint calls taking it as an argument, among the segments of any depth that
+        # run whole here: the calling body's variable and ``checkpoint``'s own arguments hold
+        # it until the call returns, whatever the callee saves (not run when the recompute
+        # stops at it).
+        read += [child.stop - 1 for k, child in entered if k >= depth and child.stop <= stop]
+        reads = [first + max(read) - start] if read else []
         if storage.is_output and segment is None:
             reads.append(last)
-        if segment is not None and (len(reads) < len(storage.readers) or storage.held_by_context):
+        if segment is not None and (len(read) < len(storage.readers) or storage.held_by_context):
             # Read by a node the recompute never reaches (past its early stop, or outside the
             # segment): the segment body's variable lives until the recompute stops; a copy kept
             # on an autograd context goes with the recompute's graph, then too.
@@ -309,30 +368,39 @@ class _Replay:
         inside a parent's recompute lives only as long as the graph that recompute builds,
         which goes when the recompute ends; one where nothing saves goes when its body returns.
         """
-        copies = {s: self.problem.buffer_copy_bytes(s.start, s.stop) for s in self.end}
+        problem = self.problem
+        copying = [p for p, node in enumerate(problem.buffer_copies) if node]
+        copies = {  # most segments copy nothing: only those holding a copying node are asked
+            s: problem.buffer_copy_bytes(s.start, s.stop)
+            if _last_in(copying, s.start, s.stop) is not None
+            else 0
+            for s in self.nests
+        }
+        if not any(copies.values()):
+            return
 
         def body(segment: Nest, started: int, held_to: int) -> None:
             if copies[segment]:
                 alloc[started] += copies[segment]
                 free[held_to] += copies[segment]
 
-        for segment in (s for top in self.top for s in top.walk()):
+        for segment in self.nests:
             saves = self.saving[segment] is not None
             body(segment, segment.start, self.run_end[segment] if saves else segment.stop - 1)
-        for segment, executed in self.runs.items():
-            if not executed:
+        for segment, (first, stop) in self.runs.items():
+            if stop == segment.start:
                 continue
             if copies[segment]:
-                alloc[executed[0][1]] += copies[segment]
+                alloc[first] += copies[segment]
                 free[self.run_end[segment]] += copies[segment]
-            at = dict(executed)
+            at = first - segment.start  # position + at: its step in this recompute
             for child in segment.inner:
-                if child.start not in at:
+                if child.start >= stop:
                     continue  # the recompute stops at its inputs: it does not run
                 for inner in child.walk():
-                    returned = at[inner.stop - 1]
+                    returned = at + inner.stop - 1
                     saves = self.saving[inner] is not None
-                    body(inner, at[inner.start], self.run_end[segment] if saves else returned)
+                    body(inner, at + inner.start, self.run_end[segment] if saves else returned)
 
     # -- the replay ----------------------------------------------------------------------------
     def run(self, record: bool) -> Simulation:
@@ -342,49 +410,64 @@ class _Replay:
         free = np.zeros(steps, dtype=np.int64)
         transient = np.zeros(steps, dtype=np.int64)
         by_producer: dict[int, list] = {}
-        for s in problem.storages:
-            by_producer.setdefault(s.producer, []).append(s)
+        for s in problem.storages:  # each with the checkpoint calls taking it (``_release``)
+            by_producer.setdefault(s.producer, []).append((s, self._crossings(s)))
 
-        forward = {p: p for p in range(n)}
+        # Bytes made and freed, by step: gathered, then added up at once.
+        made_at: list[int] = []
+        made: list[int] = []
+        freed_at: list[int] = []
+        freed: list[int] = []
         outputs_read_by_loss = 0  # graph outputs freed once the loss has read them
+        transient[:n] = problem.workspace
+        alloc[:n] = problem.created_bytes
         for p in range(n):
-            transient[p] = problem.workspace[p]
-            alloc[p] += problem.created_bytes[p]
-            for s in by_producer.get(p, ()):
-                released = self._release(None, s, p, forward, n - 1)
-                free[released] += s.nbytes
+            for s, crossings in by_producer.get(p, ()):
+                released = self._release(None, s, crossings, p, 0, n, n - 1)
+                freed_at.append(released)
+                freed.append(s.nbytes)
                 if s.is_output and released == n - 1:
                     outputs_read_by_loss += s.nbytes
+        saves_own = problem.saves_own.tolist()
+        node_seconds, node_flops = problem.seconds.tolist(), problem.flops.tolist()
         seconds = flops = 0.0
-        for segment, executed in self.runs.items():
-            at = dict(executed)
+        ran_at: list[int] = []  # the steps where a node runs in a recompute, and the node
+        ran: list[int] = []
+        for segment, (first, stop) in self.runs.items():
             end = self.end[segment]
-            for q, step in executed:
-                if q == end and not problem.saves_own[q]:
+            for q in range(segment.start, stop):
+                step = first + q - segment.start
+                if q == end and not saves_own[q]:
                     continue  # it saved its inputs and the recompute stopped: it never ran
-                transient[step] = problem.workspace[q]
-                seconds += float(problem.seconds[q])
-                flops += float(problem.flops[q])
-                for s in by_producer.get(q, ()):
+                ran_at.append(step)
+                ran.append(q)
+                seconds += node_seconds[q]
+                flops += node_flops[q]
+                for s, crossings in by_producer.get(q, ()):
                     if q == end and not s.before_last_save:
                         continue  # made after the last save: the recompute stopped first
-                    alloc[step] += s.nbytes
-                    free[self._release(segment, s, step, at, -1)] += s.nbytes
+                    made_at.append(step)
+                    made.append(s.nbytes)
+                    freed_at.append(self._release(segment, s, crossings, step, first, stop, -1))
+                    freed.append(s.nbytes)
+        transient[ran_at] = problem.workspace[ran]
+        np.add.at(alloc, made_at, np.array(made, dtype=np.int64))
+        np.add.at(free, freed_at, np.array(freed, dtype=np.int64))
         self._buffer_copies(alloc, free)
         # A checkpoint call costs Problem.checkpoint_seconds each time it runs: every segment
         # in the forward, and an inner one again inside its parent's recompute.
-        calls = sum(1 for top in self.top for _ in top.walk()) + sum(
-            sum(1 for _ in child.walk())
-            for segment, executed in self.runs.items()
+        calls = len(self.nests) + sum(
+            self.count[child]
+            for segment in self.runs
             for child in segment.inner
-            if child.start in dict(executed)
+            if child.start < self.runs[segment][1]
         )
         call_seconds = problem.checkpoint_seconds * calls
-        for p, step in self.backward_step.items():
-            alloc[step] += problem.activation_grad_alloc[p] + problem.grad_bytes_at[p]
-            free[step] += problem.activation_grad_free[p]
+        backward = np.array(self.backward_step, dtype=np.int64)
+        alloc[backward] = alloc[backward] + problem.activation_grad_alloc + problem.grad_bytes_at
+        free[backward] = free[backward] + problem.activation_grad_free
 
-        first_backward = self.backward_step.get(n - 1, n)
+        first_backward = self.backward_step[n - 1] if n else n
         if first_backward > n:  # recomputes run before it: they hold the loss and the seed
             alloc[n] += problem.loss_bytes
             free[first_backward - 1] += problem.loss_bytes
