@@ -407,14 +407,18 @@ def _unpacks(node: fx.Node) -> bool:
     )
 
 
-def _segment_buffers(holder: nn.Module, members: list[fx.Node], inputs: list[fx.Node]):
+def _segment_buffers(
+    holder: nn.Module, members: list[fx.Node], inputs: list[fx.Node], buffered: dict[str, bool]
+):
     """Buffers a segment can write, by name: (targets of the modules it calls that have
-    buffers, targets of the buffers it reads directly)."""
+    buffers, targets of the buffers it reads directly). ``buffered`` remembers which module
+    targets have buffers: a nested plan asks again for every segment holding a module."""
+    for node in members:
+        if node.op == "call_module" and node.target not in buffered:
+            module = holder.get_submodule(str(node.target))
+            buffered[node.target] = next(module.buffers(), None) is not None
     modules = [
-        node.target
-        for node in members
-        if node.op == "call_module"
-        and next(holder.get_submodule(str(node.target)).buffers(), None) is not None
+        node.target for node in members if node.op == "call_module" and buffered[node.target]
     ]
     tensors = [buffer_read(holder, node) for node in inputs]
     return tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(t for t in tensors if t))
@@ -443,10 +447,12 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
     graph._codegen = captured.graph._codegen  # keeps torch.export's input/output pytree handling
     env: dict[fx.Node, fx.Node] = {}
     built: list[Segment] = []
+    buffered: dict[str, bool] = {}
     for node in captured.graph.nodes:
         if node in first:
             k, nest = first[node]
-            _checkpoint_segment(graph, env, holder, f"segment_{k}", nodes, nest, kept, built)
+            name = f"segment_{k}"
+            _checkpoint_segment(graph, env, holder, name, nodes, nest, kept, built, buffered)
         elif node not in inside and node not in env:
             env[node] = graph.node_copy(node, lambda n: env[n])
 
@@ -474,11 +480,20 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
 
 
 def _checkpoint_segment(
-    graph, env, holder, name: str, nodes: list[fx.Node], nest: Nest, kept: set[fx.Node], built
+    graph,
+    env,
+    holder,
+    name: str,
+    nodes: list[fx.Node],
+    nest: Nest,
+    kept: set[fx.Node],
+    built,
+    buffered: dict[str, bool],
 ) -> None:
     """Append to ``graph`` a checkpoint call of ``nodes[nest.start:nest.stop]`` as a ``Segment``
     named ``name``, keeping the members in ``kept``; its inner segments (``nest.inner``) become
-    checkpoint calls inside its body. Every segment built is appended to ``built``."""
+    checkpoint calls inside its body. Every segment built is appended to ``built``;
+    ``buffered`` is ``_segment_buffers``'s."""
     members = nodes[nest.start : nest.stop]
     inner = {nodes[child.start]: child for child in nest.inner}
     inner_members = {m for child in nest.inner for m in nodes[child.start : child.stop]}
@@ -510,7 +525,9 @@ def _checkpoint_segment(
         if m in inner:
             child = inner[m]
             child_name = f"{name}_{nest.inner.index(child)}"
-            _checkpoint_segment(body, body_env, holder, child_name, nodes, child, kept, built)
+            _checkpoint_segment(
+                body, body_env, holder, child_name, nodes, child, kept, built, buffered
+            )
             continue
         if m in inner_members or m not in member_set:
             continue
@@ -520,7 +537,7 @@ def _checkpoint_segment(
         if m in kept:
             body.call_function(_keep_off)
     body.output(tuple(body_env[m] for m in outputs))
-    modules, tensors = _segment_buffers(holder, members, inputs)
+    modules, tensors = _segment_buffers(holder, members, inputs, buffered)
     segment = Segment(fx.GraphModule(holder, body), modules, tensors, selective)
     holder.__dict__[name] = segment  # a plain attribute, not a child: state_dict stays the user's
 
