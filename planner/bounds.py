@@ -99,7 +99,7 @@ def recompute_lower_bound(
     for anyway, extra in moments:
         anyway = anyway | by_context
         allowance = peak_bytes - problem.fixed_bytes - extra - int(nbytes[anyway].sum())
-        rows.append(({k: nbytes[k] for k in np.flatnonzero(~anyway)}, allowance))
+        rows.append(({int(k): nbytes[k] for k in np.flatnonzero(~anyway)}, allowance))
 
     grads = problem.activation_grad_alloc + problem.grad_bytes_at
     freed = problem.activation_grad_free

@@ -413,13 +413,11 @@ def _segment_buffers(
     """Buffers a segment can write, by name: (targets of the modules it calls that have
     buffers, targets of the buffers it reads directly). ``buffered`` remembers which module
     targets have buffers: a nested plan asks again for every segment holding a module."""
-    for node in members:
-        if node.op == "call_module" and node.target not in buffered:
-            module = holder.get_submodule(str(node.target))
-            buffered[node.target] = next(module.buffers(), None) is not None
-    modules = [
-        node.target for node in members if node.op == "call_module" and buffered[node.target]
-    ]
+    targets = [str(node.target) for node in members if node.op == "call_module"]
+    for target in targets:
+        if target not in buffered:
+            buffered[target] = next(holder.get_submodule(target).buffers(), None) is not None
+    modules = [target for target in targets if buffered[target]]
     tensors = [buffer_read(holder, node) for node in inputs]
     return tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(t for t in tensors if t))
 
