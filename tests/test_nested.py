@@ -14,9 +14,12 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
+import planner
 from planner.nested import (
     Nest,
     NestedChoice,
@@ -28,6 +31,7 @@ from planner.nested import (
 from planner.pipeline import prepare
 from planner.rewrite import rewrite
 from planner.simulate import last_recomputed, simulate
+from planner.solvers.auto import lowest_peak
 from planner.step import peak_memory
 from problems import all_nested_plans, problem_of, random_problem
 from strategies import assert_equivalent, build, inputs, model_specs, random_segments
@@ -352,6 +356,26 @@ def test_only_chains_get_the_exact_front():
     assert is_chain(random_problem(4, 7, chain=True))
     assert not is_chain(random_problem(4, 7))  # skips: nodes 5 and 6 read nodes 1 and 3
     assert chain_plans(random_problem(4, 7)) == []
+
+
+def test_a_chain_whose_front_outgrows_its_work_is_planned_from_the_other_candidates():
+    """Six (Linear, GELU) pairs: a 12-node chain whose exact front would make about a billion
+    comparisons (found trying the library: planning never finished). It is given up, and the
+    plan still fits and trains exactly."""
+    from planner.solvers.rotor import chain_plans, is_chain
+
+    torch.manual_seed(0)
+    layers = [m for _ in range(6) for m in (nn.Linear(16, 16), nn.GELU())]
+    model, x = nn.Sequential(*layers).train(), torch.randn(16, 16)
+    _, problem = prepare(model, (x,))
+    assert problem.size == 12 and is_chain(problem)
+    assert chain_plans(problem) == []
+    lowest = lowest_peak(problem)
+    assert lowest.peak_bytes < simulate(problem, ()).peak_bytes
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (x,), budget_bytes=lowest.peak_bytes, solver="rotor")
+    assert p.predicted_peak_bytes <= lowest.peak_bytes
+    assert_equivalent(reference, model, p.module, (x,), {})
 
 
 def test_the_chain_front_predicts_the_measured_peak_of_a_real_chain():

@@ -36,7 +36,9 @@ On chains (``is_chain``: each node's one storage read by the next node alone) of
 exactly, the early stop and each frame's holds included: it keeps, per suffix of each level,
 every plan that no other beats at every kind of moment, which costs a vector of needs instead
 of one number per memory level. Its plans join the candidates, so on those chains ``rotor``
-finds a cheapest nested plan at every budget (tested against an exhaustive search).
+finds a cheapest nested plan at every budget (tested against an exhaustive search). Its fronts
+can grow exponentially with the chain: past ``FRONT_WORK`` comparisons it is given up, and the
+other candidates remain.
 """
 
 from __future__ import annotations
@@ -258,6 +260,9 @@ def solve(
 # -- the exact front on chains --------------------------------------------------------------------
 
 CHAIN_NODES = 12  # the exact front runs on chains up to this size (its fronts grow with it)
+# Comparisons of entries the front may make before chain_plans gives it up (about a second):
+# its fronts can grow exponentially with the chain (6 x (Linear, GELU): a million times this).
+FRONT_WORK = 2_000_000
 _NONE = -(10**18)  # no moment of that kind
 
 
@@ -295,6 +300,10 @@ class _Entry:
     calls: int
 
 
+class _FrontTooLarge(Exception):
+    """The front outgrew the work it was given."""
+
+
 class _Front:
     """The nested plans of a chain and their exact peaks and costs, by dynamic programming over
     suffixes of each level, keeping every plan no other beats at every kind of moment.
@@ -320,8 +329,9 @@ class _Front:
 
     W, R, B = 0, 1, 2
 
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: Problem, work: int | None = None):
         self.problem = problem
+        self.work_left = work  # comparisons of entries left (None: no limit)
         n = self.n = problem.size
         storages = problem.storages
         self.bytes = [int(s.nbytes) for s in storages] + [0]  # [-1]: the model's input, fixed
@@ -347,6 +357,10 @@ class _Front:
         compositions add and take maxima), so the front stays exact."""
         kept: list[_Entry] = []
         for e in sorted(entries, key=lambda e: (e.cost, e.calls, e.need)):
+            if self.work_left is not None:
+                self.work_left -= len(kept)
+                if self.work_left < 0:
+                    raise _FrontTooLarge
             if not any(
                 k.active == e.active
                 and (k.calls <= e.calls or not self.call)
@@ -493,8 +507,12 @@ class _Front:
 
 
 def chain_plans(problem: Problem) -> list[NestedChoice]:
-    """The exact front's plans (``_Front``) on chains of up to ``CHAIN_NODES`` nodes, else none:
-    at every budget, a cheapest nested plan that fits is among them."""
+    """The exact front's plans (``_Front``) on chains of up to ``CHAIN_NODES`` nodes whose
+    front stays within ``FRONT_WORK`` comparisons, else none: at every budget, a cheapest
+    nested plan that fits is among them."""
     if not 0 < problem.size <= CHAIN_NODES or not is_chain(problem):
         return []
-    return [plan for _, _, plan in _Front(problem).plans()]
+    try:
+        return [plan for _, _, plan in _Front(problem, FRONT_WORK).plans()]
+    except _FrontTooLarge:
+        return []
