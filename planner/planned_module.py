@@ -317,10 +317,11 @@ class Snapshot:
             stacklevel=_callers_stacklevel(),
         )
 
-    def warn_if_gradients_held(self) -> None:
-        """Once: a call with gradients starts while parameters hold ``.grad`` (zeroed in place by
-        ``zero_grad(set_to_none=False)``, or accumulated by a hand-written loop), which the plan
-        counts from backward on: the step holds about their size more than the budget."""
+    def warn_if_gradients_held(self, args: tuple, kwargs: dict) -> None:
+        """Once: a call with gradients starts while parameters or tensor arguments hold
+        ``.grad`` (zeroed in place by ``zero_grad(set_to_none=False)``, accumulated by a
+        hand-written loop, an input's kept from the last step), which the plan counts from
+        backward on: the step holds about their size more than the budget."""
         if (
             self.gradients_held
             or self.warned_gradients
@@ -328,17 +329,20 @@ class Snapshot:
             or torch.compiler.is_compiling()
         ):
             return
-        held = sum(p.grad.nbytes for p in self.parameters if p.grad is not None)
+        arguments = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        leaves = self.parameters + [t for t in arguments if t.is_leaf]  # others have no .grad
+        held = sum(t.grad.nbytes for t in leaves if t.grad is not None)
         if not held:
             return
         self.warned_gradients = True
         warnings.warn(
-            f"the planned {type(self.model).__name__} is called while its parameters hold "
-            f"gradients ({mib(held)}, {held} bytes): the plan counts gradients from backward on, "
-            "as a step that starts with .grad None makes them, so this step can exceed the "
-            "budget by about their size. Free them before each step "
-            "(optimizer.zero_grad(set_to_none=True), the default), or plan gradient "
-            "accumulation with planner.plan_batch, which counts them from the start.",
+            f"the planned {type(self.model).__name__} is called while its parameters or "
+            f"tensor arguments hold gradients ({mib(held)}, {held} bytes): the plan counts "
+            "gradients from backward on, as a step that starts with .grad None makes them, so "
+            "this step can exceed the budget by about their size. Free them before each step "
+            "(optimizer.zero_grad(set_to_none=True), the default; x.grad = None for an input), "
+            "or plan gradient accumulation with planner.plan_batch, which counts them from the "
+            "start.",
             UserWarning,
             stacklevel=_callers_stacklevel(),
         )
@@ -547,8 +551,8 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
     itself (exact, not planned). So is a call in other dtypes than at planning (``.double()``
     after planning): the graph bakes in the branches forward took on dtypes. A call with
     gradients and a tensor larger than the example's in some dimension warns once: the budget
-    holds up to the example's sizes; so does one that starts while parameters hold gradients,
-    unless the plan counts them (``plan_batch``'s accumulation). ``state_dict`` and
+    holds up to the example's sizes; so does one that starts while parameters or tensor
+    arguments hold gradients, unless the plan counts them (``plan_batch``'s accumulation). ``state_dict`` and
     ``load_state_dict`` save and load the root's own state through the model
     (``planner.model_state``).
     ``train()`` sets the model's mode (through the model's own ``train``); ``.to()``,
@@ -580,7 +584,7 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         form = snapshot.call_form(args, kwargs)
         if form is not None:
             return snapshot.run_form(form, args, kwargs)
-        snapshot.warn_if_gradients_held()
+        snapshot.warn_if_gradients_held(args, kwargs)
         output = graph_forward(self, *args, **kwargs)
         snapshot.warn_if_larger(args, kwargs)  # after: export's static graphs refuse other sizes
         return output

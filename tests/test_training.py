@@ -30,7 +30,7 @@ def regression_model():
 # plan() counts gradients from backward on, so it warns when a micro-batch after the first
 # starts with them held; plan_batch plans accumulation (see the end of this file).
 ACCUMULATING_WITH_PLAN = pytest.mark.filterwarnings(
-    "ignore:the planned Sequential is called while its parameters hold gradients"
+    "ignore:the planned Sequential is called while its parameters or tensor arguments hold gradients"
 )
 
 
@@ -249,6 +249,19 @@ def test_a_step_starting_with_gradients_zeroed_in_place_warns_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _step(module, batch)  # once
+
+
+def test_a_step_starting_with_an_input_gradient_kept_from_the_last_step_warns():
+    """An input that requires grad (a gradient penalty, an adversarial example) keeps its
+    ``.grad`` unless the loop frees it: measured exactly its size over the budget (found trying
+    the library)."""
+    model, (x, y) = regression_model()
+    x.requires_grad_(True)
+    module = planned(model, (x, y))
+    _step(module, (x, y))
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match=rf"MiB, {x.numel() * 4} bytes\).*x\.grad = None"):
+        _step(module, (x, y))
 
 
 def test_steps_that_free_gradients_or_run_without_them_do_not_warn():

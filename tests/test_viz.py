@@ -141,6 +141,15 @@ def test_plot_memory_needs_a_recorded_timeline(gpt_plan):
         viz.plot_memory(plan, MemoryReport(1, 0, 0, "cpu", None))
 
 
+def test_a_path_given_where_plot_memory_takes_a_trace_says_to_use_path(gpt_plan, tmp_path):
+    """``plan.draw(path)`` takes the path first; ``plot_memory``'s first argument is a measured
+    trace (found trying the library: a numpy conversion error named the path)."""
+    plan, _, _ = gpt_plan
+    with pytest.raises(TypeError, match=r"plot_memory\(path=\.\.\.\)"):
+        plan.plot_memory(tmp_path / "memory.png")
+    assert not (tmp_path / "memory.png").exists()
+
+
 def test_draw_into_a_given_axes(gpt_plan):
     from matplotlib.figure import Figure
 

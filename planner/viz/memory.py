@@ -3,6 +3,8 @@ memory against recompute."""
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,6 +142,11 @@ def plot_memory(plan, measured=None, ax=None, *, measured_baseline=None, path=No
     -------
     matplotlib.figure.Figure
     """
+    if isinstance(measured, (str, os.PathLike)):  # draw(path) takes a path first; this does not
+        raise TypeError(
+            f"plot_memory's first argument is a measured trace, not a path ({measured!r}): "
+            "write the figure with plot_memory(path=...)"
+        )
     figure_maker()  # fail early, before any work, when matplotlib is missing
     curves = memory_timeline(plan)
     base, planned = curves["baseline"], curves["plan"]
