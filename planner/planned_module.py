@@ -552,9 +552,9 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
     after planning): the graph bakes in the branches forward took on dtypes. A call with
     gradients and a tensor larger than the example's in some dimension warns once: the budget
     holds up to the example's sizes; so does one that starts while parameters or tensor
-    arguments hold gradients, unless the plan counts them (``plan_batch``'s accumulation). ``state_dict`` and
-    ``load_state_dict`` save and load the root's own state through the model
-    (``planner.model_state``).
+    arguments hold gradients, unless the plan counts them (``plan_batch``'s accumulation).
+    ``state_dict`` and ``load_state_dict`` save and load the root's own state through the
+    model (``planner.model_state``).
     ``train()`` sets the model's mode (through the model's own ``train``); ``.to()``,
     ``.double()``... convert the model's tensors, root ones included.
     Pickling and ``copy.copy`` refuse: the module is tied to the model object it was planned

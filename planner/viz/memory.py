@@ -4,7 +4,6 @@ memory against recompute."""
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 
 import numpy as np
