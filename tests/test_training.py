@@ -235,19 +235,24 @@ def _step(module, batch):
     loss_of(module, batch, "mean").backward()
 
 
+@contextlib.contextmanager
+def no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
+
+
 def test_a_step_starting_with_gradients_zeroed_in_place_warns_once():
     model, batch = regression_model()
     module = planned(model, batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with no_warning():
         _step(module, batch)  # .grad None: what the plan counts
     optimizer.zero_grad(set_to_none=False)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     with pytest.warns(UserWarning, match=rf"hold gradients \(0\.0 MiB, {held} bytes\).*plan_batch"):
         _step(module, batch)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with no_warning():
         _step(module, batch)  # once
 
 
@@ -268,8 +273,7 @@ def test_steps_that_free_gradients_or_run_without_them_do_not_warn():
     model, batch = regression_model()
     module = planned(model, batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with no_warning():
         for _ in range(3):
             _step(module, batch)
             optimizer.step()
@@ -290,8 +294,7 @@ def test_accumulation_planned_by_plan_batch_does_not_warn():
     )
     assert choice.steps == 2
     batch = (make_inputs(BATCH)[0], torch.randn(BATCH, 16))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with no_warning():
         for micro in micro_batches(batch, choice.micro_batch):
             with micro:
                 micro.backward(loss_of(choice.module, micro.data, "mean"))
