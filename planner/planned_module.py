@@ -493,6 +493,15 @@ class Snapshot:
         return self.model(*args, **kwargs)
 
 
+def _under_functorch_grad() -> bool:
+    """Whether a ``torch.func`` transform that records gradients is running."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    # grad, vjp, jacrev and hessian all run under a Grad interpreter.
+    return any(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters())
+
+
 class CallForm(NamedTuple):
     """A call unlike the planning call: the tensor arguments it leaves out, and the dtypes of
     the model's parameters and buffers and of its tensor arguments (None: not a tensor)."""
@@ -585,7 +594,18 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         if form is not None:
             return snapshot.run_form(form, args, kwargs)
         snapshot.warn_if_gradients_held(args, kwargs)
-        output = graph_forward(self, *args, **kwargs)
+        try:
+            output = graph_forward(self, *args, **kwargs)
+        except RuntimeError as error:
+            if "saved tensor hooks" in str(error) and _under_functorch_grad():
+                raise PlanningError(
+                    "torch.func.grad, vjp, jacrev and hessian cannot differentiate through the "
+                    f"planned {type(snapshot.model).__name__}: its checkpointed segments use "
+                    "saved-tensor hooks, which these transforms do not support yet. Apply them "
+                    "to the model itself (it has the same parameters); torch.func.vmap and "
+                    "functional_call work on the planned module."
+                ) from error
+            raise
         snapshot.warn_if_larger(args, kwargs)  # after: export's static graphs refuse other sizes
         return output
 

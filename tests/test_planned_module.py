@@ -306,6 +306,27 @@ def test_functional_call_with_root_tensors_computes_with_the_tensors_passed():
     assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
 
 
+def test_torch_func_transforms_on_the_planned_module():
+    """``vmap`` works and matches the model. ``torch.func.grad`` (and ``vjp``, ``jacrev``,
+    ``hessian``) cannot run saved-tensor hooks, which checkpointed segments use: a
+    ``PlanningError`` says so and what to do, where torch's own error did not (found trying
+    the library)."""
+    torch.manual_seed(0)
+    model, x = RootState(), torch.randn(8, 16)
+    p = sqrt_n_plan(model, (x,))
+    assert p.segments
+    torch.testing.assert_close(torch.func.vmap(p.module)(x), torch.func.vmap(model)(x))
+    params = {k: v.detach() for k, v in p.module.named_parameters()}
+
+    def loss(module):
+        return lambda passed: torch.func.functional_call(module, passed, (x,)).sum()
+
+    expected = torch.func.grad(loss(model))(params)
+    assert expected.keys() == params.keys()
+    with pytest.raises(planner.PlanningError, match=r"torch\.func\.grad.*to the model itself"):
+        torch.func.grad(loss(p.module))(params)
+
+
 def test_a_model_planned_on_meta_then_materialised_trains_its_materialised_parameters():
     """Planning on the meta device, then ``model.to_empty()`` and initialisation."""
     with torch.device("meta"):
