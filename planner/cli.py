@@ -40,6 +40,10 @@ class UsageError(Exception):
     """A problem with the command line or the model spec (exit status 2)."""
 
 
+class FactoryFailed(Exception):
+    """The user's factory raised (exit status 1): its message names the factory."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m planner",
@@ -234,6 +238,10 @@ def _plan(args) -> int:
             raise
         except TypeError as error:
             raise UsageError(f"calling the factory {args.model}: {error}") from error
+        except Exception as error:  # the factory's own code: not a bad budget or solver
+            raise FactoryFailed(
+                f"the factory {args.model} raised {type(error).__name__}: {_one_line(error)}"
+            ) from error
         result = planner.plan(
             model,
             inputs,
@@ -292,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.traceback:
             raise
         print(f"planner: error: {_one_line(error)}", file=sys.stderr)
+        return 1
+    except FactoryFailed as error:
+        if args.traceback:
+            raise
+        print(f"planner: error: {error} (run with --traceback for details)", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("planner: interrupted", file=sys.stderr)

@@ -104,6 +104,22 @@ def test_main_errors(argv, status, message, capsys):
     assert err.strip().count("\n") == 0
 
 
+def test_a_factory_that_raises_is_named_with_its_error(tmp_path, capsys):
+    """A ValueError of the user's own factory read as a bad budget, its bare message alone
+    (found trying the library)."""
+    (tmp_path / "my_models.py").write_text("def make():\n    raise ValueError('no data')\n")
+    spec = f"{tmp_path / 'my_models.py'}:make"
+    assert cli.main(["plan", spec, "--budget-gb", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"planner: error: the factory {spec} raised ValueError: no data "
+        "(run with --traceback for details)\n"
+    )
+    with pytest.raises(cli.FactoryFailed) as raised:
+        cli.main(["plan", spec, "--budget-gb", "1", "--traceback"])
+    assert isinstance(raised.value.__cause__, ValueError)
+
+
 def test_main_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["plan", "gpt"])  # no budget
