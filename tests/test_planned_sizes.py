@@ -47,10 +47,12 @@ def planned(model, x, capture, **kwargs):
 
 
 def call(module, *args, **kwargs) -> list[str]:
-    """The messages of the warnings that ``module(*args, **kwargs)`` and its backward raise."""
+    """The messages of the warnings that a training step of ``module(*args, **kwargs)`` raises
+    (it ends as ``zero_grad()`` does: gradients held into the next step would warn too)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module(*args, **kwargs).sum().backward()
+    module.zero_grad(set_to_none=True)
     return [str(w.message) for w in caught]
 
 
