@@ -657,10 +657,15 @@ def _refuse_layerdrop(model: nn.Module) -> None:
     if not model.training:
         return  # LayerDrop draws only in training
     config = getattr(model, "config", None)
+    # Hugging Face configs are objects; other code keeps dicts (or slotted objects) there.
+    fields = config if isinstance(config, dict) else getattr(config, "__dict__", {})
     options = {
         key: value
-        for key, value in (vars(config) if config is not None else {}).items()
-        if key.endswith("layerdrop") and isinstance(value, (int, float)) and value > 0
+        for key, value in fields.items()
+        if isinstance(key, str)
+        and key.endswith("layerdrop")
+        and isinstance(value, (int, float))
+        and value > 0
     }
     modules = [
         name or "the model"

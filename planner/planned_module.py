@@ -626,6 +626,24 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         super()._load_from_state_dict(*args)  # through the model (planner.model_state)
         self._read_root_state(self._planner)  # assign=True gave the model new root tensors
 
+    def __getattr__(self, name: str):
+        """An attribute the model has and the graph does not (a Hugging Face ``config``,
+        ``save_pretrained``) is missing here on purpose: the planned module is the model's
+        forward only. The error says where it is instead of a bare "no attribute"."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            snapshot = self.__dict__.get("_planner")
+            if snapshot is None or name.startswith("_") or not hasattr(snapshot.model, name):
+                raise
+            model = type(snapshot.model).__name__
+            raise AttributeError(
+                f"{error}: the planned module runs the model's forward only. {name!r} is the "
+                f"model's ({model}): use it there (model.{name}); the planned module shares "
+                "the model's parameters and buffers, so what the model saves, loads or "
+                "generates is what the plan trains."
+            ) from None
+
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
         self._write_to_model(name)

@@ -499,6 +499,32 @@ def test_layerdrop_is_refused_with_the_option_to_turn_off():
     assert_equivalent(reference, model, p.module, (x,), {})
 
 
+class Slotted:
+    __slots__ = ("width",)
+
+    def __init__(self):
+        self.width = 8
+
+
+@pytest.mark.parametrize("config", [{"width": 8, 3: "x"}, Slotted()], ids=["dict", "slots"])
+def test_a_config_that_is_not_a_hugging_face_one_plans(config):
+    """The LayerDrop check reads ``model.config``'s fields: a dict or a slotted object there
+    (common outside Hugging Face) crashed planning with ``vars()``'s TypeError (found trying
+    the library)."""
+    model, x = LayerDrop(0.0), torch.randn(4, 8)
+    model.config = config
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n")
+    assert_equivalent(reference, model, p.module, (x,), {})
+
+
+def test_layerdrop_in_a_dict_config_is_refused_too():
+    model, x = LayerDrop(0.0), torch.randn(4, 8)
+    model.config = {"layerdrop": 0.1}
+    with pytest.raises(PlanningError, match=r"config.layerdrop=0.1"):
+        planner.plan(model, (x,), budget_gb=1)
+
+
 def test_hugging_face_layerdrop_names_the_config_options():
     transformers = pytest.importorskip("transformers")
     from hf_families import _bart_config

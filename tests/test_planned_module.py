@@ -327,6 +327,35 @@ def test_torch_func_transforms_on_the_planned_module():
         torch.func.grad(loss(p.module))(params)
 
 
+class Configured(RootState):
+    """A model with what Hugging Face models carry besides forward: a config and methods."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = {"hidden_size": 16}
+
+    def describe(self):
+        return "six tanh layers"
+
+
+def test_the_models_other_attributes_are_on_the_model_and_the_error_says_so():
+    """The planned module is the model's forward only: ``planned.config`` is missing, as
+    ``hasattr`` must say (libraries probe with it), but the error names where it is rather
+    than a bare "no attribute" (a Hugging Face training script reading ``model.config``)."""
+    model = Configured()
+    p = sqrt_n_plan(model, (torch.randn(8, 16),))
+    assert not hasattr(p.module, "config") and not hasattr(p.module, "describe")
+    with pytest.raises(
+        AttributeError,
+        match=r"'config' is the model's \(Configured\): use it there \(model\.config\)",
+    ):
+        p.module.config
+    with pytest.raises(AttributeError, match=r"model\.describe"):
+        p.module.describe()
+    with pytest.raises(AttributeError, match=r"no attribute 'neither'$"):
+        p.module.neither
+
+
 def test_a_model_planned_on_meta_then_materialised_trains_its_materialised_parameters():
     """Planning on the meta device, then ``model.to_empty()`` and initialisation."""
     with torch.device("meta"):
