@@ -313,6 +313,7 @@ def _export(
     kwargs_fixed = {**kwargs, **fixed}
     dynamic = _any_size(model, args, kwargs_fixed) if dynamic_shapes else None
     paths = leaf_paths(model, leaf_modules)
+    traced_args, traced_kwargs = _unaliased((args, kwargs_fixed))
     calls = None  # with leaf_modules: the graph calling them, which the plan rewrites
     with (
         warnings.catch_warnings(),
@@ -321,11 +322,11 @@ def _export(
     ):
         warnings.simplefilter("ignore")
         if paths:  # see planner.export_leaves
-            gm, calls = export_keeping(model, args, kwargs_fixed, paths, dynamic)
+            gm, calls = export_keeping(model, traced_args, traced_kwargs, paths, dynamic)
             gm.meta[CALLS_KEY] = calls
         else:
             program = torch.export.export(
-                model, args, kwargs_fixed, dynamic_shapes=dynamic, strict=False
+                model, traced_args, traced_kwargs, dynamic_shapes=dynamic, strict=False
             )
             gm = program.module()
     for graph_module in (gm, calls) if calls is not None else (gm,):
@@ -341,6 +342,29 @@ def _export(
     checks = [c for c in causal if c is not None] if dynamic_shapes else []
     ModelCall(model, args, kwargs, fixed=fixed, checks=checks).install(gm)
     return gm
+
+
+def _unaliased(tree):
+    """``tree`` with each tensor that shares storage with an earlier one replaced by a copy.
+
+    torch.export gives one tensor passed twice a single graph input: captured from
+    ``model(ids, labels=ids)`` (Hugging Face's language-modelling example), the graph read
+    ``ids`` for ``labels`` in every later call, silently. Traced on copies, each argument has an
+    input of its own; a call that passes one tensor twice still shares it, in-place writes
+    included, as the graph runs its ops in the model's order.
+    """
+    seen: set[int] = set()
+
+    def distinct(t: torch.Tensor) -> torch.Tensor:
+        if t.layout is not torch.strided:
+            return t
+        storage = t.untyped_storage()._cdata
+        if storage not in seen:
+            seen.add(storage)
+            return t
+        return t.detach().clone().requires_grad_(t.requires_grad)
+
+    return tree_map_only(torch.Tensor, distinct, tree)
 
 
 @contextlib.contextmanager

@@ -697,3 +697,66 @@ def test_a_random_draw_on_no_traced_value_is_an_op_of_the_graph_not_a_constant()
     p = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n")
     assert p.capture_method == "export" and p.segments
     assert_equivalent(reference, model, p.module, (x,), {})
+
+
+class TwoInputs(nn.Module):
+    """Two arguments, read by two layers; a branch on a size sends it to torch.export. With
+    ``scale`` it first doubles its first argument in place (a write the second sees where the
+    caller passes one tensor twice)."""
+
+    def __init__(self, scale: bool = False):
+        super().__init__()
+        self.scale = scale
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.layers = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)))
+
+    def forward(self, x, y):
+        if x.shape[0] > 1 and self.scale:
+            x.mul_(2)
+        return self.layers(torch.tanh(self.a(x)) * self.b(y))
+
+
+def test_a_plan_captured_from_one_tensor_passed_twice_reads_each_argument_later():
+    """Found trying the library: torch.export gives a tensor passed twice one graph input, so
+    a plan captured from ``model(x, x)`` (Hugging Face's ``model(ids, labels=ids)``) read ``x``
+    for ``y`` in every later call: ``model(x, y)`` silently computed ``model(x, x)``."""
+    torch.manual_seed(0)
+    model, x, y = TwoInputs(), torch.randn(4, 8), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (x, x), budget_gb=1, solver="sqrt_n")
+    assert p.capture_method == "export" and p.segments
+    for args in ((x, y), (y, x), (y, y)):
+        assert_equivalent(reference, model, p.module, args, {})
+
+
+def test_one_tensor_passed_twice_still_sees_the_models_in_place_writes():
+    """Captured on copies, the graph still writes the caller's tensor in place where the
+    model does, so an argument passed twice sees the write, as in the model."""
+    model = TwoInputs(scale=True)
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (torch.randn(4, 8),) * 2, budget_gb=1, solver="sqrt_n")
+    assert p.capture_method == "export" and p.segments
+    t = torch.randn(4, 8)
+    expected_input, input_ = t.clone(), t.clone()
+    expected = reference(expected_input, expected_input)
+    torch.testing.assert_close(p.module(input_, input_), expected, rtol=0, atol=0)
+    assert torch.equal(input_, expected_input) and torch.equal(input_, 2 * t)
+
+
+def test_a_hugging_face_plan_from_labels_equal_to_ids_reads_the_labels_it_is_given():
+    """The docs' own example: planned with ``labels=ids``, then trained on other labels."""
+    pytest.importorskip("transformers")
+    from hf_families import FAMILIES
+
+    torch.manual_seed(0)
+    model, args, _ = FAMILIES["gpt2"](batch=2, length=16)
+    ids = args[0]
+    model.config.use_cache = False  # the reference returns no cache either
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (ids,), budget_gb=1, example_kwargs={"labels": ids}, solver="sqrt_n")
+    assert p.segments
+    other = torch.randint(3, 64, ids.shape)
+    other[:, :3] = -100
+    assert_equivalent(
+        reference, model, p.module, (ids,), {"labels": other}, check_output_type=False
+    )
