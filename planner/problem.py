@@ -279,22 +279,30 @@ def _keepable(created: list[dict], writes: list[frozenset], kept_bytes: np.ndarr
     return keepable
 
 
-def _mutation_pins(storages: dict, writes: list[frozenset], n: int, fixed: Mapping[int, str]):
+def _mutation_pins(
+    storages: dict, reads: list, writes: list[frozenset], n: int, fixed: Mapping[int, str]
+):
     """Cuts and nodes that in-place writes forbid.
 
     A checkpointed segment must not see an input that was changed after it ran (its recompute
     would read the new value), so no cut may fall between a storage's creation and a write to it.
-    Writes to parameters or inputs are never recomputed; writes to buffers (BatchNorm statistics)
-    are allowed: the rewritten segments restore buffers after recomputing.
+    Writes to parameters or inputs are never recomputed, and neither is what reads them before
+    the write (``x.mul_(0.5)`` after ``exp(x)``: torch's checkpoint refused the changed input in
+    backward); writes to buffers (BatchNorm statistics) are allowed: the rewritten segments
+    restore buffers after recomputing.
     """
     forbidden_cuts = np.zeros(n + 1, dtype=bool)
     pinned = np.zeros(n, dtype=bool)
+    last_write: dict[int, int] = {}
     for position, written in enumerate(writes):
         for key in written:
             if key in storages:
                 forbidden_cuts[storages[key].producer + 1 : position + 1] = True
             elif fixed.get(key) in ("parameter", "input", "constant"):
                 pinned[position] = True
+                last_write[key] = position
+    for position, read in enumerate(reads):
+        pinned[position] |= any(last_write.get(key, -1) > position for key in read)
     return forbidden_cuts, pinned
 
 
@@ -433,7 +441,7 @@ def build_problem(
             cut_delta[end + 1] -= s.nbytes
     cut_bytes = np.cumsum(cut_delta)[: n + 1]
 
-    forbidden_cuts, pinned = _mutation_pins(storages, writes, n, profile.fixed_kind)
+    forbidden_cuts, pinned = _mutation_pins(storages, reads, writes, n, profile.fixed_kind)
     cut_allowed = ~forbidden_cuts
     # A grad-mode region of forward (``with torch.no_grad():``, recorded by capture as entry
     # and exit nodes) lies whole inside a segment or outside all: a segment that began or ended

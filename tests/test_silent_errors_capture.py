@@ -760,3 +760,47 @@ def test_a_hugging_face_plan_from_labels_equal_to_ids_reads_the_labels_it_is_giv
     assert_equivalent(
         reference, model, p.module, (ids,), {"labels": other}, check_output_type=False
     )
+
+
+class ScalesItsInputAfterReadingIt(nn.Module):
+    """Reads its input, then halves it in place (a normaliser updating the caller's tensor).
+    ``untraceable`` adds a branch on a size, which sends capture to torch.export."""
+
+    def __init__(self, untraceable: bool):
+        super().__init__()
+        self.untraceable = untraceable
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.untraceable and x.size(0) == 0:
+            raise ValueError("an empty batch")
+        h = self.b(torch.tanh(self.a(torch.exp(x * 2.0))))
+        x.mul_(0.5)
+        return h.sum() + torch.tanh(self.b(x)).sum()
+
+
+@pytest.mark.parametrize("method", ["symbolic_trace", "export"])
+@settings(max_examples=max(3, EXAMPLES // 5), deadline=None)
+@given(data=st.data())
+def test_what_reads_an_input_before_the_forward_writes_it_is_never_recomputed(method, data):
+    """Found trying the library: a segment recomputing ``x * 2.0`` after ``x.mul_(0.5)`` would
+    read the halved input, and torch's checkpoint refused it in backward where the model
+    trains. The nodes that read the input before the write are not checkpointable; every
+    plan of the rest trains like the model, the caller's tensor halved once."""
+    model = ScalesItsInputAfterReadingIt(untraceable=method == "export")
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        captured, problem = prepare(model, (x.clone(),))
+    assert captured.method == method
+    reads_x = next(i for i, name in enumerate(problem.names) if name.startswith("mul"))  # x * 2.0
+    assert not problem.checkpointable[reads_x]
+    segments = data.draw(random_segments(problem), label="segments")
+    planned = rewrite(captured.graph_module, model, segments)
+    reference = copy.deepcopy(model)
+    expected_input, input_ = x.clone(), x.clone()
+    reference(expected_input).backward()
+    planned(input_).backward()
+    assert torch.equal(input_, expected_input) and torch.equal(input_, x * 0.5)
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
