@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from planner.attention import exact_attention
-from planner.errors import PlanningError
+from planner.errors import PlanningError, checkpointing_disable_advice
 from planner.export_leaves import (
     CALLS_KEY,
     eager_none_arguments,
@@ -108,16 +108,6 @@ def _restore_argument_names(gm: fx.GraphModule, concrete: dict) -> None:
         gm.recompile()
 
 
-def _disable_advice(model: nn.Module) -> str:
-    """How to turn a library's own checkpointing off, in the name the installed version uses:
-    transformers 5 deprecates ``gradient_checkpointing_disable`` for
-    ``activation_checkpointing_disable``."""
-    for method in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
-        if callable(getattr(model, method, None)):
-            return f"call model.{method}()"
-    return "turn the library's gradient checkpointing off"
-
-
 @contextlib.contextmanager
 def _refusing_manual_checkpoints(model: nn.Module):
     """Raise a PlanningError if ``model``'s forward calls ``torch.utils.checkpoint`` while traced.
@@ -142,8 +132,8 @@ def _refusing_manual_checkpoints(model: nn.Module):
             "checkpoint_sequential, or a library's gradient checkpointing such as Hugging Face "
             "model.gradient_checkpointing_enable()). planner cannot keep a manual checkpoint: "
             "tracing would inline it and drop it silently. Remove the manual checkpoint (or "
-            f"{_disable_advice(model)}) and let planner choose what to recompute, or do not "
-            "plan this model."
+            f"{checkpointing_disable_advice(model)}) and let planner choose what to recompute, "
+            "or do not plan this model."
         )
 
     def refusing_generator(*args, **kwargs):

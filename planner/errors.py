@@ -21,3 +21,13 @@ def positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def checkpointing_disable_advice(model) -> str:
+    """How to turn a library's own checkpointing off, in the name the installed version uses:
+    transformers 5 deprecates ``gradient_checkpointing_disable`` for
+    ``activation_checkpointing_disable``."""
+    for method in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
+        if callable(getattr(model, method, None)):
+            return f"call model.{method}()"
+    return "turn the library's gradient checkpointing off"

@@ -6,9 +6,10 @@ A :class:`PlannedModule` owns the user's own children, parameters and buffers
 it still computes what the model computes (``Snapshot``): in another training mode it runs the
 model itself, and when the model's structure changed since planning it refuses. A call that
 leaves out a forward argument that was a tensor when planning (``tensor_arguments``), or runs
-in other dtypes (``call_dtypes``; both recorded by ``planner.pipeline.prepare``), is a call form
-of its own, planned when first seen; a call with larger tensors than then (``call_sizes``)
-warns once. ``planner.rewrite.rewrite`` builds it.
+in other dtypes or under another autocast (``call_dtypes``; both recorded by
+``planner.pipeline.prepare``), is a call form of its own, planned when first seen; a call
+with larger tensors than then (``call_sizes``) warns once. ``planner.rewrite.rewrite`` builds
+it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
-from planner.errors import PlanningError
+from planner.errors import PlanningError, checkpointing_disable_advice
 from planner.model_state import ModelStateDict
 from planner.units import mib
 
@@ -67,7 +68,7 @@ def call_dtypes(model: nn.Module, args: tuple, kwargs: dict) -> CallDtypes:
         for name, value in _named_arguments(model, args, kwargs)
         if isinstance(value, torch.Tensor)
     }
-    return CallDtypes(_state_dtypes(_state_tables(model)), arguments)
+    return CallDtypes(_state_dtypes(_state_tables(model)), arguments, autocast_state())
 
 
 def call_sizes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, tuple[torch.Size, ...]]:
@@ -95,6 +96,16 @@ def _larger(shapes: tuple[torch.Size, ...], planned: tuple[torch.Size, ...]) -> 
 class CallDtypes(NamedTuple):
     state: tuple[torch.dtype, ...]  # of the parameters and buffers, module by module
     arguments: dict[str, torch.dtype]  # of the arguments that are tensors, by name
+    autocast: tuple[tuple[str, torch.dtype], ...]  # autocast_state() around the call
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """``(device type, dtype)`` of each autocast in force: a graph captured by torch.export
+    bakes in the casts (and checks the dtypes) of the autocast it was captured under, and a
+    step's memory follows its precision."""
+    return tuple(
+        [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    )
 
 
 def _named_arguments(model: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
@@ -232,8 +243,9 @@ class Snapshot:
         self.tensor_arguments = tensor_arguments
         self.state_tables = _state_tables(model)
         if dtypes is None:  # a graph captured elsewhere: the model's dtypes now
-            dtypes = CallDtypes(_state_dtypes(self.state_tables), {})
+            dtypes = CallDtypes(_state_dtypes(self.state_tables), {}, autocast_state())
         self.state_dtypes = dtypes.state
+        self.autocast = dtypes.autocast
         self.argument_dtypes = tuple(dtypes.arguments.get(name) for name, _ in tensor_arguments)
         # The shapes of each tensor argument's tensors at planning (``call_sizes``).
         self.argument_sizes = [(sizes or {}).get(name, ()) for name, _ in tensor_arguments]
@@ -275,6 +287,17 @@ class Snapshot:
                 if len(table) != count
             }
         )
+        if hooked and getattr(self.model, "is_gradient_checkpointing", False):
+            # Hugging Face's enable also hooks the input embeddings, which its disable leaves.
+            embeddings = callable(getattr(self.model, "disable_input_require_grads", None))
+            raise PlanningError(
+                f"gradient checkpointing was enabled on {type(self.model).__name__} after "
+                "planning (model.gradient_checkpointing_enable() hooks the model, and the "
+                f"graph traced through it). The plan already chooses what {planned_name} "
+                f"recomputes: {checkpointing_disable_advice(self.model)}"
+                f"{' and model.disable_input_require_grads()' if embeddings else ''} to train "
+                "with the plan, or train the model itself with its own checkpointing."
+            )
         if hooked:
             raise PlanningError(
                 f"hooks were added to or removed from {', '.join(hooked[:4])} of "
@@ -349,8 +372,8 @@ class Snapshot:
 
     def call_form(self, args: tuple, kwargs: dict) -> CallForm | None:
         """How this call differs from the planning call (None where it does not): tensor
-        arguments left out (or passed as None), or other dtypes of the model's parameters and
-        buffers (``model.double()``) or of the tensor arguments."""
+        arguments left out (or passed as None), other dtypes of the model's parameters and
+        buffers (``model.double()``) or of the tensor arguments, or another autocast."""
         values = [
             args[position] if position is not None and position < len(args) else kwargs.get(name)
             for name, position in self.tensor_arguments
@@ -362,9 +385,11 @@ class Snapshot:
             a is not None and b is not None and a != b
             for a, b in zip(arguments, self.argument_dtypes)
         ]
+        autocast = autocast_state()
         if not left_out and state == self.state_dtypes and not any(moved):
-            return None  # (a value that is no tensor, a tracer's proxy, has no dtype to compare)
-        return CallForm(left_out, state, arguments)
+            if autocast == self.autocast:
+                return None  # (a value that is no tensor, a tracer's proxy, has no dtype)
+        return CallForm(left_out, state, arguments, autocast)
 
     def warn_if_larger(self, args: tuple, kwargs: dict) -> None:
         """Once: a tensor argument is larger than when planning (a longer batch of a
@@ -394,9 +419,13 @@ class Snapshot:
         )
 
     def _dtypes_moved(self, form: CallForm) -> bool:
-        return form.state != self.state_dtypes or any(
-            a is not None and b is not None and a != b
-            for a, b in zip(form.arguments, self.argument_dtypes)
+        return (
+            form.state != self.state_dtypes
+            or form.autocast != self.autocast
+            or any(
+                a is not None and b is not None and a != b
+                for a, b in zip(form.arguments, self.argument_dtypes)
+            )
         )
 
     def describe(self, form: CallForm) -> str:
@@ -419,6 +448,11 @@ class Snapshot:
                 moved.append(f"{label} {', '.join(sorted(moves))}")
         if moved:
             parts.append(f"is called with other dtypes than at planning ({'; '.join(moved)})")
+        if form.autocast != self.autocast:
+            parts.append(
+                f"is called under {_autocast_name(form.autocast)} and was planned under "
+                f"{_autocast_name(self.autocast)}"
+            )
         return " and ".join(parts)
 
     def run_form(self, form: CallForm, args: tuple, kwargs: dict):
@@ -503,12 +537,20 @@ def _under_functorch_grad() -> bool:
 
 
 class CallForm(NamedTuple):
-    """A call unlike the planning call: the tensor arguments it leaves out, and the dtypes of
-    the model's parameters and buffers and of its tensor arguments (None: not a tensor)."""
+    """A call unlike the planning call: the tensor arguments it leaves out, the dtypes of the
+    model's parameters and buffers and of its tensor arguments (None: not a tensor), and the
+    autocast in force."""
 
     left_out: tuple[str, ...]
     state: tuple[torch.dtype, ...]
     arguments: tuple[torch.dtype | None, ...]
+    autocast: tuple[tuple[str, torch.dtype], ...]
+
+
+def _autocast_name(state: tuple[tuple[str, torch.dtype], ...]) -> str:
+    if not state:
+        return "no autocast"
+    return ", ".join(f"autocast({d!r}, {_dtype_name(dtype)})" for d, dtype in state)
 
 
 def _argument(name: str, position: int | None, args: tuple, kwargs: dict):

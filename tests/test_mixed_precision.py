@@ -34,7 +34,7 @@ from planner.regions import enter_autocast, enter_grad_mode
 from planner.simulate import Choice, simulate
 from planner.solvers.auto import lowest_peak
 from planner.step import peak_memory
-from strategies import assert_equivalent, build, inputs, model_specs
+from strategies import ModelSpec, assert_equivalent, build, inputs, model_specs
 from test_loss import LOSSES, _main_output, make_loss
 
 EXAMPLES = max(3, settings.default.max_examples // 6)
@@ -459,3 +459,52 @@ def test_the_summary_table_and_plot_show_the_loss_autocast_and_optimizer_parts()
     assert curve.phases[-1] == "optimizer"
     assert curve.y[-1] == simulate(p.problem, p.choice).optimizer_step_bytes
     p.plot_memory()
+
+
+def dense_spec(untraceable: bool) -> ModelSpec:
+    """Four layers with LayerNorm, GELU and dropout; ``untraceable`` sends it to torch.export."""
+    layer = (("layer", False), ("norm", "ln"), ("act", "gelu"), ("dropout", 0.25))
+    return ModelSpec(
+        kind="dense",
+        width=8,
+        batch=4,
+        spatial=3,
+        ops=layer * 4,
+        frozen=0,
+        tie=False,
+        output="tensor",
+        extra_input=False,
+        scale=None,
+        flag=False,
+        untraceable=untraceable,
+        input_requires_grad=False,
+        seed=5,
+    )
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic_trace", "export"])
+@pytest.mark.parametrize("planned_under", ["around", "none"])
+def test_a_call_under_another_autocast_than_at_planning_is_planned_for_it(
+    untraceable, planned_under
+):
+    """Found trying the library: planned without autocast and trained under it (or the
+    reverse), an exported graph failed on dtype checks it bakes in ("Tensor dtype mismatch"),
+    and a traced one ran with a plan counted for the other precision. Such a call is a call
+    form of its own: planned once under its autocast (a warning says so), then exact."""
+    spec = dense_spec(untraceable)
+    model, (args, kwargs) = build(spec), inputs(spec)
+    reference = copy.deepcopy(model)
+    called_under = "none" if planned_under == "around" else "around"
+    with warnings.catch_warnings(), around(planned_under):
+        warnings.simplefilter("ignore", FutureWarning)
+        p = planner.plan(model, args, budget_gb=1, example_kwargs=kwargs, solver="sqrt_n")
+    assert p.segments and p.capture_method == ("export" if untraceable else "symbolic_trace")
+    with pytest.warns(UserWarning, match=r"is called under .*autocast.* planned this call form"):
+        with around(called_under):
+            p.module(*args, **kwargs)
+    with warnings.catch_warnings(), around(called_under):
+        warnings.simplefilter("error")  # planned once: no second warning
+        assert_equivalent(reference, model, p.module, args, kwargs, seed=spec.seed)
+    with warnings.catch_warnings(), around(planned_under):
+        warnings.simplefilter("error")  # the planning call form runs its own plan
+        assert_equivalent(reference, model, p.module, args, kwargs, seed=spec.seed)

@@ -109,3 +109,24 @@ def test_gradient_checkpointing_enabled_in_transformers_is_refused():
         with pytest.raises(PlanningError, match=r"already calls torch\.utils\.checkpoint"):
             prepare(model, args, kwargs)
     assert_same_state(before, model_state(model))
+
+
+def test_gradient_checkpointing_enabled_after_planning_says_so_and_how_to_go_back():
+    """Found trying the library: the message spoke of hooks added to ``transformer.wte`` and
+    ``leaf_modules``, not of the gradient checkpointing the user had just turned on. What it
+    advises (turning it off again) lets the plan train again, exactly."""
+    model, args, kwargs = gpt2()
+    reference = copy.deepcopy(model)
+    p = plan(model, args, budget_gb=1, example_kwargs=kwargs, solver="sqrt_n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5's deprecation
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(
+        PlanningError,
+        match=r"gradient checkpointing was enabled.*after planning.*call "
+        r"model.activation_checkpointing_disable\(\) and model.disable_input_require_grads\(\)",
+    ):
+        p.module(*args, **kwargs)
+    model.activation_checkpointing_disable()
+    model.disable_input_require_grads()
+    assert_equivalent(reference, model, p.module, args, kwargs)
