@@ -349,11 +349,11 @@ def test_the_models_other_attributes_are_on_the_model_and_the_error_says_so():
         AttributeError,
         match=r"'config' is the model's \(Configured\): use it there \(model\.config\)",
     ):
-        p.module.config
+        _ = p.module.config
     with pytest.raises(AttributeError, match=r"model\.describe"):
         p.module.describe()
     with pytest.raises(AttributeError, match=r"no attribute 'neither'$"):
-        p.module.neither
+        _ = p.module.neither
 
 
 def test_a_model_planned_on_meta_then_materialised_trains_its_materialised_parameters():
