@@ -740,6 +740,15 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
             "copies the model too), or plan the model again."
         )
 
+    def __prepare_scriptable__(self):
+        """``torch.jit.script`` calls this first: the planned module cannot be scripted."""
+        raise PlanningError(
+            f"torch.jit.script cannot compile {type(self).__name__}: its segments run under "
+            "torch.utils.checkpoint, which TorchScript does not support (torch.jit.trace would "
+            "record their ops without the checkpoints, and the plan's memory with them). Use "
+            "torch.compile on the planned module, or script the model itself."
+        )
+
     def __reduce__(self):
         raise PlanningError(
             f"{type(self).__name__} cannot be pickled (pickle.dumps, torch.save): it is tied to "

@@ -555,6 +555,14 @@ def test_a_deep_copy_of_the_planned_module_trains_like_a_deep_copy_of_the_model(
 # calls without a tensor argument given at planning, and shallow copies
 
 
+def test_torchscript_of_the_planned_module_refuses_and_says_what_to_use():
+    """Found trying the library: ``torch.jit.script`` failed on an internal annotation
+    ("Unknown type annotation: 'Snapshot'")."""
+    p = sqrt_n_plan(RootState(), (torch.randn(8, 16),))
+    with pytest.raises(planner.PlanningError, match=r"torch\.jit\.script.*torch\.compile"):
+        torch.jit.script(p.module)
+
+
 def test_a_shallow_copy_of_the_planned_module_refuses_and_says_what_to_do():
     model, x = Blocks(), torch.randn(4, 8)
     p = tight_plan(model, (x,))
