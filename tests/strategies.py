@@ -71,6 +71,27 @@ class ModelSpec:
     seed: int
 
 
+def plain_spec(ops, **fields) -> ModelSpec:
+    """A fixed dense :class:`ModelSpec` of ``ops`` (width 8, batch 4, one plain tensor input
+    and output, nothing frozen or tied); ``fields`` override the rest."""
+    plain = dict(
+        kind="dense",
+        width=8,
+        batch=4,
+        spatial=3,
+        frozen=0,
+        tie=False,
+        output="tensor",
+        extra_input=False,
+        scale=None,
+        flag=False,
+        untraceable=False,
+        input_requires_grad=False,
+        seed=0,
+    )
+    return ModelSpec(ops=tuple(ops), **{**plain, **fields})
+
+
 class GeneratedModel(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()

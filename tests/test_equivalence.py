@@ -179,24 +179,9 @@ def test_auto_fits_every_budget_down_to_the_lowest_peak():
     """Regression: found by the thorough run before the optimal solver was registered
     (LayerNorm then Linear: lowest_peak 512 bytes, "auto" 528), when plan() refused the very
     budget its error message named as the minimum."""
-    from strategies import ModelSpec
+    from strategies import plain_spec
 
-    spec = ModelSpec(
-        kind="dense",
-        width=4,
-        batch=2,
-        spatial=3,
-        ops=(("norm", "ln"), ("layer", False)),
-        frozen=0,
-        tie=False,
-        output="tensor",
-        extra_input=False,
-        scale=None,
-        flag=False,
-        untraceable=False,
-        input_requires_grad=False,
-        seed=0,
-    )
+    spec = plain_spec((("norm", "ln"), ("layer", False)), width=4, batch=2)
     _, _, _, _, _, problem = _prepared(spec)
     budget = lowest_peak(problem).peak_bytes
     name, segments = choose(problem, budget, "auto")
@@ -208,23 +193,14 @@ def test_exported_batchnorm_update_inside_a_segment():
     is its own node; a segment ending after it passed the buffer as a checkpoint input, the
     in-place update bumped its version, and backward failed ("modified by an inplace
     operation"). Buffers now reach segments boxed, by reference."""
-    from strategies import ModelSpec
+    from strategies import plain_spec
 
-    spec = ModelSpec(
+    spec = plain_spec(
+        (("layer", False), ("layer", False), ("norm", "ln"), ("norm", "bn")),
         kind="conv",
         width=2,
         batch=2,
-        spatial=3,
-        ops=(("layer", False), ("layer", False), ("norm", "ln"), ("norm", "bn")),
-        frozen=0,
-        tie=False,
-        output="tensor",
-        extra_input=False,
-        scale=None,
-        flag=False,
         untraceable=True,
-        input_requires_grad=False,
-        seed=0,
     )
     model, reference, args, kwargs, captured, problem = _prepared(spec)
     add = problem.names.index("add_")

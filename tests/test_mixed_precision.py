@@ -34,7 +34,7 @@ from planner.regions import enter_autocast, enter_grad_mode
 from planner.simulate import Choice, simulate
 from planner.solvers.auto import lowest_peak
 from planner.step import peak_memory
-from strategies import ModelSpec, assert_equivalent, build, inputs, model_specs
+from strategies import ModelSpec, assert_equivalent, build, inputs, model_specs, plain_spec
 from test_loss import LOSSES, _main_output, make_loss
 
 EXAMPLES = max(3, settings.default.max_examples // 6)
@@ -464,22 +464,7 @@ def test_the_summary_table_and_plot_show_the_loss_autocast_and_optimizer_parts()
 def dense_spec(untraceable: bool) -> ModelSpec:
     """Four layers with LayerNorm, GELU and dropout; ``untraceable`` sends it to torch.export."""
     layer = (("layer", False), ("norm", "ln"), ("act", "gelu"), ("dropout", 0.25))
-    return ModelSpec(
-        kind="dense",
-        width=8,
-        batch=4,
-        spatial=3,
-        ops=layer * 4,
-        frozen=0,
-        tie=False,
-        output="tensor",
-        extra_input=False,
-        scale=None,
-        flag=False,
-        untraceable=untraceable,
-        input_requires_grad=False,
-        seed=5,
-    )
+    return plain_spec(layer * 4, untraceable=untraceable, seed=5)
 
 
 @pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic_trace", "export"])

@@ -33,7 +33,7 @@ from planner.rewrite import _context_fn, rewrite
 from planner.simulate import Choice
 from planner.solvers.auto import lowest_peak
 from planner.step import peak_memory
-from strategies import ModelSpec, assert_equivalent, build, inputs, model_specs, random_segments
+from strategies import assert_equivalent, build, inputs, model_specs, plain_spec, random_segments
 
 EXAMPLES = settings.default.max_examples
 
@@ -52,12 +52,8 @@ def tight_plan(model, args, kwargs=None):
 
 def exported_batchnorm_model():
     """Linear, BatchNorm, dropout...: a forward symbolic_trace rejects, so torch.export captures."""
-    spec = ModelSpec(
-        kind="dense",
-        width=8,
-        batch=4,
-        spatial=3,
-        ops=(
+    spec = plain_spec(
+        (
             ("layer", False),
             ("norm", "bn"),
             ("act", "tanh"),
@@ -67,12 +63,6 @@ def exported_batchnorm_model():
             ("act", "gelu"),
             ("layer", False),
         ),
-        frozen=0,
-        tie=False,
-        output="tensor",
-        extra_input=False,
-        scale=None,
-        flag=False,
         untraceable=True,
         input_requires_grad=True,
         seed=3,
