@@ -218,6 +218,27 @@ def _nested(outer, inner):
         yield
 
 
+def _assign(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Put ``values`` back into ``buffers`` without moving their version counters.
+
+    Autograd refuses a saved tensor whose version moved, and BatchNorm saves its running
+    statistics (used in eval mode, unused in training), while its own update in training
+    leaves their version alone. A ``copy_`` did move it: a BatchNorm called several times
+    (an unrolled loop; a frozen one in eval mode), or a constant buffer every layer reads,
+    failed in backward once a segment between the calls put its buffers back. So unchanged
+    values are not written, and changed ones (the statistics a training BatchNorm updated)
+    are written through ``.data``, as BatchNorm's own update is. Buffers whose values cannot
+    be read (compiled, where a comparison would break the graph; meta, fake or subclassed
+    tensors) are written with ``copy_``.
+    """
+    readable = not torch.compiler.is_compiling()
+    for buffer, value in zip(buffers, values):
+        if not (readable and type(buffer) is torch.Tensor and not buffer.is_meta):
+            buffer.copy_(value)
+        elif not torch.equal(buffer, value):
+            buffer.data.copy_(value)
+
+
 class Segment:
     """A checkpointed piece of the graph: callable, plus the buffers its recompute must restore.
 
@@ -315,14 +336,12 @@ class Segment:
         buffers = self.buffers()
         with torch.no_grad():
             now = [b.clone() for b in buffers]
-            for buffer, value in zip(buffers, at_forward):
-                buffer.copy_(value)
+            _assign(buffers, at_forward)
         try:
             yield
         finally:
             with torch.no_grad():
-                for buffer, value in zip(buffers, now):
-                    buffer.copy_(value)
+                _assign(buffers, now)
             if not _graph_kept():  # no later recompute: the copies go now, as simulated
                 at_forward.clear()
 

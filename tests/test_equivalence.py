@@ -209,6 +209,50 @@ def test_exported_batchnorm_update_inside_a_segment():
     assert_equivalent(reference, model, planned, args, kwargs)
 
 
+class SharedState(nn.Module):
+    """Eight layers that share state with each other, as real models do: a constant buffer
+    every layer multiplies by (a rotary table, a fixed scale: ``mul`` saves it for backward),
+    or one BatchNorm called after each layer (it saves its running statistics; in training it
+    updates them, frozen in eval mode it does not). ``untraceable`` sends capture to
+    torch.export."""
+
+    def __init__(self, shared: str, untraceable: bool):
+        super().__init__()
+        self.shared, self.untraceable = shared, untraceable
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(8))
+        self.register_buffer("scale", torch.rand(16) + 0.5)
+        self.norm = nn.BatchNorm1d(16)
+        self.norm.running_mean.normal_()
+
+    def forward(self, x):
+        if self.untraceable and x.size(0) == 0:
+            raise ValueError("an empty batch")
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+            x = x * self.scale if self.shared == "buffer" else self.norm(x)
+        return x
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic_trace", "export"])
+@pytest.mark.parametrize("shared", ["buffer", "batchnorm", "frozen batchnorm"])
+@settings(max_examples=max(3, EXAMPLES // 5), deadline=None)
+@given(data=st.data())
+def test_state_shared_across_layers_trains_exactly_under_any_segments(shared, untraceable, data):
+    """Found trying the library: a segment put back the buffers it reads after its recompute
+    with ``copy_``, which moved their version counters, and backward refused the copies that
+    the calls outside the segment had saved ("modified by an inplace operation"). Buffers
+    are now put back only where their values changed, without moving their versions."""
+    torch.manual_seed(0)
+    model = SharedState(shared, untraceable).train()
+    model.norm.train(shared != "frozen batchnorm")
+    x = torch.randn(8, 16)
+    reference = copy.deepcopy(model)
+    captured, problem = prepare(model, (x,))
+    assert captured.method == ("export" if untraceable else "symbolic_trace")
+    segments = data.draw(random_segments(problem), label="segments")
+    assert_equivalent(reference, model, rewrite(captured.graph_module, model, segments), (x,), {})
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=max(4, EXAMPLES // 3))
 @given(spec=model_specs(), data=st.data())
