@@ -725,27 +725,32 @@ def _next_mask(t: _Tables, b: int, previous: frozenset, triggered: frozenset) ->
     return (previous | triggered) & t.crossing_set[b]
 
 
-def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int) -> np.ndarray:
+def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int, ordered: bool = False):
     """Indices of the entries no other beats on both charged bytes and value, thinned to two
-    per ``bucket`` bytes of charged memory.
+    per ``bucket`` bytes of charged memory; ``ordered``: charged bytes already strictly
+    increase (one chunk of a front), so no sort is needed.
 
     The front comes out sorted by charged bytes, values strictly decreasing. Thinning keeps, of
     the entries whose charged bytes share one multiple of ``bucket``, the one of least value
     (it may hold up to ``bucket - 1`` bytes more than a dropped one) and the one of least
     memory (what a tight budget needs). With ``bucket == 1`` nothing is thinned.
     """
-    order = np.argsort(charged)
-    ordered = value[order]
+    order = np.arange(charged.size) if ordered else charged.argsort()
+    values = value[order]
     keep = np.ones(order.size, dtype=bool)
-    keep[1:] = ordered[1:] < np.minimum.accumulate(ordered)[:-1]
+    keep[1:] = values[1:] < np.minimum.accumulate(values)[:-1]
     order = order[keep]
-    # Of entries with equal charged bytes, the last kept is the cheapest (values decrease).
     sizes = charged[order]
-    order = order[np.append(sizes[1:] != sizes[:-1], True)]
-    if bucket > 1 and order.size > 1:
-        bins = charged[order] // bucket
-        change = bins[1:] != bins[:-1]
-        order = order[np.append(True, change) | np.append(change, True)]
+    if not ordered:
+        # Of entries with equal charged bytes, the last kept is the cheapest (values decrease).
+        last = np.ones(order.size, dtype=bool)
+        np.not_equal(sizes[1:], sizes[:-1], out=last[:-1])
+        order, sizes = order[last], sizes[last]
+    if bucket > 1 and order.size > 2:
+        change = sizes[1:] // bucket != sizes[:-1] // bucket
+        edge = np.ones(order.size, dtype=bool)
+        edge[1:-1] = change[:-1] | change[1:]
+        order = order[edge]
     return order
 
 
@@ -782,6 +787,8 @@ class _Search:
     profile_memo: dict = field(default_factory=dict)  # per c: _recompute_bound_profile, _ranked
     start_memo: dict = field(default_factory=dict)  # per c: _segment_start
     charged_memo: dict = field(default_factory=dict)  # per (c, b): _charged_inputs
+    locals_memo: dict = field(default_factory=dict)  # per (c, mask, keeps): _segment_locals
+    mask_memo: dict = field(default_factory=dict)  # per (c, mask): {b: _next_mask}
     kept_nodes: list = field(default_factory=lambda: [()])
 
     @cached_property
@@ -833,29 +840,17 @@ class _Search:
                 recompute, cost = self._segment_costs(c, stop)
             for mask, state in here:
                 charged = self.states[state][1]
-                local, held, after = self._stored_run(c, following, mask)
-                self._extend(
-                    state,
-                    [following],
-                    [after],
-                    np.array([local]),
-                    np.array([held]),
-                    np.zeros(1),
-                    STORED,
-                )
+                self._extend_stored(state, following, *self._stored_run(c, following, mask))
                 if not ends.size:
                     continue
                 width = int(ends[-1]) - c  # ends are sorted
-                held_b, local_b, monotone, parts = _segment_locals(
-                    t, c, mask, self._segment_start(c, stop), recompute, width, self.keeps
+                held_b, local_b, monotone, parts = self._segment_locals(
+                    c, mask, stop, recompute, width
                 )
-                overflow = np.flatnonzero(charged[0] + monotone > self.limit)
+                overflow = (charged[0] + monotone[:width] > self.limit).nonzero()[0]
                 reach = c + 1 + (int(overflow[0]) if overflow.size else width)
                 reachable = ends[ends < reach]
-                masks = [
-                    _next_mask(t, b, mask, self._charged_inputs(c, b, stop))
-                    for b in reachable.tolist()
-                ]
+                masks = self._next_masks(c, mask, reachable.tolist(), stop)
                 i = reachable - c - 1
                 self._extend(
                     state,
@@ -951,6 +946,26 @@ class _Search:
             )
         return self.charged_memo[c, b]
 
+    def _segment_locals(self, c: int, mask: frozenset, stop: int, recompute, width: int):
+        """``_segment_locals`` of the segments from ``c`` under ``mask``, for at least
+        ``width`` ends: passes revisit the same states, and each result's first entries do
+        not depend on how many were asked, so one worked out for more ends serves fewer."""
+        known = self.locals_memo.get((c, mask, self.keeps))
+        if known is None or known[0] < width:
+            start = self._segment_start(c, stop)
+            known = width, _segment_locals(self.t, c, mask, start, recompute, width, self.keeps)
+            self.locals_memo[c, mask, self.keeps] = known
+        return known[1]
+
+    def _next_masks(self, c: int, mask: frozenset, ends: list[int], stop: int) -> list:
+        """The mask at each of ``ends`` after a segment from ``c`` under ``mask``, each worked
+        out once for all passes."""
+        memo = self.mask_memo.setdefault((c, mask), {})
+        for b in ends:
+            if b not in memo:
+                memo[b] = _next_mask(self.t, b, mask, self._charged_inputs(c, b, stop))
+        return [memo[b] for b in ends]
+
     def _segment_costs(self, c: int, stop: int):
         """``_segment_costs`` of the segments from ``c``, computed once for all passes."""
         if c not in self.segment_memo:
@@ -978,6 +993,19 @@ class _Search:
         assert peak is not None, "an empty run"  # callers pass end > c
         return peak, held, mask
 
+    def _extend_stored(self, state, end: int, local: int, held: int, mask: frozenset) -> None:
+        """``_extend`` by the run of stored nodes to ``end``: one block of no cost."""
+        charged, value = self.states[state][1:3]
+        count = int(charged.searchsorted(self.limit - local, side="right"))
+        first = 0
+        if self.peak_mode:
+            value = np.maximum(value[:count], charged[:count] + local)
+        elif self.ceiling < math.inf:
+            first = int((value[:count] > self.ceiling).sum())
+        if first < count:
+            chunk = (charged[first:count] + held, value[first:count], state, STORED, first)
+            self.pending[end].setdefault(mask, []).append(chunk)
+
     def _extend(self, state, ends, masks, local, held, cost, kinds: int | list[int]) -> None:
         """Extend the front of ``state`` by one block to each of ``ends``, keeping what fits;
         ``kinds``: the blocks' kind, one for all or one per end.
@@ -989,7 +1017,7 @@ class _Search:
         """
         charged, value = self.states[state][1:3]
         counts = charged.searchsorted(self.limit - local, side="right")
-        rows = np.flatnonzero(counts)
+        rows = counts.nonzero()[0]
         if not rows.size:
             return
         counts = counts[rows]
@@ -1015,22 +1043,22 @@ class _Search:
         """Turn the blocks that reached ``position`` into Pareto fronts, one state per mask."""
         settled = []
         for mask, chunks in self._masks_kept(position).items():
-            fronts, values, parents, kinds, firsts = zip(*chunks)
-            starts = np.cumsum([0, *map(len, fronts)])[:-1]
-            charged, value = np.concatenate(fronts), np.concatenate(values)
-            keep = _pareto(charged, value, self.bucket)
-            # The chunk each kept entry came from, and its index there (= in the parent front).
-            chunk = np.searchsorted(starts, keep, side="right") - 1
-            self.states.append(
-                (
-                    position,
-                    charged[keep],
-                    value[keep],
-                    np.array(parents)[chunk],
-                    keep - starts[chunk] + np.array(firsts)[chunk],
-                    np.array(kinds)[chunk],
-                )
-            )
+            if len(chunks) == 1:  # a slice of one front, moved: already in order
+                charged, value, parent, kind, first = chunks[0]
+                keep = _pareto(charged, value, self.bucket, ordered=True)
+                parents, previous = np.full(keep.size, parent), keep + first
+                kinds = np.full(keep.size, kind)
+            else:
+                fronts, values, parent_of, kind_of, firsts = zip(*chunks)
+                starts = np.cumsum([0, *map(len, fronts)])[:-1]
+                charged, value = np.concatenate(fronts), np.concatenate(values)
+                keep = _pareto(charged, value, self.bucket)
+                # The chunk each kept entry came from, and its index there (= in the parent).
+                chunk = starts.searchsorted(keep, side="right") - 1
+                parents = np.array(parent_of)[chunk]
+                previous = keep - starts[chunk] + np.array(firsts)[chunk]
+                kinds = np.array(kind_of)[chunk]
+            self.states.append((position, charged[keep], value[keep], parents, previous, kinds))
             settled.append((mask, len(self.states) - 1))
         self.pending[position] = {}
         return settled
