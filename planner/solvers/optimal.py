@@ -436,14 +436,15 @@ def _running(width: int, offsets: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
 def _segment_locals(
     t: _Tables,
     c: int,
-    mask: frozenset,
+    masks: list[frozenset],
     start: _Start,
     recompute: np.ndarray,
     width: int,
     keeps: bool = False,
-):
-    """Charged bytes, local peak and its monotone part for the segments ``[c, b)``, and, with
-    ``keeps``, the ``_SavingParts`` that keep sets add to (else None).
+) -> list[tuple]:
+    """Per mask of ``masks``: charged bytes, local peak and its monotone part for the segments
+    ``[c, b)``, and, with ``keeps``, the ``_SavingParts`` that keep sets add to (else None).
+    The masks of one cut are worked out together, as rows of one array.
 
     Arrays are indexed ``b - c - 1`` for ``b`` in ``(c, c + width]`` (the segments a pass
     tries: often far fewer than the ``_Start`` covers). A segment holds its inputs
@@ -453,23 +454,27 @@ def _segment_locals(
     never decreases with ``b``, so once it overflows the budget no longer segment from ``c``
     can fit: the search stops extending there.
     """
-    forward = t.forward_live[c : c + width]
+    forward = t.forward_live[c : c + width][None, :]
     if start.inputs:
         # An input charged to an earlier block is not counted twice while it is read; the
-        # others are charged here, alive until the segment's backward ends.
-        charged_before = np.array([k in mask for k in start.inputs], dtype=bool)
-        here = ~charged_before
-        read = start.nbytes[charged_before]
-        freed, charges = np.minimum(start.freed, width), np.minimum(start.charges, width)
-        forward = forward - (int(read.sum()) - _running(width, freed[charged_before], read))
-        held = _running(width, freed[here], start.nbytes[here])  # after their last reader
-        charged = _running(width, charges[here], start.nbytes[here])
+        # others are charged here, alive until the segment's backward ends. Row k of a
+        # "steps" array holds input k's bytes from its offset on.
+        read = np.array([[k in mask for k in start.inputs] for mask in masks], dtype=np.int64)
+        here = 1 - read
+        offsets = np.arange(width)
+        freed_steps = np.where(start.freed[:, None] <= offsets, start.nbytes[:, None], 0)
+        charge_steps = np.where(start.charges[:, None] <= offsets, start.nbytes[:, None], 0)
+        forward = forward - ((read @ start.nbytes)[:, None] - read @ freed_steps)
+        held = here @ freed_steps  # after their last reader
+        charged = here @ charge_steps
     else:
-        held = charged = np.zeros(width, dtype=np.int64)
+        held = charged = np.zeros((len(masks), width), dtype=np.int64)
     saves, last, copies = start.saves[:width], start.last[:width], start.copies[:width]
     recompute = recompute[:width]
     forward_peak = np.where(
-        saves, np.maximum.accumulate(forward + held), np.maximum.accumulate(forward)
+        saves,
+        np.maximum.accumulate(forward + held, axis=1),
+        np.maximum.accumulate(forward, axis=1),
     )
     before, after = start.before[:width], start.after[:width]
     backward = np.maximum(before, np.where(saves, after + charged, 0))
@@ -482,22 +487,30 @@ def _segment_locals(
     replays = (np.arange(width) > last) & (last >= 0)
     tail = start.tail[:width]
     before_recompute = np.where(replays, tail + charged + held_copies, 0)
-    local = np.maximum(monotone, before_recompute)
-    parts = None
-    if keeps:
-        parts = _SavingParts(
-            forward=forward + held,
-            copies=copies,
-            after_recompute=np.maximum(before, start.with_saved[:width] + charged),
-            before_recompute=tail + charged + copies,
-            recompute_base=t.after_backward[c + np.maximum(last, 0) + 1] + charged + 2 * copies,
-        )
-    return (
-        charged + held_copies,
-        np.maximum(local, recompute + charged + 2 * held_copies),
-        monotone,
-        parts,
+    local = np.maximum(
+        np.maximum(monotone, before_recompute), recompute + charged + 2 * held_copies
     )
+    charged_here = charged + held_copies
+    if not keeps:
+        return [(charged_here[m], local[m], monotone[m], None) for m in range(len(masks))]
+    forward_held = forward + held
+    after_recompute = np.maximum(before, start.with_saved[:width] + charged)
+    base = t.after_backward[c + np.maximum(last, 0) + 1] + charged + 2 * copies
+    return [
+        (
+            charged_here[m],
+            local[m],
+            monotone[m],
+            _SavingParts(
+                forward=forward_held[m],
+                copies=copies,
+                after_recompute=after_recompute[m],
+                before_recompute=tail + charged[m] + copies,
+                recompute_base=base[m],
+            ),
+        )
+        for m in range(len(masks))
+    ]
 
 
 @dataclass(frozen=True)
@@ -822,7 +835,7 @@ class _Search:
         run that ``_stored_run`` turns into one block (its per-node steps are memoised across
         passes), so fronts are merged and thinned only at those cuts.
         """
-        problem, t, n = self.problem, self.t, self.problem.size
+        problem, n = self.problem, self.problem.size
         named = [np.array([0, n]), np.fromiter(corridors, int), *corridors.values()]
         positions = np.unique(np.concatenate(named)).tolist()
         self.pending: dict[int, dict[frozenset, list]] = {p: {} for p in positions}
@@ -836,21 +849,20 @@ class _Search:
             if c in corridors and problem.cut_allowed[c] and problem.checkpointable[c]:
                 stop = c + int(np.argmin(np.append(problem.checkpointable[c:], False)))
                 ends = corridors[c][(corridors[c] > c) & (corridors[c] <= stop)]
+            width = int(ends[-1]) - c if ends.size else 0  # ends are sorted
             if ends.size:
                 recompute, cost = self._segment_costs(c, stop)
-            for mask, state in here:
+                found = self._segment_locals(c, [mask for mask, _ in here], stop, recompute, width)
+            for k, (mask, state) in enumerate(here):
                 charged = self.states[state][1]
                 self._extend_stored(state, following, *self._stored_run(c, following, mask))
                 if not ends.size:
                     continue
-                width = int(ends[-1]) - c  # ends are sorted
-                held_b, local_b, monotone, parts = self._segment_locals(
-                    c, mask, stop, recompute, width
-                )
+                held_b, local_b, monotone, parts = found[k]
                 overflow = (charged[0] + monotone[:width] > self.limit).nonzero()[0]
                 reach = c + 1 + (int(overflow[0]) if overflow.size else width)
                 reachable = ends[ends < reach]
-                masks = self._next_masks(c, mask, reachable.tolist(), stop)
+                masks = self._next_masks(c, mask, reachable, stop)
                 i = reachable - c - 1
                 self._extend(
                     state,
@@ -946,25 +958,30 @@ class _Search:
             )
         return self.charged_memo[c, b]
 
-    def _segment_locals(self, c: int, mask: frozenset, stop: int, recompute, width: int):
-        """``_segment_locals`` of the segments from ``c`` under ``mask``, for at least
-        ``width`` ends: passes revisit the same states, and each result's first entries do
-        not depend on how many were asked, so one worked out for more ends serves fewer."""
-        known = self.locals_memo.get((c, mask, self.keeps))
-        if known is None or known[0] < width:
+    def _segment_locals(self, c: int, masks: list, stop: int, recompute, width: int) -> list:
+        """``_segment_locals`` of the segments from ``c`` under each of ``masks``, for at
+        least ``width`` ends: passes revisit the same states, and each result's first entries
+        do not depend on how many were asked, so one worked out for more ends serves fewer."""
+        memo = self.locals_memo
+        missing = [m for m in masks if memo.get((c, m, self.keeps), (0,))[0] < width]
+        if missing:
             start = self._segment_start(c, stop)
-            known = width, _segment_locals(self.t, c, mask, start, recompute, width, self.keeps)
-            self.locals_memo[c, mask, self.keeps] = known
-        return known[1]
+            found = _segment_locals(self.t, c, missing, start, recompute, width, self.keeps)
+            for mask, result in zip(missing, found):
+                memo[c, mask, self.keeps] = width, result
+        return [memo[c, m, self.keeps][1] for m in masks]
 
-    def _next_masks(self, c: int, mask: frozenset, ends: list[int], stop: int) -> list:
+    def _next_masks(self, c: int, mask: frozenset, ends: np.ndarray, stop: int) -> list:
         """The mask at each of ``ends`` after a segment from ``c`` under ``mask``, each worked
-        out once for all passes."""
-        memo = self.mask_memo.setdefault((c, mask), {})
-        for b in ends:
-            if b not in memo:
-                memo[b] = _next_mask(self.t, b, mask, self._charged_inputs(c, b, stop))
-        return [memo[b] for b in ends]
+        out once for all passes (kept by ``b - c - 1``)."""
+        if (c, mask) not in self.mask_memo:
+            self.mask_memo[c, mask] = np.zeros(stop - c, dtype=bool), np.empty(stop - c, object)
+        known, memo = self.mask_memo[c, mask]
+        index = ends - c - 1
+        for i in index[~known[index]].tolist():
+            memo[i] = _next_mask(self.t, c + i + 1, mask, self._charged_inputs(c, c + i + 1, stop))
+        known[index] = True
+        return memo[index].tolist()
 
     def _segment_costs(self, c: int, stop: int):
         """``_segment_costs`` of the segments from ``c``, computed once for all passes."""
