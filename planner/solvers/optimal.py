@@ -839,7 +839,7 @@ class _Search:
         named = [np.array([0, n]), np.fromiter(corridors, int), *corridors.values()]
         positions = np.unique(np.concatenate(named)).tolist()
         self.pending: dict[int, dict[frozenset, list]] = {p: {} for p in positions}
-        self.states: list[tuple] = []  # (position, charged, value, parent, index, kind)
+        self.states: list[tuple] = []  # (position, charged, value, origin: see _settle)
         self.pending[0][frozenset()] = [(np.zeros(1, np.int64), np.zeros(1), -1, STORED, 0)]
         for c, following in zip(positions, positions[1:]):
             if time.perf_counter() > self.deadline:
@@ -862,7 +862,7 @@ class _Search:
                 overflow = (charged[0] + monotone[:width] > self.limit).nonzero()[0]
                 reach = c + 1 + (int(overflow[0]) if overflow.size else width)
                 reachable = ends[ends < reach]
-                masks = self._next_masks(c, mask, reachable, stop)
+                masks = self._next_masks(c, mask, reachable.tolist(), stop)
                 i = reachable - c - 1
                 self._extend(
                     state,
@@ -885,11 +885,11 @@ class _Search:
         score = float(self.states[state][2][index])
         segments, keep = [], []
         while state >= 0:
-            position, _, _, parent, previous, kind = self.states[state]
-            if kind[index] != STORED:
-                segments.append((self.states[parent[index]][0], position))
-                keep += self.kept_nodes[kind[index]]
-            state, index = int(parent[index]), int(previous[index])
+            parent, previous, kind = self._origin(state, index)
+            if kind != STORED:
+                segments.append((self.states[parent][0], self.states[state][0]))
+                keep += self.kept_nodes[kind]
+            state, index = parent, previous
         return score, Choice(tuple(reversed(segments)), frozenset(keep))
 
     def _extend_with_keeps(self, state, c: int, b: int, stop: int, mask, parts, held, cost):
@@ -971,17 +971,14 @@ class _Search:
                 memo[c, mask, self.keeps] = width, result
         return [memo[c, m, self.keeps][1] for m in masks]
 
-    def _next_masks(self, c: int, mask: frozenset, ends: np.ndarray, stop: int) -> list:
+    def _next_masks(self, c: int, mask: frozenset, ends: list[int], stop: int) -> list:
         """The mask at each of ``ends`` after a segment from ``c`` under ``mask``, each worked
-        out once for all passes (kept by ``b - c - 1``)."""
-        if (c, mask) not in self.mask_memo:
-            self.mask_memo[c, mask] = np.zeros(stop - c, dtype=bool), np.empty(stop - c, object)
-        known, memo = self.mask_memo[c, mask]
-        index = ends - c - 1
-        for i in index[~known[index]].tolist():
-            memo[i] = _next_mask(self.t, c + i + 1, mask, self._charged_inputs(c, c + i + 1, stop))
-        known[index] = True
-        return memo[index].tolist()
+        out once for all passes."""
+        memo = self.mask_memo.setdefault((c, mask), {})
+        for b in ends:
+            if b not in memo:
+                memo[b] = _next_mask(self.t, b, mask, self._charged_inputs(c, b, stop))
+        return [memo[b] for b in ends]
 
     def _segment_costs(self, c: int, stop: int):
         """``_segment_costs`` of the segments from ``c``, computed once for all passes."""
@@ -1040,45 +1037,50 @@ class _Search:
         counts = counts[rows]
         longest = int(counts.max())
         charged, value = charged[:longest], value[:longest]
-        grown = charged[None, :] + held[rows, None]
+        grown = charged + held[rows, None]
         if self.peak_mode:
-            scores = np.maximum(value[None, :], charged[None, :] + local[rows, None])
+            scores = np.maximum(value, charged + local[rows, None])
         else:
-            scores = value[None, :] + cost[rows, None]
-        firsts = np.zeros(rows.size, dtype=np.int64)
+            scores = value + cost[rows, None]
         if self.ceiling < math.inf and not self.peak_mode:
-            firsts = (scores > self.ceiling).sum(axis=1)
-        for i, (row, first, count) in enumerate(
-            zip(rows.tolist(), firsts.tolist(), counts.tolist())
-        ):
+            firsts = (scores > self.ceiling).sum(axis=1).tolist()
+        else:
+            firsts = [0] * rows.size
+        pending = self.pending
+        for i, (row, count) in enumerate(zip(rows.tolist(), counts.tolist())):
+            first = firsts[i]
             if first < count:
                 kind = kinds if isinstance(kinds, int) else kinds[row]
                 chunk = (grown[i, first:count], scores[i, first:count], state, kind, first)
-                self.pending[ends[row]].setdefault(masks[row], []).append(chunk)
+                pending[ends[row]].setdefault(masks[row], []).append(chunk)
 
     def _settle(self, position: int) -> list[tuple[frozenset, int]]:
         """Turn the blocks that reached ``position`` into Pareto fronts, one state per mask."""
         settled = []
         for mask, chunks in self._masks_kept(position).items():
+            fronts, values, parents, kinds, firsts = zip(*chunks)
             if len(chunks) == 1:  # a slice of one front, moved: already in order
-                charged, value, parent, kind, first = chunks[0]
+                charged, value = fronts[0], values[0]
                 keep = _pareto(charged, value, self.bucket, ordered=True)
-                parents, previous = np.full(keep.size, parent), keep + first
-                kinds = np.full(keep.size, kind)
             else:
-                fronts, values, parent_of, kind_of, firsts = zip(*chunks)
-                starts = np.cumsum([0, *map(len, fronts)])[:-1]
                 charged, value = np.concatenate(fronts), np.concatenate(values)
                 keep = _pareto(charged, value, self.bucket)
-                # The chunk each kept entry came from, and its index there (= in the parent).
-                chunk = starts.searchsorted(keep, side="right") - 1
-                parents = np.array(parent_of)[chunk]
-                previous = keep - starts[chunk] + np.array(firsts)[chunk]
-                kinds = np.array(kind_of)[chunk]
-            self.states.append((position, charged[keep], value[keep], parents, previous, kinds))
+            # Where an entry came from is looked up only for the plan found (_origin).
+            origin = keep, tuple(map(len, fronts)), parents, kinds, firsts
+            self.states.append((position, charged[keep], value[keep], origin))
             settled.append((mask, len(self.states) - 1))
         self.pending[position] = {}
         return settled
+
+    def _origin(self, state: int, index: int) -> tuple[int, int, int]:
+        """(parent state, index in its front, block kind) of entry ``index`` of ``state``: the
+        chunk it was merged from, found by its position among the chunks' entries."""
+        keep, lengths, parents, kinds, firsts = self.states[state][3]
+        entry, chunk = int(keep[index]), 0
+        while entry >= lengths[chunk]:
+            entry -= lengths[chunk]
+            chunk += 1
+        return parents[chunk], entry + firsts[chunk], kinds[chunk]
 
     def _masks_kept(self, position: int) -> dict[frozenset, list]:
         """The masks that reached ``position``; above ``MASKS`` of them (large problems only),
