@@ -793,12 +793,12 @@ class _Search:
     # Entries costing more than this are dropped (the cost of a plan already found): block costs
     # are never negative, so no plan through them can cost less (see _extend).
     ceiling: float = math.inf
-    segment_memo: dict = field(default_factory=dict)
+    segment_memo: dict = field(default_factory=dict)  # per c: (stop, _segment_costs)
     step_memo: dict = field(default_factory=dict)
     # A state entry's block: STORED, SEGMENT (nothing kept) or the keep set of that id.
     keep_memo: dict = field(default_factory=dict)
     profile_memo: dict = field(default_factory=dict)  # per c: _recompute_bound_profile, _ranked
-    start_memo: dict = field(default_factory=dict)  # per c: _segment_start
+    start_memo: dict = field(default_factory=dict)  # per c: (stop, _segment_start)
     charged_memo: dict = field(default_factory=dict)  # per (c, b): _charged_inputs
     locals_memo: dict = field(default_factory=dict)  # per (c, mask, keeps): _segment_locals
     mask_memo: dict = field(default_factory=dict)  # per (c, mask): {b: _next_mask}
@@ -851,8 +851,8 @@ class _Search:
                 ends = corridors[c][(corridors[c] > c) & (corridors[c] <= stop)]
             width = int(ends[-1]) - c if ends.size else 0  # ends are sorted
             if ends.size:
-                recompute, cost = self._segment_costs(c, stop)
-                found = self._segment_locals(c, [mask for mask, _ in here], stop, recompute, width)
+                recompute, cost = self._segment_costs(c, c + width)
+                found = self._segment_locals(c, [mask for mask, _ in here], recompute, width)
             for k, (mask, state) in enumerate(here):
                 charged = self.states[state][1]
                 self._extend_stored(state, following, *self._stored_run(c, following, mask))
@@ -862,7 +862,7 @@ class _Search:
                 overflow = (charged[0] + monotone[:width] > self.limit).nonzero()[0]
                 reach = c + 1 + (int(overflow[0]) if overflow.size else width)
                 reachable = ends[ends < reach]
-                masks = self._next_masks(c, mask, reachable.tolist(), stop)
+                masks = self._next_masks(c, mask, reachable.tolist())
                 i = reachable - c - 1
                 self._extend(
                     state,
@@ -944,47 +944,54 @@ class _Search:
         return self.keep_memo[c, b]
 
     def _segment_start(self, c: int, stop: int) -> _Start:
-        """``_segment_start`` of the segments from ``c``, computed once for all passes."""
-        if c not in self.start_memo:
-            self.start_memo[c] = _segment_start(self.problem, self.t, c, stop)
-        return self.start_memo[c]
+        """``_segment_start`` of the segments from ``c`` to ``stop`` at least, computed once for
+        all passes unless a later one needs longer segments: their first entries do not depend
+        on how far they reach, and most cuts only start short segments."""
+        known = self.start_memo.get(c)
+        if known is None or known[0] < stop:
+            known = stop, _segment_start(self.problem, self.t, c, stop)
+            self.start_memo[c] = known
+        return known[1]
 
-    def _charged_inputs(self, c: int, b: int, stop: int) -> frozenset:
+    def _charged_inputs(self, c: int, b: int) -> frozenset:
         """The inputs the segment ``[c, b)`` charges (``_Start.charges``), computed once."""
         if (c, b) not in self.charged_memo:
-            start = self._segment_start(c, stop)
+            start = self._segment_start(c, b)
             self.charged_memo[c, b] = frozenset(
                 k for k, offset in zip(start.inputs, start.charges.tolist()) if c + offset < b
             )
         return self.charged_memo[c, b]
 
-    def _segment_locals(self, c: int, masks: list, stop: int, recompute, width: int) -> list:
+    def _segment_locals(self, c: int, masks: list, recompute, width: int) -> list:
         """``_segment_locals`` of the segments from ``c`` under each of ``masks``, for at
         least ``width`` ends: passes revisit the same states, and each result's first entries
         do not depend on how many were asked, so one worked out for more ends serves fewer."""
         memo = self.locals_memo
         missing = [m for m in masks if memo.get((c, m, self.keeps), (0,))[0] < width]
         if missing:
-            start = self._segment_start(c, stop)
+            start = self._segment_start(c, c + width)
             found = _segment_locals(self.t, c, missing, start, recompute, width, self.keeps)
             for mask, result in zip(missing, found):
                 memo[c, mask, self.keeps] = width, result
         return [memo[c, m, self.keeps][1] for m in masks]
 
-    def _next_masks(self, c: int, mask: frozenset, ends: list[int], stop: int) -> list:
+    def _next_masks(self, c: int, mask: frozenset, ends: list[int]) -> list:
         """The mask at each of ``ends`` after a segment from ``c`` under ``mask``, each worked
         out once for all passes."""
         memo = self.mask_memo.setdefault((c, mask), {})
         for b in ends:
             if b not in memo:
-                memo[b] = _next_mask(self.t, b, mask, self._charged_inputs(c, b, stop))
+                memo[b] = _next_mask(self.t, b, mask, self._charged_inputs(c, b))
         return [memo[b] for b in ends]
 
     def _segment_costs(self, c: int, stop: int):
-        """``_segment_costs`` of the segments from ``c``, computed once for all passes."""
-        if c not in self.segment_memo:
-            self.segment_memo[c] = _segment_costs(self.problem, self.t, c, stop, self.exact)
-        return self.segment_memo[c]
+        """``_segment_costs`` of the segments from ``c`` to ``stop`` at least, computed once
+        for all passes unless a later one needs longer segments (see ``_segment_start``)."""
+        known = self.segment_memo.get(c)
+        if known is None or known[0] < stop:
+            known = stop, _segment_costs(self.problem, self.t, c, stop, self.exact)
+            self.segment_memo[c] = known
+        return known[1]
 
     def _stored_run(self, c: int, end: int, mask: frozenset) -> tuple[int, int, frozenset]:
         """Local peak, charged bytes and mask at ``end`` of keeping every node of ``[c, end)``.
