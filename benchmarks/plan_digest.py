@@ -114,6 +114,8 @@ MODELS = {
     "gpt-autocast": lambda: _with_kwargs(zoo.gpt(layers=2)),
     "hf-gpt2": lambda: _hf("gpt2"),
     "hf-t5": lambda: _hf("t5"),
+    "hf-llama": lambda: _hf("llama"),
+    "hf-qwen2_moe": lambda: _hf("qwen2_moe"),
 }
 
 

@@ -446,7 +446,7 @@ def test_a_segment_charges_the_inputs_it_touches_once_it_saves_something(seed):
         for b in range(c + 1, stop + 1):
             touched = {k for k in t.crossing[c] if any(c <= j < b for j in t.touches[k])}
             expected = touched if first_saving < b else set()
-            assert search._charged_inputs(c, b, stop) == expected
+            assert search._charged_inputs(c, b) == expected
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -464,13 +464,68 @@ def test_segment_locals_for_the_segments_a_pass_tries_are_those_of_every_segment
         recompute, _ = search._segment_costs(c, stop)
         crossing = list(t.crossing[c])
         mask = frozenset(k for k in crossing if rng.random() < 0.5)
-        whole = optimal._segment_locals(t, c, mask, start, recompute, stop - c, keeps=True)
+        (whole,) = optimal._segment_locals(t, c, [mask], start, recompute, stop - c, keeps=True)
         width = int(rng.integers(1, stop - c + 1))
-        part = optimal._segment_locals(t, c, mask, start, recompute, width, keeps=True)
+        (part,) = optimal._segment_locals(t, c, [mask], start, recompute, width, keeps=True)
         for full, prefix in zip(whole[:3], part[:3]):
             assert (full[:width] == prefix).all()
         for name in ("forward", "copies", "after_recompute", "before_recompute", "recompute_base"):
             assert (getattr(whole[3], name)[:width] == getattr(part[3], name)).all()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_segment_parts_worked_out_to_a_nearer_stop_are_those_of_every_segment(seed):
+    """``_segment_start`` and ``_segment_costs`` (exact replay and bound) are worked out only as
+    far as a pass's segments reach from a cut: the same figures as up to the cut's last
+    checkpointable node, offsets past the nearer stop clipped to it."""
+    problem = long_problem(120, seed)
+    t = optimal._tables(problem)
+    rng = np.random.default_rng(seed)
+    for c in range(0, problem.size - 1, 5):
+        stop = c + int(np.argmin(np.append(problem.checkpointable[c:], False)))
+        if stop == c:
+            continue
+        near = c + int(rng.integers(1, stop - c + 1))
+        width = near - c
+        whole, part = (
+            optimal._segment_start(problem, t, c, stop),
+            optimal._segment_start(problem, t, c, near),
+        )
+        assert whole.inputs == part.inputs and (whole.nbytes == part.nbytes).all()
+        for name in ("freed", "charges"):
+            assert (np.minimum(getattr(whole, name), width) == getattr(part, name)).all()
+        for name in ("saves", "last", "before", "after", "with_saved", "tail", "copies"):
+            assert (getattr(whole, name)[:width] == getattr(part, name)).all()
+        for exact in (False, True):
+            full = optimal._segment_costs(problem, t, c, stop, exact)
+            for whole_part, near_part in zip(
+                full, optimal._segment_costs(problem, t, c, near, exact)
+            ):
+                assert (whole_part[:width] == near_part).all()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_segment_locals_of_masks_worked_out_together_are_those_of_each_alone(seed):
+    """The masks of one cut are rows of one array in ``_segment_locals``: each row is what the
+    mask alone gives."""
+    problem = long_problem(120, seed)
+    t, search = optimal._tables(problem), segment_search(problem)
+    rng = np.random.default_rng(seed)
+    for c in range(0, problem.size - 1, 7):
+        stop = c + int(np.argmin(np.append(problem.checkpointable[c:], False)))
+        if stop == c:
+            continue
+        start = search._segment_start(c, stop)
+        recompute, _ = search._segment_costs(c, stop)
+        crossing = list(t.crossing[c])
+        masks = [frozenset(k for k in crossing if rng.random() < 0.5) for _ in range(4)]
+        together = optimal._segment_locals(t, c, masks, start, recompute, stop - c, keeps=True)
+        for mask, row in zip(masks, together):
+            (alone,) = optimal._segment_locals(t, c, [mask], start, recompute, stop - c, True)
+            for mine, its in zip(row[:3], alone[:3]):
+                assert (mine == its).all()
+            for name in dataclasses.fields(optimal._SavingParts):
+                assert (getattr(row[3], name.name) == getattr(alone[3], name.name)).all()
 
 
 def settled_entries(monkeypatch) -> list[int]:
@@ -482,9 +537,9 @@ def settled_entries(monkeypatch) -> list[int]:
         counts.append(0)
         return run(self, corridors)
 
-    def counted_pareto(charged, value, bucket):
+    def counted_pareto(charged, value, bucket, ordered=False):
         counts[-1] += charged.size
-        return pareto(charged, value, bucket)
+        return pareto(charged, value, bucket, ordered)
 
     monkeypatch.setattr(optimal._Search, "run", counted_run)
     monkeypatch.setattr(optimal, "_pareto", counted_pareto)

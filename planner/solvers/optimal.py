@@ -436,14 +436,15 @@ def _running(width: int, offsets: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
 def _segment_locals(
     t: _Tables,
     c: int,
-    mask: frozenset,
+    masks: list[frozenset],
     start: _Start,
     recompute: np.ndarray,
     width: int,
     keeps: bool = False,
-):
-    """Charged bytes, local peak and its monotone part for the segments ``[c, b)``, and, with
-    ``keeps``, the ``_SavingParts`` that keep sets add to (else None).
+) -> list[tuple]:
+    """Per mask of ``masks``: charged bytes, local peak and its monotone part for the segments
+    ``[c, b)``, and, with ``keeps``, the ``_SavingParts`` that keep sets add to (else None).
+    The masks of one cut are worked out together, as rows of one array.
 
     Arrays are indexed ``b - c - 1`` for ``b`` in ``(c, c + width]`` (the segments a pass
     tries: often far fewer than the ``_Start`` covers). A segment holds its inputs
@@ -453,23 +454,27 @@ def _segment_locals(
     never decreases with ``b``, so once it overflows the budget no longer segment from ``c``
     can fit: the search stops extending there.
     """
-    forward = t.forward_live[c : c + width]
+    forward = t.forward_live[c : c + width][None, :]
     if start.inputs:
         # An input charged to an earlier block is not counted twice while it is read; the
-        # others are charged here, alive until the segment's backward ends.
-        charged_before = np.array([k in mask for k in start.inputs], dtype=bool)
-        here = ~charged_before
-        read = start.nbytes[charged_before]
-        freed, charges = np.minimum(start.freed, width), np.minimum(start.charges, width)
-        forward = forward - (int(read.sum()) - _running(width, freed[charged_before], read))
-        held = _running(width, freed[here], start.nbytes[here])  # after their last reader
-        charged = _running(width, charges[here], start.nbytes[here])
+        # others are charged here, alive until the segment's backward ends. Row k of a
+        # "steps" array holds input k's bytes from its offset on.
+        read = np.array([[k in mask for k in start.inputs] for mask in masks], dtype=np.int64)
+        here = 1 - read
+        offsets = np.arange(width)
+        freed_steps = np.where(start.freed[:, None] <= offsets, start.nbytes[:, None], 0)
+        charge_steps = np.where(start.charges[:, None] <= offsets, start.nbytes[:, None], 0)
+        forward = forward - ((read @ start.nbytes)[:, None] - read @ freed_steps)
+        held = here @ freed_steps  # after their last reader
+        charged = here @ charge_steps
     else:
-        held = charged = np.zeros(width, dtype=np.int64)
+        held = charged = np.zeros((len(masks), width), dtype=np.int64)
     saves, last, copies = start.saves[:width], start.last[:width], start.copies[:width]
     recompute = recompute[:width]
     forward_peak = np.where(
-        saves, np.maximum.accumulate(forward + held), np.maximum.accumulate(forward)
+        saves,
+        np.maximum.accumulate(forward + held, axis=1),
+        np.maximum.accumulate(forward, axis=1),
     )
     before, after = start.before[:width], start.after[:width]
     backward = np.maximum(before, np.where(saves, after + charged, 0))
@@ -482,22 +487,30 @@ def _segment_locals(
     replays = (np.arange(width) > last) & (last >= 0)
     tail = start.tail[:width]
     before_recompute = np.where(replays, tail + charged + held_copies, 0)
-    local = np.maximum(monotone, before_recompute)
-    parts = None
-    if keeps:
-        parts = _SavingParts(
-            forward=forward + held,
-            copies=copies,
-            after_recompute=np.maximum(before, start.with_saved[:width] + charged),
-            before_recompute=tail + charged + copies,
-            recompute_base=t.after_backward[c + np.maximum(last, 0) + 1] + charged + 2 * copies,
-        )
-    return (
-        charged + held_copies,
-        np.maximum(local, recompute + charged + 2 * held_copies),
-        monotone,
-        parts,
+    local = np.maximum(
+        np.maximum(monotone, before_recompute), recompute + charged + 2 * held_copies
     )
+    charged_here = charged + held_copies
+    if not keeps:
+        return [(charged_here[m], local[m], monotone[m], None) for m in range(len(masks))]
+    forward_held = forward + held
+    after_recompute = np.maximum(before, start.with_saved[:width] + charged)
+    base = t.after_backward[c + np.maximum(last, 0) + 1] + charged + 2 * copies
+    return [
+        (
+            charged_here[m],
+            local[m],
+            monotone[m],
+            _SavingParts(
+                forward=forward_held[m],
+                copies=copies,
+                after_recompute=after_recompute[m],
+                before_recompute=tail + charged[m] + copies,
+                recompute_base=base[m],
+            ),
+        )
+        for m in range(len(masks))
+    ]
 
 
 @dataclass(frozen=True)
@@ -725,27 +738,32 @@ def _next_mask(t: _Tables, b: int, previous: frozenset, triggered: frozenset) ->
     return (previous | triggered) & t.crossing_set[b]
 
 
-def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int) -> np.ndarray:
+def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int, ordered: bool = False):
     """Indices of the entries no other beats on both charged bytes and value, thinned to two
-    per ``bucket`` bytes of charged memory.
+    per ``bucket`` bytes of charged memory; ``ordered``: charged bytes already strictly
+    increase (one chunk of a front), so no sort is needed.
 
     The front comes out sorted by charged bytes, values strictly decreasing. Thinning keeps, of
     the entries whose charged bytes share one multiple of ``bucket``, the one of least value
     (it may hold up to ``bucket - 1`` bytes more than a dropped one) and the one of least
     memory (what a tight budget needs). With ``bucket == 1`` nothing is thinned.
     """
-    order = np.argsort(charged)
-    ordered = value[order]
+    order = np.arange(charged.size) if ordered else charged.argsort()
+    values = value[order]
     keep = np.ones(order.size, dtype=bool)
-    keep[1:] = ordered[1:] < np.minimum.accumulate(ordered)[:-1]
+    keep[1:] = values[1:] < np.minimum.accumulate(values)[:-1]
     order = order[keep]
-    # Of entries with equal charged bytes, the last kept is the cheapest (values decrease).
     sizes = charged[order]
-    order = order[np.append(sizes[1:] != sizes[:-1], True)]
-    if bucket > 1 and order.size > 1:
-        bins = charged[order] // bucket
-        change = bins[1:] != bins[:-1]
-        order = order[np.append(True, change) | np.append(change, True)]
+    if not ordered:
+        # Of entries with equal charged bytes, the last kept is the cheapest (values decrease).
+        last = np.ones(order.size, dtype=bool)
+        np.not_equal(sizes[1:], sizes[:-1], out=last[:-1])
+        order, sizes = order[last], sizes[last]
+    if bucket > 1 and order.size > 2:
+        change = sizes[1:] // bucket != sizes[:-1] // bucket
+        edge = np.ones(order.size, dtype=bool)
+        edge[1:-1] = change[:-1] | change[1:]
+        order = order[edge]
     return order
 
 
@@ -775,13 +793,15 @@ class _Search:
     # Entries costing more than this are dropped (the cost of a plan already found): block costs
     # are never negative, so no plan through them can cost less (see _extend).
     ceiling: float = math.inf
-    segment_memo: dict = field(default_factory=dict)
+    segment_memo: dict = field(default_factory=dict)  # per c: (stop, _segment_costs)
     step_memo: dict = field(default_factory=dict)
     # A state entry's block: STORED, SEGMENT (nothing kept) or the keep set of that id.
     keep_memo: dict = field(default_factory=dict)
     profile_memo: dict = field(default_factory=dict)  # per c: _recompute_bound_profile, _ranked
-    start_memo: dict = field(default_factory=dict)  # per c: _segment_start
+    start_memo: dict = field(default_factory=dict)  # per c: (stop, _segment_start)
     charged_memo: dict = field(default_factory=dict)  # per (c, b): _charged_inputs
+    locals_memo: dict = field(default_factory=dict)  # per (c, mask, keeps): _segment_locals
+    mask_memo: dict = field(default_factory=dict)  # per (c, mask): {b: _next_mask}
     kept_nodes: list = field(default_factory=lambda: [()])
 
     @cached_property
@@ -815,11 +835,11 @@ class _Search:
         run that ``_stored_run`` turns into one block (its per-node steps are memoised across
         passes), so fronts are merged and thinned only at those cuts.
         """
-        problem, t, n = self.problem, self.t, self.problem.size
+        problem, n = self.problem, self.problem.size
         named = [np.array([0, n]), np.fromiter(corridors, int), *corridors.values()]
         positions = np.unique(np.concatenate(named)).tolist()
         self.pending: dict[int, dict[frozenset, list]] = {p: {} for p in positions}
-        self.states: list[tuple] = []  # (position, charged, value, parent, index, kind)
+        self.states: list[tuple] = []  # (position, charged, value, origin: see _settle)
         self.pending[0][frozenset()] = [(np.zeros(1, np.int64), np.zeros(1), -1, STORED, 0)]
         for c, following in zip(positions, positions[1:]):
             if time.perf_counter() > self.deadline:
@@ -829,33 +849,20 @@ class _Search:
             if c in corridors and problem.cut_allowed[c] and problem.checkpointable[c]:
                 stop = c + int(np.argmin(np.append(problem.checkpointable[c:], False)))
                 ends = corridors[c][(corridors[c] > c) & (corridors[c] <= stop)]
+            width = int(ends[-1]) - c if ends.size else 0  # ends are sorted
             if ends.size:
-                recompute, cost = self._segment_costs(c, stop)
-            for mask, state in here:
+                recompute, cost = self._segment_costs(c, c + width)
+                found = self._segment_locals(c, [mask for mask, _ in here], recompute, width)
+            for k, (mask, state) in enumerate(here):
                 charged = self.states[state][1]
-                local, held, after = self._stored_run(c, following, mask)
-                self._extend(
-                    state,
-                    [following],
-                    [after],
-                    np.array([local]),
-                    np.array([held]),
-                    np.zeros(1),
-                    STORED,
-                )
+                self._extend_stored(state, following, *self._stored_run(c, following, mask))
                 if not ends.size:
                     continue
-                width = int(ends[-1]) - c  # ends are sorted
-                held_b, local_b, monotone, parts = _segment_locals(
-                    t, c, mask, self._segment_start(c, stop), recompute, width, self.keeps
-                )
-                overflow = np.flatnonzero(charged[0] + monotone > self.limit)
+                held_b, local_b, monotone, parts = found[k]
+                overflow = (charged[0] + monotone[:width] > self.limit).nonzero()[0]
                 reach = c + 1 + (int(overflow[0]) if overflow.size else width)
                 reachable = ends[ends < reach]
-                masks = [
-                    _next_mask(t, b, mask, self._charged_inputs(c, b, stop))
-                    for b in reachable.tolist()
-                ]
+                masks = self._next_masks(c, mask, reachable.tolist())
                 i = reachable - c - 1
                 self._extend(
                     state,
@@ -878,11 +885,11 @@ class _Search:
         score = float(self.states[state][2][index])
         segments, keep = [], []
         while state >= 0:
-            position, _, _, parent, previous, kind = self.states[state]
-            if kind[index] != STORED:
-                segments.append((self.states[parent[index]][0], position))
-                keep += self.kept_nodes[kind[index]]
-            state, index = int(parent[index]), int(previous[index])
+            parent, previous, kind = self._origin(state, index)
+            if kind != STORED:
+                segments.append((self.states[parent][0], self.states[state][0]))
+                keep += self.kept_nodes[kind]
+            state, index = parent, previous
         return score, Choice(tuple(reversed(segments)), frozenset(keep))
 
     def _extend_with_keeps(self, state, c: int, b: int, stop: int, mask, parts, held, cost):
@@ -937,25 +944,54 @@ class _Search:
         return self.keep_memo[c, b]
 
     def _segment_start(self, c: int, stop: int) -> _Start:
-        """``_segment_start`` of the segments from ``c``, computed once for all passes."""
-        if c not in self.start_memo:
-            self.start_memo[c] = _segment_start(self.problem, self.t, c, stop)
-        return self.start_memo[c]
+        """``_segment_start`` of the segments from ``c`` to ``stop`` at least, computed once for
+        all passes unless a later one needs longer segments: their first entries do not depend
+        on how far they reach, and most cuts only start short segments."""
+        known = self.start_memo.get(c)
+        if known is None or known[0] < stop:
+            known = stop, _segment_start(self.problem, self.t, c, stop)
+            self.start_memo[c] = known
+        return known[1]
 
-    def _charged_inputs(self, c: int, b: int, stop: int) -> frozenset:
+    def _charged_inputs(self, c: int, b: int) -> frozenset:
         """The inputs the segment ``[c, b)`` charges (``_Start.charges``), computed once."""
         if (c, b) not in self.charged_memo:
-            start = self._segment_start(c, stop)
+            start = self._segment_start(c, b)
             self.charged_memo[c, b] = frozenset(
                 k for k, offset in zip(start.inputs, start.charges.tolist()) if c + offset < b
             )
         return self.charged_memo[c, b]
 
+    def _segment_locals(self, c: int, masks: list, recompute, width: int) -> list:
+        """``_segment_locals`` of the segments from ``c`` under each of ``masks``, for at
+        least ``width`` ends: passes revisit the same states, and each result's first entries
+        do not depend on how many were asked, so one worked out for more ends serves fewer."""
+        memo = self.locals_memo
+        missing = [m for m in masks if memo.get((c, m, self.keeps), (0,))[0] < width]
+        if missing:
+            start = self._segment_start(c, c + width)
+            found = _segment_locals(self.t, c, missing, start, recompute, width, self.keeps)
+            for mask, result in zip(missing, found):
+                memo[c, mask, self.keeps] = width, result
+        return [memo[c, m, self.keeps][1] for m in masks]
+
+    def _next_masks(self, c: int, mask: frozenset, ends: list[int]) -> list:
+        """The mask at each of ``ends`` after a segment from ``c`` under ``mask``, each worked
+        out once for all passes."""
+        memo = self.mask_memo.setdefault((c, mask), {})
+        for b in ends:
+            if b not in memo:
+                memo[b] = _next_mask(self.t, b, mask, self._charged_inputs(c, b))
+        return [memo[b] for b in ends]
+
     def _segment_costs(self, c: int, stop: int):
-        """``_segment_costs`` of the segments from ``c``, computed once for all passes."""
-        if c not in self.segment_memo:
-            self.segment_memo[c] = _segment_costs(self.problem, self.t, c, stop, self.exact)
-        return self.segment_memo[c]
+        """``_segment_costs`` of the segments from ``c`` to ``stop`` at least, computed once
+        for all passes unless a later one needs longer segments (see ``_segment_start``)."""
+        known = self.segment_memo.get(c)
+        if known is None or known[0] < stop:
+            known = stop, _segment_costs(self.problem, self.t, c, stop, self.exact)
+            self.segment_memo[c] = known
+        return known[1]
 
     def _stored_run(self, c: int, end: int, mask: frozenset) -> tuple[int, int, frozenset]:
         """Local peak, charged bytes and mask at ``end`` of keeping every node of ``[c, end)``.
@@ -978,6 +1014,19 @@ class _Search:
         assert peak is not None, "an empty run"  # callers pass end > c
         return peak, held, mask
 
+    def _extend_stored(self, state, end: int, local: int, held: int, mask: frozenset) -> None:
+        """``_extend`` by the run of stored nodes to ``end``: one block of no cost."""
+        charged, value = self.states[state][1:3]
+        count = int(charged.searchsorted(self.limit - local, side="right"))
+        first = 0
+        if self.peak_mode:
+            value = np.maximum(value[:count], charged[:count] + local)
+        elif self.ceiling < math.inf:
+            first = int((value[:count] > self.ceiling).sum())
+        if first < count:
+            chunk = (charged[first:count] + held, value[first:count], state, STORED, first)
+            self.pending[end].setdefault(mask, []).append(chunk)
+
     def _extend(self, state, ends, masks, local, held, cost, kinds: int | list[int]) -> None:
         """Extend the front of ``state`` by one block to each of ``ends``, keeping what fits;
         ``kinds``: the blocks' kind, one for all or one per end.
@@ -989,51 +1038,56 @@ class _Search:
         """
         charged, value = self.states[state][1:3]
         counts = charged.searchsorted(self.limit - local, side="right")
-        rows = np.flatnonzero(counts)
+        rows = counts.nonzero()[0]
         if not rows.size:
             return
         counts = counts[rows]
         longest = int(counts.max())
         charged, value = charged[:longest], value[:longest]
-        grown = charged[None, :] + held[rows, None]
+        grown = charged + held[rows, None]
         if self.peak_mode:
-            scores = np.maximum(value[None, :], charged[None, :] + local[rows, None])
+            scores = np.maximum(value, charged + local[rows, None])
         else:
-            scores = value[None, :] + cost[rows, None]
-        firsts = np.zeros(rows.size, dtype=np.int64)
+            scores = value + cost[rows, None]
         if self.ceiling < math.inf and not self.peak_mode:
-            firsts = (scores > self.ceiling).sum(axis=1)
-        for i, (row, first, count) in enumerate(
-            zip(rows.tolist(), firsts.tolist(), counts.tolist())
-        ):
+            firsts = (scores > self.ceiling).sum(axis=1).tolist()
+        else:
+            firsts = [0] * rows.size
+        pending = self.pending
+        for i, (row, count) in enumerate(zip(rows.tolist(), counts.tolist())):
+            first = firsts[i]
             if first < count:
                 kind = kinds if isinstance(kinds, int) else kinds[row]
                 chunk = (grown[i, first:count], scores[i, first:count], state, kind, first)
-                self.pending[ends[row]].setdefault(masks[row], []).append(chunk)
+                pending[ends[row]].setdefault(masks[row], []).append(chunk)
 
     def _settle(self, position: int) -> list[tuple[frozenset, int]]:
         """Turn the blocks that reached ``position`` into Pareto fronts, one state per mask."""
         settled = []
         for mask, chunks in self._masks_kept(position).items():
             fronts, values, parents, kinds, firsts = zip(*chunks)
-            starts = np.cumsum([0, *map(len, fronts)])[:-1]
-            charged, value = np.concatenate(fronts), np.concatenate(values)
-            keep = _pareto(charged, value, self.bucket)
-            # The chunk each kept entry came from, and its index there (= in the parent front).
-            chunk = np.searchsorted(starts, keep, side="right") - 1
-            self.states.append(
-                (
-                    position,
-                    charged[keep],
-                    value[keep],
-                    np.array(parents)[chunk],
-                    keep - starts[chunk] + np.array(firsts)[chunk],
-                    np.array(kinds)[chunk],
-                )
-            )
+            if len(chunks) == 1:  # a slice of one front, moved: already in order
+                charged, value = fronts[0], values[0]
+                keep = _pareto(charged, value, self.bucket, ordered=True)
+            else:
+                charged, value = np.concatenate(fronts), np.concatenate(values)
+                keep = _pareto(charged, value, self.bucket)
+            # Where an entry came from is looked up only for the plan found (_origin).
+            origin = keep, tuple(map(len, fronts)), parents, kinds, firsts
+            self.states.append((position, charged[keep], value[keep], origin))
             settled.append((mask, len(self.states) - 1))
         self.pending[position] = {}
         return settled
+
+    def _origin(self, state: int, index: int) -> tuple[int, int, int]:
+        """(parent state, index in its front, block kind) of entry ``index`` of ``state``: the
+        chunk it was merged from, found by its position among the chunks' entries."""
+        keep, lengths, parents, kinds, firsts = self.states[state][3]
+        entry, chunk = int(keep[index]), 0
+        while entry >= lengths[chunk]:
+            entry -= lengths[chunk]
+            chunk += 1
+        return parents[chunk], entry + firsts[chunk], kinds[chunk]
 
     def _masks_kept(self, position: int) -> dict[frozenset, list]:
         """The masks that reached ``position``; above ``MASKS`` of them (large problems only),
