@@ -1230,9 +1230,9 @@ def _searched_plan(
             kept = _keep_pass(search, segments, ceiling)
             if kept is None:
                 break
-            plan = _plain(kept[1])
-            results[plan] = simulate(problem, plan)
-            if results[plan].recompute_seconds >= before:
+            found_plan = _plain(kept[1])
+            results[found_plan] = simulate(problem, found_plan)
+            if results[found_plan].recompute_seconds >= before:
                 break
             # The plan found is among those the next pass tries: nothing dearer can win.
             segments, ceiling = kept[1].segments, kept[0]
