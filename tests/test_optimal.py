@@ -449,6 +449,23 @@ def test_a_segment_charges_the_inputs_it_touches_once_it_saves_something(seed):
             assert search._charged_inputs(c, b) == expected
 
 
+def cuts_and_stops(problem, every: int):
+    """Every ``every``-th cut with a checkpointable node after it, and where its longest
+    segment stops (the first node after it that is not checkpointable)."""
+    for c in range(0, problem.size - 1, every):
+        stop = c + int(np.argmin(np.append(problem.checkpointable[c:], False)))
+        if stop > c:
+            yield c, stop
+
+
+def segment_parts(problem, t, search, every: int):
+    """``cuts_and_stops`` with what ``_segment_locals`` takes at each: the segment's start
+    and recompute up to the stop, and the storages crossing the cut."""
+    for c, stop in cuts_and_stops(problem, every):
+        recompute, _ = search._segment_costs(c, stop)
+        yield c, stop, search._segment_start(c, stop), recompute, list(t.crossing[c])
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_segment_locals_for_the_segments_a_pass_tries_are_those_of_every_segment(seed):
     """A pass works out ``_segment_locals`` only up to the longest segment it tries from a cut:
@@ -456,13 +473,7 @@ def test_segment_locals_for_the_segments_a_pass_tries_are_those_of_every_segment
     problem = long_problem(120, seed)
     t, search = optimal._tables(problem), segment_search(problem)
     rng = np.random.default_rng(seed)
-    for c in range(0, problem.size - 1, 5):
-        stop = c + int(np.argmin(np.append(problem.checkpointable[c:], False)))
-        if stop == c:
-            continue
-        start = search._segment_start(c, stop)
-        recompute, _ = search._segment_costs(c, stop)
-        crossing = list(t.crossing[c])
+    for c, stop, start, recompute, crossing in segment_parts(problem, t, search, every=5):
         mask = frozenset(k for k in crossing if rng.random() < 0.5)
         (whole,) = optimal._segment_locals(t, c, [mask], start, recompute, stop - c, keeps=True)
         width = int(rng.integers(1, stop - c + 1))
@@ -481,10 +492,7 @@ def test_segment_parts_worked_out_to_a_nearer_stop_are_those_of_every_segment(se
     problem = long_problem(120, seed)
     t = optimal._tables(problem)
     rng = np.random.default_rng(seed)
-    for c in range(0, problem.size - 1, 5):
-        stop = c + int(np.argmin(np.append(problem.checkpointable[c:], False)))
-        if stop == c:
-            continue
+    for c, stop in cuts_and_stops(problem, every=5):
         near = c + int(rng.integers(1, stop - c + 1))
         width = near - c
         whole, part = (
@@ -511,13 +519,7 @@ def test_segment_locals_of_masks_worked_out_together_are_those_of_each_alone(see
     problem = long_problem(120, seed)
     t, search = optimal._tables(problem), segment_search(problem)
     rng = np.random.default_rng(seed)
-    for c in range(0, problem.size - 1, 7):
-        stop = c + int(np.argmin(np.append(problem.checkpointable[c:], False)))
-        if stop == c:
-            continue
-        start = search._segment_start(c, stop)
-        recompute, _ = search._segment_costs(c, stop)
-        crossing = list(t.crossing[c])
+    for c, stop, start, recompute, crossing in segment_parts(problem, t, search, every=7):
         masks = [frozenset(k for k in crossing if rng.random() < 0.5) for _ in range(4)]
         together = optimal._segment_locals(t, c, masks, start, recompute, stop - c, keeps=True)
         for mask, row in zip(masks, together):
