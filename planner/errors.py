@@ -16,6 +16,13 @@ def short_repr(value) -> str:
     return f"a {kind}" + (f" of {len(value)} items" if hasattr(value, "__len__") else "")
 
 
+def non_negative_int(name: str, value) -> int:
+    """``value`` as an int, or a ValueError naming ``name`` when it is not an integer >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer (bytes), got {short_repr(value)}")
+    return int(value)
+
+
 def positive_int(name: str, value) -> int:
     """``value`` as an int, or a ValueError naming ``name`` when it is not a positive integer."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:

@@ -20,6 +20,7 @@ peak, or finds the same plan); only ``peak <= budget`` holds.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -104,6 +105,11 @@ class Frontier:
     def plot(self, ax=None, path=None):
         """Recompute overhead against peak memory, one marker per budget; see
         ``planner.viz.plot_frontier``."""
+        if isinstance(ax, (str, os.PathLike)):  # Plan.draw(path) takes a path first; this not
+            raise TypeError(
+                f"Frontier.plot's first argument is a matplotlib Axes, not a path ({ax!r}): "
+                "write the figure with plot(path=...)"
+            )
         return plot_frontier(self, ax=ax, path=path)
 
 

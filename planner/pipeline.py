@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from planner.capture import capture
 from planner.costs import CostModel, captured_node_seconds
-from planner.errors import PlanningError, short_repr
+from planner.errors import PlanningError, non_negative_int, short_repr
 from planner.nested import NestedChoice
 from planner.optimizer import optimizer_memory
 from planner.options import CaptureOptions
@@ -152,6 +152,8 @@ def prepare(
     arguments are as for ``plan``.
     """
     options = capture_options or CaptureOptions()
+    if optimizer_state_bytes is not None:  # a negative one hid memory from the budget
+        optimizer_state_bytes = non_negative_int("optimizer_state_bytes", optimizer_state_bytes)
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = _keyword_arguments(example_kwargs)
     _check_model(model, args, kwargs)

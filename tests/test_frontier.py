@@ -115,6 +115,15 @@ def test_plot_writes_a_png(swept, tmp_path):
     assert swept.plot(ax=ax) is figure
 
 
+def test_a_path_given_where_plot_takes_axes_says_to_use_path(swept, tmp_path):
+    """Found trying the library: ``plot("frontier.png")``, as ``Plan.draw`` takes a path
+    first, failed with "'str' object has no attribute 'figure'"."""
+    path = tmp_path / "frontier.png"
+    with pytest.raises(TypeError, match=r"plot\(path=\.\.\.\)"):
+        swept.plot(str(path))
+    assert not path.exists()
+
+
 def test_plot_without_matplotlib_says_how_to_install_it(swept, monkeypatch):
     for name in ("matplotlib", "matplotlib.pyplot"):
         monkeypatch.setitem(sys.modules, name, None)
