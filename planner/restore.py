@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 from torch import nn
 
@@ -240,15 +241,31 @@ def load(
     except ValueError as error:
         raise PlanningError(f"{path}: {error}") from None
 
-    return assemble(
+    budget = data["budget_bytes"]
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise PlanningError(
+            f"budget_bytes {budget!r} of {path} is not a positive integer; the file was edited "
+            "or corrupted"
+        )
+    plan = assemble(
         model,
         captured,
         problem,
         choice,
         solver=data["solver"],
-        budget_bytes=int(data["budget_bytes"]),
+        budget_bytes=budget,
         solve_seconds=float(data.get("timings", {}).get("solve_seconds", 0.0)),
         started=start_time,
         input_spec=data.get("inputs"),
         capture_options=options,
     )
+    if plan.predicted_peak_bytes > budget:
+        warnings.warn(
+            f"the plan in {path} now predicts a peak of {plan.predicted_peak_bytes} bytes, over "
+            f"the budget of {budget} bytes it was saved with (an edited file, or a profile "
+            "that changed with torch): plan again, planner.plan(model, example_inputs, "
+            f"budget_bytes={budget})",
+            UserWarning,
+            stacklevel=2,
+        )
+    return plan

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
@@ -156,6 +157,36 @@ def test_edited_segment_names_are_caught(saved, tmp_path):
     model, _ = small_gpt()
     with pytest.raises(PlanningError, match="does not name the nodes"):
         planner.load(edited, model, inputs)
+
+
+@pytest.mark.parametrize("budget", [-5, 0, "1e9", 1.5e9])
+def test_an_edited_budget_that_is_no_positive_integer_is_caught(saved, tmp_path, budget):
+    """Found trying the library: ``budget_bytes: -5`` loaded as a plan over its budget."""
+    _, path, inputs = saved
+    data = json.loads(path.read_text())
+    data["budget_bytes"] = budget
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    model, _ = small_gpt()
+    with pytest.raises(PlanningError, match=r"budget_bytes .* is not a positive integer"):
+        planner.load(edited, model, inputs)
+
+
+def test_a_loaded_plan_over_the_budget_it_was_saved_with_warns(saved, tmp_path):
+    """A plan loads as saved, but one whose peak no longer fits the budget it records (an
+    edited file, or a profile that changed with torch) says so and to plan again."""
+    plan, path, inputs = saved
+    data = json.loads(path.read_text())
+    data["budget_bytes"] = plan.predicted_peak_bytes - 1
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    model, _ = small_gpt()
+    with pytest.warns(UserWarning, match=r"now predicts a peak of .* over the budget.*plan again"):
+        loaded = planner.load(edited, model, inputs)
+    assert loaded.segments == plan.segments
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        planner.load(path, model, inputs)  # as saved: it fits
 
 
 def test_fingerprint_depends_on_shapes_not_weights():
