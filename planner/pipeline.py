@@ -13,7 +13,7 @@ from typing import cast
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 from planner.capture import capture
 from planner.costs import CostModel, captured_node_seconds
@@ -60,11 +60,15 @@ def budget_in_bytes(budget_gb, budget_bytes) -> int:
 def _check_model(model: nn.Module, args: tuple, kwargs: dict) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not any(p.requires_grad for p in model.parameters()):
+    inputs_need_grad = any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))
+    )  # a frozen model differentiated for its input: adversarial examples, feature visualisation
+    if not inputs_need_grad and not any(p.requires_grad for p in model.parameters()):
         raise PlanningError(
-            f"{type(model).__name__} has no parameter that requires grad: a training step would "
-            "compute no gradients, so there are no activations to keep or recompute. Unfreeze "
-            "some parameters (requires_grad_(True)) before planning."
+            f"{type(model).__name__} has no parameter that requires grad, and no input does: a "
+            "training step would compute no gradients, so there are no activations to keep or "
+            "recompute. Unfreeze some parameters (requires_grad_(True)) before planning, or "
+            "pass inputs that require grad if you differentiate for them."
         )
     if not model.training:
         warnings.warn(

@@ -21,6 +21,7 @@ from planner.errors import PlanningError
 from planner.pipeline import prepare
 from planner.simulate import simulate
 from planner.solvers.auto import lowest_peak
+from planner.step import peak_memory
 from strategies import ModelSpec, assert_equivalent, assert_same_state, build, inputs, model_state
 
 
@@ -248,10 +249,28 @@ def test_eval_mode_warns_and_plans_eval_behaviour():
 def test_no_trainable_parameters_is_refused():
     model, args, kwargs = small()
     model.requires_grad_(False)
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     before = model_state(model)
-    with pytest.raises(PlanningError, match="no parameter that requires grad"):
+    with pytest.raises(PlanningError, match="no parameter that requires grad, and no input"):
         plan_of(model, args, kwargs, budget_gb=1)
     assert_same_state(before, model_state(model))
+
+
+def test_a_frozen_model_differentiated_for_its_input_is_planned_exactly():
+    """Adversarial examples, feature visualisation: no parameter trains, but the input's
+    gradient needs the activations. Found trying the library: refused, saying that no
+    gradients would be computed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(8)))
+    model.requires_grad_(False)
+    x = torch.randn(16, 32, requires_grad=True)
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n")
+    assert p.segments
+    assert_equivalent(reference, model, p.module, (x,), {})
+    x.grad = None
+    assert peak_memory(p.module, (x,)).peak_bytes == p.predicted_peak_bytes
 
 
 def test_inputs_on_different_devices_are_refused():
