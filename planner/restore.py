@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+from contextlib import contextmanager
 
 from torch import nn
 
@@ -35,13 +36,28 @@ __all__ = ["load"]
 def _first_difference(saved: list, now: list) -> str:
     for i, (a, b) in enumerate(zip(saved, now)):
         if list(a) != list(b):
+            hint = " (the same operation on tensors of other shapes or dtype)"
             return (
                 f"first difference at node {i}: the plan has {a[0]!r} ({a[1]}, {a[2]} bytes), "
                 f"the model has {b[0]!r} ({b[1]}, {b[2]} bytes)"
+                + (hint if list(a[:2]) == list(b[:2]) else "")
             )
     if len(saved) != len(now):
         return f"the plan has {len(saved)} nodes, the model {len(now)}"
     return "the nodes match by name and operation but differ in FLOPs, bytes moved or parameters"
+
+
+@contextmanager
+def _reading(path):
+    """Fields of the wrong type or shape (an edited file) raise ``PlanningError``, not errors
+    from deep inside ``load``."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as error:
+        raise PlanningError(
+            f"{path} is not a well-formed saved plan ({type(error).__name__}: {error}); the file "
+            "was edited or corrupted: save the plan again"
+        ) from None
 
 
 def _mode(training: bool) -> str:
@@ -152,25 +168,31 @@ def load(
     """
     data = read(path)
     start_time = time.perf_counter()
-    recorded = data.get("capture") or {}
-    _check_mode(path, data, model, recorded.get("training"))
-    unmatched: list[str] = []
-    if leaf_modules is None:
-        leaf_modules = _leaf_classes(model, recorded.get("leaf_modules", ()))
-        found = {qualified_name(cls) for cls in leaf_modules}
-        unmatched = [name for name in recorded.get("leaf_modules", ()) if name not in found]
-    if dynamic_shapes is None:
-        dynamic_shapes = bool(recorded.get("dynamic_shapes", False))
+    with _reading(path):
+        recorded = data.get("capture") or {}
+        _check_mode(path, data, model, recorded.get("training"))
+        unmatched: list[str] = []
+        if leaf_modules is None:
+            leaf_modules = _leaf_classes(model, recorded.get("leaf_modules", ()))
+            found = {qualified_name(cls) for cls in leaf_modules}
+            unmatched = [name for name in recorded.get("leaf_modules", ()) if name not in found]
+        if dynamic_shapes is None:
+            dynamic_shapes = bool(recorded.get("dynamic_shapes", False))
+        if example_inputs is None:
+            spec = data.get("inputs")
+            if spec is None:
+                raise PlanningError(
+                    f"{path} was saved without the shapes of its example inputs: pass them, "
+                    "planner.load(path, model, example_inputs, example_kwargs=...), as given "
+                    "to planner.plan (or save with plan.save(path, example_inputs))"
+                )
+            example_inputs, example_kwargs = build_inputs(spec, model_device(model))
+        optimizer_state_bytes = int(data.get("optimizer_state_bytes", 0))
+        optimizer_step_bytes = int(data.get("optimizer_step_bytes", 0))
+        graph = dict(data["graph"])
+        saved_signature = [list(row) for row in graph.get("signature", [])]
+        solve_seconds = float(data.get("timings", {}).get("solve_seconds", 0.0))
     options = CaptureOptions(leaf_modules, dynamic_shapes)
-    if example_inputs is None:
-        spec = data.get("inputs")
-        if spec is None:
-            raise PlanningError(
-                f"{path} was saved without the shapes of its example inputs: pass them, "
-                "planner.load(path, model, example_inputs, example_kwargs=...), as given to "
-                "planner.plan (or save with plan.save(path, example_inputs))"
-            )
-        example_inputs, example_kwargs = build_inputs(spec, model_device(model))
 
     if bool(data.get("loss_fn", False)) != (loss_fn is not None):
         raise PlanningError(
@@ -186,20 +208,17 @@ def load(
         example_inputs,
         example_kwargs,
         cost_model=cost_model,
-        optimizer_state_bytes=int(data.get("optimizer_state_bytes", 0)),
+        optimizer_state_bytes=optimizer_state_bytes,
         capture_options=options,
         loss_fn=loss_fn,
     )
-    problem = dataclasses.replace(
-        problem, optimizer_step_bytes=int(data.get("optimizer_step_bytes", 0))
-    )
-    graph = data["graph"]
+    problem = dataclasses.replace(problem, optimizer_step_bytes=optimizer_step_bytes)
     if fingerprint(problem) != graph.get("fingerprint"):
         raise PlanningError(
             f"the plan in {path} was made for another graph ({data.get('model', '?')}, "
             f"{graph.get('nodes', '?')} nodes; this {type(model).__name__} captures to "
             f"{problem.size} nodes): "
-            + _first_difference(graph.get("signature", []), graph_signature(problem))
+            + _first_difference(saved_signature, graph_signature(problem))
             + ". A plan applies only to the model and input shapes it was made for; "
             "make a new one with planner.plan(model, example_inputs, budget_gb=...)."
             + _unrecorded_options_hint(model, recorded)
@@ -218,21 +237,22 @@ def load(
             )
         return Nest(begin, stop, tuple(read_segment(e) for e in entry.get("inner", ())))
 
-    nests = tuple(read_segment(entry) for entry in data["segments"])
+    with _reading(path):
+        nests = tuple(read_segment(entry) for entry in data["segments"])
+        keep = []
+        for entry in data.get("keep", []):  # versions 1 and 2 keep nothing
+            position = entry.get("position") if isinstance(entry, dict) else None
+            if not (
+                isinstance(position, int)
+                and 0 <= position < problem.size
+                and problem.names[position] == entry.get("name")
+            ):
+                raise PlanningError(
+                    f"kept node {entry} of {path} does not name the node at its position; the "
+                    "file was edited or corrupted"
+                )
+            keep.append(position)
     segments = [(s.start, s.stop) for s in nests]
-    keep = []
-    for entry in data.get("keep", []):  # versions 1 and 2 keep nothing
-        position = entry.get("position") if isinstance(entry, dict) else None
-        if not (
-            isinstance(position, int)
-            and 0 <= position < problem.size
-            and problem.names[position] == entry.get("name")
-        ):
-            raise PlanningError(
-                f"kept node {entry} of {path} does not name the node at its position; the file "
-                "was edited or corrupted"
-            )
-        keep.append(position)
     try:
         if any(s.inner for s in nests):  # version 4: nested segments, nothing kept inside
             choice: Choice | NestedChoice = validate_nested(problem, NestedChoice(nests))
@@ -254,7 +274,7 @@ def load(
         choice,
         solver=data["solver"],
         budget_bytes=budget,
-        solve_seconds=float(data.get("timings", {}).get("solve_seconds", 0.0)),
+        solve_seconds=solve_seconds,
         started=start_time,
         input_spec=data.get("inputs"),
         capture_options=options,

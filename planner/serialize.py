@@ -235,7 +235,9 @@ class _Builder:
         raise PlanningError(f"unknown input kind {kind!r} in the saved plan")
 
     def _tensor(self, spec) -> torch.Tensor:
-        dtype = getattr(torch, spec["dtype"])
+        dtype = getattr(torch, spec["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"no dtype {spec['dtype']!r}")
         if "storage" in spec:
             base = self._base(spec["storage"], spec["storage_bytes"], dtype)
             tensor = base.as_strided(spec["shape"], spec["stride"], spec["offset"])

@@ -115,6 +115,15 @@ def test_load_with_other_input_shapes_is_an_error(saved):
         planner.load(path, model, inputs)
 
 
+def test_load_into_the_model_in_another_dtype_says_the_sizes_differ(saved):
+    """Found trying the library: after ``model.double()`` the message named a node and two byte
+    counts, not why they differ."""
+    _, path, inputs = saved
+    model, _ = small_gpt()
+    with pytest.raises(PlanningError, match=r"same operation on tensors of other shapes or dtype"):
+        planner.load(path, model.double(), inputs)
+
+
 def test_plan_saved_without_inputs_needs_them(saved, tmp_path):
     plan, _, inputs = saved
     path = serialize.save(plan, tmp_path / "bare.json")
@@ -170,6 +179,42 @@ def test_an_edited_budget_that_is_no_positive_integer_is_caught(saved, tmp_path,
     model, _ = small_gpt()
     with pytest.raises(PlanningError, match=r"budget_bytes .* is not a positive integer"):
         planner.load(edited, model, inputs)
+
+
+def _set(data: dict, path: str, value) -> None:
+    """``data`` with the field at ``path`` ("inputs.args.0.dtype") set to ``value``."""
+    *parents, last = path.split(".")
+    for key in parents:
+        data = data[int(key)] if isinstance(data, list) else data[key]
+    data[int(last) if isinstance(data, list) else last] = value
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("segments.0", [12, 24]),
+        ("segments.0.start", "twelve"),
+        ("inputs.args.0.dtype", "nonsense"),
+        ("inputs.args.0.dtype", "manual_seed"),
+        ("inputs.args.0.shape", "4x64"),
+        ("inputs.args", {"0": 1}),
+        ("capture", ["train"]),
+        ("optimizer_state_bytes", "none"),
+        ("graph", 7),
+        ("timings", []),
+    ],
+)
+def test_a_malformed_field_is_a_clear_error(saved, tmp_path, field, value):
+    """Found trying the library: fields of the wrong type gave raw ``AttributeError`` and
+    ``TypeError`` from deep inside ``load``."""
+    _, path, _ = saved
+    data = json.loads(path.read_text())
+    _set(data, field, value)
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    model, _ = small_gpt()
+    with pytest.raises(PlanningError, match=r"not a well-formed saved plan.*edited or corrupted"):
+        planner.load(edited, model)
 
 
 def test_a_loaded_plan_over_the_budget_it_was_saved_with_warns(saved, tmp_path):
