@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import cast
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils._pytree import tree_flatten, tree_leaves
 
 from planner.capture import capture
@@ -124,6 +124,26 @@ def _floor_advice(problem: Problem, lowest: int) -> str:
     return (
         f"Of that, {parts}; activations take the rest. {raise_to}, or use a smaller batch or "
         "shorter inputs."
+    )
+
+
+def _never_recomputed(graph: fx.Graph) -> str:
+    """Names the nodes no plan recomputes because running them again would repeat what they
+    do beside tensor operations (``planner.repeated_effects``): they may set the floor."""
+    found = [
+        f"{node.name} ({', '.join(node.meta['planner.repeated_effects'])})"
+        for node in graph.nodes
+        if node.meta.get("planner.repeated_effects")
+    ]
+    if not found:
+        return ""
+    return (
+        f" {len(found)} node{'s are' if len(found) > 1 else ' is'} never recomputed, since "
+        f"running {'them' if len(found) > 1 else 'it'} again would repeat what "
+        f"{'they do' if len(found) > 1 else 'it does'} beside tensor operations: "
+        f"{', '.join(found[:4])}{f' and {len(found) - 4} more' if len(found) > 4 else ''}. "
+        "For plans that may recompute them, set no attributes in forward (return such "
+        "values) and draw random numbers from torch's default generator."
     )
 
 
@@ -347,6 +367,7 @@ def plan(
             f"baseline without checkpointing is {mib(baseline.peak_bytes)}. "
             + _floor_advice(problem, lowest.peak_bytes)
             + (f" (solver {name} found {mib(result.peak_bytes)})" if solver != "auto" else "")
+            + _never_recomputed(captured.graph_module.graph)
         )
     planned = assemble(
         model,

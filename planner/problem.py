@@ -460,10 +460,10 @@ def build_problem(
     cut_allowed[1:n][_same_call(nodes)] = False
     # torch.export's input guards: cheap assertions, never worth recomputing.
     pinned |= np.array([n.op == "call_module" and n.target == "_guards_fn" for n in nodes], bool)
-    # checkpoint restores the default generators' state before a recompute, not a generator the
-    # model passes itself (``torch.randn(..., generator=g)``, keyword-only in every torch op): a
-    # recompute would draw other numbers and advance it twice. Such nodes run once, in forward.
-    pinned |= np.array([n.kwargs.get("generator") is not None for n in nodes], bool)
+    # What a recompute would do twice (``planner.repeated_effects``): a draw from a generator
+    # the model passes an op itself (checkpoint restores only the default generators' state),
+    # and a kept-whole module's attribute updates and Python draws. Such nodes run once.
+    pinned |= np.array([bool(require_meta(n, "planner.repeated_effects")) for n in nodes], bool)
     pinned |= np.array([n is profile.loss for n in nodes], bool)
 
     articulation = articulation_nodes(gm)

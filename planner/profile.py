@@ -37,6 +37,13 @@ Keys written into ``node.meta`` (the one place they are documented):
 ``planner.random``
     whether one of its ops draws random numbers (tagged ``torch.Tag.nondeterministic_seeded``:
     dropout, ``rand_like``...).
+``planner.repeated_effects``
+    what running the node again would repeat beyond its tensor operations, which a recompute
+    would then do twice: a draw from a generator passed to an op (``torch.rand(...,
+    generator=g)``; checkpoint restores only the default generators), and, for a module kept
+    whole (``call_module``), attributes its forward sets and draws from Python's or numpy's
+    random generators (``planner.side_effects.repeated_effects``). Such nodes are never
+    recomputed.
 ``planner.backward_high``, ``planner.backward_net``
     measured in the fake backward that follows the forward: the most bytes the node's backward
     has allocated at once (input and parameter gradients, temporaries), and what of it is still
@@ -98,6 +105,7 @@ from planner.fakes import (
 )
 from planner.gcpause import paused_collection
 from planner.regions import closing_regions, enter_autocast
+from planner.side_effects import repeated_effects
 from planner.step import training_loss
 
 META_KEYS = (
@@ -112,6 +120,7 @@ META_KEYS = (
     "planner.tensor_output",
     "planner.kept_bytes",
     "planner.random",
+    "planner.repeated_effects",
     "planner.backward_high",
     "planner.backward_net",
     "planner.cast_cache",
@@ -275,6 +284,7 @@ class _CostMode(TorchDispatchMode):
         self.reads: set[int | None] = set()  # None for tensors without a storage
         self.writes: set[int] = set()
         self.random = False
+        self.own_generator = False  # an op drew from a generator passed to it (not a default)
         self.casts: set[int] = set()  # new storages that autocast's weight-cast cache holds
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -295,6 +305,7 @@ class _CostMode(TorchDispatchMode):
             out = _cpu_statistics(out, inputs)
         facts = op_facts(func)
         self.random |= facts.random
+        self.own_generator |= kwargs.get("generator") is not None
         for position, name in facts.written:
             value = args[position] if position < len(args) else kwargs.get(name)
             for t in tensors_in(value):
@@ -509,7 +520,13 @@ class _Recorder(fx.Interpreter):
             # The tensors passed in count as read even when no operation touches them
             # (``nn.Identity``): a checkpoint starting at a later node still takes them.
             passed = [t for n in node.all_input_nodes for t in tree_leaves(self.env.get(n))]
-            return self.record(node, lambda: super(_Recorder, self).run_node(node), passed)
+            run = functools.partial(super().run_node, node)
+            if not isinstance(node.target, str) or node.op != "call_module":
+                return self.record(node, run, passed)
+            with repeated_effects(self.fetch_attr(node.target)) as effects:
+                out = self.record(node, run, passed)
+            node.meta["planner.repeated_effects"] += tuple(effects)
+            return out
         except (DynamicOutputShapeException, DataDependentOutputException) as error:
             what = (
                 "reads a Python number from a tensor (.item(), float(t), int(t)), which "
@@ -569,6 +586,8 @@ class _Recorder(fx.Interpreter):
         node.meta["planner.workspace"] = sum(nbytes[k] for k in new - kept)
         node.meta["planner.kept_bytes"] = sum(nbytes[k] for k in new)
         node.meta["planner.random"] = self.cost.random
+        own_generator = ("own generator",) if self.cost.own_generator else ()
+        node.meta["planner.repeated_effects"] = own_generator
         node.meta["planner.flops"] = self.cost.flops
         node.meta["planner.bytes_moved"] = self.cost.bytes_moved
         node.meta["planner.requires_grad"] = any(t.requires_grad for t in tensors)

@@ -31,7 +31,7 @@ from torch import nn
 
 from planner.errors import PlanningError
 
-__all__ = ["refusing_side_effects"]
+__all__ = ["refusing_side_effects", "repeated_effects"]
 
 _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules"})
 # Where torch.fx's tracer stows a constant the graph reads (``Tracer.create_arg``): on the
@@ -132,6 +132,39 @@ def refusing_side_effects(model: nn.Module):
             f"cannot plan {type(model).__name__}: its forward does more than tensor operations, "
             "and a captured graph cannot replay the rest: " + "; and ".join(reasons) + "."
         )
+
+
+@contextlib.contextmanager
+def repeated_effects(module: nn.Module):
+    """Run ``module``'s forward (one kept whole, a leaf of the captured graph, which runs
+    again in every recompute); yield a list that then names what that run did which running it
+    again would repeat: attributes it set (a call counter) and draws from Python's or numpy's
+    random generators (which ``torch.utils.checkpoint`` does not restore). Both are put back,
+    so that planning leaves them as they were."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    before = _attributes(module)
+    found: list[str] = []
+    try:
+        yield found
+    finally:
+        after = _attributes(module)
+        changed = [
+            k
+            for k in before.keys() | after.keys()
+            if before.get(k, _MISSING) is not after.get(k, _MISSING)
+        ]
+        if random.getstate() != python_state or not _same_numpy_state(numpy_state):
+            found.append("random draws")
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        _restore(module, before, changed)
+    found += sorted(
+        f"{path + '.' if path else ''}{key}"
+        for path, key in changed
+        if _set_by_forward(
+            key, before.get((path, key), _MISSING), after.get((path, key), _MISSING), root=False
+        )
+    )
 
 
 def _reasons(

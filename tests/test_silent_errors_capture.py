@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import planner
+from planner.options import CaptureOptions
 from planner.pipeline import prepare
 from planner.regions import enter_autocast, enter_grad_mode, exit_region
 from planner.rewrite import rewrite
@@ -807,3 +808,100 @@ def test_what_reads_an_input_before_the_forward_writes_it_is_never_recomputed(me
     assert torch.equal(input_, expected_input) and torch.equal(input_, x * 0.5)
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+
+
+class Counted(nn.Module):
+    """Counts its calls in a Python attribute, which scales its output (a warm-up schedule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.calls = nn.Linear(8, 8), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.linear(x) * min(1.0, self.calls / 10)
+
+
+class Jittered(nn.Module):
+    """Scales its output by a draw from Python's random generator."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.linear(x) * (1 + 0.1 * random.random())
+
+
+class OwnGenerator(nn.Module):
+    """Masks its output with a draw from a generator of its own, which checkpoint does not
+    restore before a recompute."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.generator = nn.Linear(8, 8), torch.Generator().manual_seed(1)
+
+    def forward(self, x):
+        return self.linear(x) * (torch.rand(x.shape, generator=self.generator) > 0.1)
+
+
+class KeptWhole(nn.Module):
+    def __init__(self, block: type):
+        super().__init__()
+        self.blocks = nn.ModuleList(block() for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x.sum()
+
+
+def _assert_same_effects(model: nn.Module, reference: nn.Module) -> None:
+    """What the blocks' forwards leave behind: call counts and generator states."""
+    for block, expected in zip(model.blocks, reference.blocks):
+        assert getattr(block, "calls", None) == getattr(expected, "calls", None)
+        if hasattr(block, "generator"):
+            assert torch.equal(block.generator.get_state(), expected.generator.get_state())
+
+
+@pytest.mark.parametrize("block", [Counted, Jittered, OwnGenerator])
+@settings(max_examples=max(3, EXAMPLES // 5), deadline=None)
+@given(data=st.data())
+def test_a_module_kept_whole_whose_forward_does_more_than_tensor_operations_is_never_recomputed(
+    block, data
+):
+    """Found trying the library: a module kept whole (``leaf_modules``) ran its forward again in
+    every recompute, so a call counter advanced twice, a Python draw was made again and a
+    generator of its own drew twice: gradients differed silently from the first step. Such
+    modules run once, in forward, outside every segment; every plan of the rest trains like the
+    model, step after step, and planning draws nothing from Python's generator."""
+    torch.manual_seed(0)
+    model, x = KeptWhole(block), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    python_state = random.getstate()
+    captured, problem = prepare(model, (x,), capture_options=CaptureOptions((block,)))
+    assert random.getstate() == python_state
+    blocks = [i for i, name in enumerate(problem.names) if name.startswith("blocks")]
+    assert len(blocks) == 4 and not problem.checkpointable[blocks].any()
+    planned = rewrite(captured.graph_module, model, data.draw(random_segments(problem)))
+    for _ in range(2):
+        for parameter in (*model.parameters(), *reference.parameters()):
+            parameter.grad = None
+        random.seed(0)
+        expected = reference(x)
+        expected.backward()
+        random.seed(0)
+        out = planned(x)
+        out.backward()
+        assert torch.equal(out, expected)
+        for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+        _assert_same_effects(model, reference)
+
+
+def test_when_no_plan_fits_the_message_names_the_modules_never_recomputed():
+    torch.manual_seed(0)
+    model = KeptWhole(Counted)
+    never = r"4 nodes are never recomputed.*blocks_0 \(calls\)"
+    with pytest.raises(planner.PlanningError, match=never):
+        planner.plan(model, (torch.randn(4, 8),), budget_bytes=1, leaf_modules=(Counted,))
