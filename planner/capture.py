@@ -256,7 +256,10 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> 
     capturing.tracer = tracer
     try:
         with _keeping_buffers(model) as changed, _RandomDraws() as draws:
-            graph = tracer.trace(model, concrete_args=concrete or None)
+            with warnings.catch_warnings():
+                # A value fx cannot assert (a generator, an enum): ModelCall checks it instead.
+                warnings.filterwarnings("ignore", "Was not able to add assertion", UserWarning)
+                graph = tracer.trace(model, concrete_args=concrete or None)
     finally:
         capturing.tracer = None
         torch._C._set_grad_enabled(grad_enabled)  # forward may switch it without restoring it
@@ -273,8 +276,15 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> 
         )
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _restore_argument_names(gm, concrete)
-    if tracer.output_types is not None:
-        ModelCall(model, None, None, output=tracer.output_types).install(gm)
+    # fx asserts values of its base types (bool, int, str, dtype, ...) and None; others (a
+    # config object, an enum, a generator) are baked in unchecked, so ModelCall checks them.
+    unasserted = {
+        name: value
+        for name, value in concrete.items()
+        if not all(leaf is None or type(leaf) in fx.node.base_types for leaf in tree_leaves(value))
+    }
+    if tracer.output_types is not None or unasserted:
+        ModelCall(model, None, None, output=tracer.output_types, constants=unasserted).install(gm)
     return gm
 
 

@@ -36,6 +36,7 @@ class ModelCall:
         fixed: dict | None = None,
         output=None,
         checks=(),
+        constants: dict | None = None,
     ):
         self.model_name = type(model).__name__
         self.signature = inspect.signature(model.forward)
@@ -43,6 +44,11 @@ class ModelCall:
         self.output_types = output
         self.checks = list(checks)  # each is called with the inputs as the graph takes them
         self.binds = args is not None
+        # Arguments holding no tensor, by name: the graph computes with these values. Given for
+        # a traced graph, which takes the call as it is, they are checked all the same: fx
+        # asserts only values of a few types (bool, int, str, ...), not a generator, an enum
+        # or a config object.
+        self.constants = dict(constants or {})
         if args is not None:
             kwargs = {} if kwargs is None else kwargs
             passed = self._passed(args, kwargs)
@@ -80,6 +86,10 @@ class ModelCall:
     def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The call ``model(*args, **kwargs)`` as the captured module takes it."""
         if not self.binds:
+            if self.constants:
+                passed = self._passed(args, kwargs)
+                for name in self.constants:
+                    self._check_constant(name, passed.get(name, self._default(name)))
             return args, kwargs
         passed = self._passed(args, kwargs)
         captured = (*self.positional, *self.keywords)
@@ -103,17 +113,21 @@ class ModelCall:
                     f"out (or pass {self.fixed[name]!r}), and use the model itself where you "
                     "need its cache (generation)."
                 )
-            if name in self.constants and not _same(value, self.constants[name]):
-                raise ValueError(
-                    f"this plan of {self.model_name} was captured with {name}="
-                    f"{self.constants[name]!r} and computes with that value; this call passes "
-                    f"{name}={value!r}. Plan again with {name}={value!r} in the example inputs."
-                )
+            if name in self.constants:
+                self._check_constant(name, value)
         graph_args = tuple(values[name] for name in self.positional)
         graph_kwargs = {name: values[name] for name in self.keywords}
         for check in self.checks:
             check(graph_args, graph_kwargs)
         return graph_args, graph_kwargs
+
+    def _check_constant(self, name: str, value) -> None:
+        if not _same(value, self.constants[name]):
+            raise ValueError(
+                f"this plan of {self.model_name} was captured with {name}="
+                f"{self.constants[name]!r} and computes with that value; this call passes "
+                f"{name}={value!r}. Plan again with {name}={value!r} in the example inputs."
+            )
 
     def output(self, value):
         """``value`` with the container types of the model's own output."""
@@ -122,7 +136,7 @@ class ModelCall:
     def install(self, gm: fx.GraphModule) -> None:
         """Make ``gm`` take the model's calls and return its output types (module hooks)."""
         gm.meta[CALL_KEY] = self
-        if self.binds:
+        if self.binds or self.constants:
             gm.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         if self.output_types is not None:
             gm.register_forward_hook(self._after_forward)

@@ -229,8 +229,12 @@ class Snapshot:
         self.hook_owners = [name for name, _ in hooks]
         self.hook_dicts = [table for _, table in hooks]
         self.hook_counts = list(map(len, self.hook_dicts))
-        self.parameters = list(model.parameters())
-        self.trainable = [p.requires_grad for p in self.parameters]
+        # Where each parameter is held, read on every call: load_state_dict(assign=True) and
+        # assignments (``layer.weight = nn.Parameter(...)``) put new objects there.
+        slots = [name.rpartition(".") for name, _ in model.named_parameters()]
+        self.parameter_dicts = [model.get_submodule(path)._parameters for path, _, _ in slots]
+        self.parameter_keys = [key for _, _, key in slots]
+        self.trainable = [p.requires_grad for p in self.parameters()]
         self.warned_trainable = False
         # Whether the plan counts gradients as held from the start of the step (plan_batch's
         # accumulation windows); a plan that counts them from backward on warns once when a
@@ -261,6 +265,11 @@ class Snapshot:
         self.plan_call: Callable | None = None
         self.call_forms: dict[CallForm, nn.Module | None] = {}
 
+    def parameters(self) -> list[torch.Tensor]:
+        """The model's parameters now, in the order they had at planning."""
+        now = map(dict.get, self.parameter_dicts, self.parameter_keys)
+        return [p for p in now if p is not None]
+
     def training_flags(self) -> list[bool]:
         # A plain loop, not map(itemgetter): torch.compile traces this on every call.
         return [d["training"] for d in self.module_dicts]
@@ -270,7 +279,7 @@ class Snapshot:
 
     def check_unchanged(self, planned_name: str) -> None:
         """Raise a PlanningError when a module or attribute the graph was traced from changed."""
-        if [p.requires_grad for p in self.parameters] != self.trainable:
+        if [p.requires_grad for p in self.parameters()] != self.trainable:
             self._warn_trainable()
         if (
             list(map(len, self.children)) == self.sizes
@@ -331,10 +340,10 @@ class Snapshot:
         if self.warned_trainable:
             return
         self.warned_trainable = True
-        now = sum(p.requires_grad for p in self.parameters)
+        now = sum(p.requires_grad for p in self.parameters())
         warnings.warn(
             f"parameters of {type(self.model).__name__} were frozen or unfrozen after planning "
-            f"({sum(self.trainable)} of {len(self.parameters)} required grad then, {now} now): "
+            f"({sum(self.trainable)} of {len(self.trainable)} required grad then, {now} now): "
             "the plan's memory prediction was made for the others and no longer holds "
             "(gradients stay exact). Plan again after changing which parameters train.",
             stacklevel=_callers_stacklevel(),
@@ -353,7 +362,7 @@ class Snapshot:
         ):
             return
         arguments = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        leaves = self.parameters + [t for t in arguments if t.is_leaf]  # others have no .grad
+        leaves = self.parameters() + [t for t in arguments if t.is_leaf]  # others have no .grad
         held = sum(t.grad.nbytes for t in leaves if t.grad is not None)
         if not held:
             return

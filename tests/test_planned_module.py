@@ -11,9 +11,11 @@ RNG state and every buffer, exactly).
 from __future__ import annotations
 
 import copy
+import enum
 import gc
 import io
 import pickle
+import types
 import warnings
 import weakref
 
@@ -609,6 +611,57 @@ def test_a_call_leaving_out_a_tensor_argument_is_planned_once_as_a_call_form_of_
     torch.testing.assert_close(p.module(x, mask, 0.5), model(x, mask, 0.5), rtol=0, atol=0)
 
 
+class Mode(enum.Enum):
+    PLAIN = 1
+    NEGATED = 2
+
+
+class Parametrised(nn.Module):
+    """Non-tensor arguments whose values fx cannot assert: a config object, an enum and a
+    generator of the caller's (torch.export refuses such inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, config, mode, generator):
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) * config.scale
+            x = x * (torch.rand(x.shape, generator=generator) > 0.2)
+        return -x if mode is Mode.NEGATED else x
+
+
+def test_a_non_tensor_argument_of_another_value_is_refused_not_computed_with_the_old_one():
+    """Found trying the library: ``symbolic_trace`` bakes a config object, an enum or a
+    generator into the graph without an assert (fx warns that it could not add one), and the
+    planned module computed with the planning values whatever it was given. Calls with equal
+    values (the same generator) compute exactly what the model computes; others are a
+    ``ValueError`` saying to plan with them, as under ``torch.export``."""
+    model, x = Parametrised(), torch.randn(4, 8)
+    generator = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # planner checks what fx could not assert
+        p = planner.plan(
+            model,
+            (x, types.SimpleNamespace(scale=0.5), Mode.PLAIN, generator),
+            budget_gb=1,
+            solver="sqrt_n",
+        )
+    assert p.capture_method == "symbolic_trace"
+    reference = torch.Generator().manual_seed(7)
+    generator.manual_seed(7)
+    same = (x, types.SimpleNamespace(scale=0.5), Mode.PLAIN)
+    torch.testing.assert_close(p.module(*same, generator), model(*same, reference), rtol=0, atol=0)
+    assert torch.equal(generator.get_state(), reference.get_state())
+    for other in [
+        (x, types.SimpleNamespace(scale=2.0), Mode.PLAIN, generator),
+        (x, types.SimpleNamespace(scale=0.5), Mode.NEGATED, generator),
+        (x, types.SimpleNamespace(scale=0.5), Mode.PLAIN, torch.Generator()),
+    ]:
+        with pytest.raises(ValueError, match=r"was captured with .* computes with that value"):
+            p.module(*other)
+
+
 def test_a_loaded_plan_runs_the_model_for_a_call_leaving_out_a_tensor_argument(tmp_path):
     model, x, kwargs = Masked(), torch.randn(4, 8), {"mask": torch.ones(4, 8), "scale": 0.5}
     tight_plan(model, (x,), kwargs).save(tmp_path / "p.json")
@@ -824,15 +877,23 @@ def test_a_hook_on_a_leaf_module_after_planning_runs():
     torch.testing.assert_close(planned, model(x), rtol=0, atol=0)
 
 
-def test_unfreezing_after_planning_warns_that_the_memory_no_longer_holds():
+@pytest.mark.parametrize("reloaded", [False, True], ids=["same parameters", "assign=True"])
+def test_unfreezing_after_planning_warns_that_the_memory_no_longer_holds(reloaded):
     """Staged fine-tuning: frozen layers save nothing for backward, so a plan made with them
-    frozen measured 2.86x its budget once they trained (found trying the library)."""
+    frozen measured 2.86x its budget once they trained (found trying the library). Also once a
+    checkpoint is loaded with ``assign=True``, which puts new parameter objects in the model:
+    the check read the old ones, stayed silent and warned of the old ones' gradients."""
     model, x = Blocks(), torch.randn(4, 8)
     model.blocks[0].requires_grad_(False)
     p = tight_plan(model, (x,))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         p.module(x).sum().backward()  # as planned: no warning
+        if reloaded:
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            model.load_state_dict(state, assign=True)  # new objects, .grad None
+            model.blocks[0].requires_grad_(False)  # still as planned
+            p.module(x).sum().backward()  # old objects' gradients are no longer the model's
     model.zero_grad(set_to_none=True)
     model.requires_grad_(True)
     with pytest.warns(UserWarning, match="frozen or unfrozen after planning"):
