@@ -140,10 +140,14 @@ def repeated_effects(module: nn.Module):
     again in every recompute); yield a list that then names what that run did which running it
     again would repeat: attributes it set (a call counter) and draws from Python's or numpy's
     random generators (which ``torch.utils.checkpoint`` does not restore). Both are put back,
-    so that planning leaves them as they were."""
+    so that planning leaves them as they were. Modules made only of torch's own, without
+    hooks (``nn.Linear``...), are not watched: their forward does neither."""
+    found: list[str] = []
+    if _torch_modules_only(module):
+        yield found
+        return
     python_state, numpy_state = random.getstate(), np.random.get_state()
     before = _attributes(module)
-    found: list[str] = []
     try:
         yield found
     finally:
@@ -164,6 +168,21 @@ def repeated_effects(module: nn.Module):
         if _set_by_forward(
             key, before.get((path, key), _MISSING), after.get((path, key), _MISSING), root=False
         )
+    )
+
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = tuple(f"_global{name}" for name in _MODULE_HOOKS)
+
+
+def _torch_modules_only(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs only torch's own modules' forwards, with no hook."""
+    if any(getattr(torch.nn.modules.module, table, None) for table in _GLOBAL_HOOKS):
+        return False
+    return all(
+        type(sub).__module__.startswith("torch.")
+        and not any(getattr(sub, table, None) for table in _MODULE_HOOKS)
+        for sub in module.modules()
     )
 
 

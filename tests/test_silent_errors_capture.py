@@ -905,3 +905,20 @@ def test_when_no_plan_fits_the_message_names_the_modules_never_recomputed():
     never = r"4 nodes are never recomputed.*blocks_0 \(calls\)"
     with pytest.raises(planner.PlanningError, match=never):
         planner.plan(model, (torch.randn(4, 8),), budget_bytes=1, leaf_modules=(Counted,))
+
+
+def test_a_hook_counting_calls_keeps_its_module_out_of_recomputes():
+    """A forward hook on a leaf module runs whenever its module does, in recompute too; one that
+    sets an attribute (a call counter) would count twice, so its module is never recomputed.
+    Torch's own modules without hooks are not watched (their forward sets nothing)."""
+
+    def count(module, args, output):
+        module.calls += 1
+
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)))
+    model[1][0].calls = 0
+    model[1][0].register_forward_hook(count)
+    _, problem = prepare(model, (torch.randn(4, 8),))
+    linears = [i for i, name in enumerate(problem.names) if name.endswith("_0")]
+    assert problem.checkpointable[linears].tolist() == [True, False, True, True]
+    assert model[1][0].calls == 0, "planning put the counter back"
