@@ -210,6 +210,23 @@ def _check_outputs(args) -> None:
             raise UsageError(f"{flag} {path} is a directory: give a file path")
         if path is not None and not Path(path).parent.is_dir():
             raise UsageError(f"{flag} {path}: there is no directory {Path(path).parent}")
+        if path is not None and option in ("draw", "memory_plot"):
+            _check_image_format(flag, Path(path))
+
+
+def _check_image_format(flag: str, path: Path) -> None:
+    """A figure's format comes from its suffix: one matplotlib cannot write is refused before
+    planning (without matplotlib, drawing says what to install)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return
+    formats = Figure().canvas.get_supported_filetypes()
+    if path.suffix.lower().lstrip(".") not in formats:
+        raise UsageError(
+            f"{flag} {path}: the figure's format comes from the file's suffix, and "
+            f"{path.suffix or 'no suffix'} is none matplotlib writes ({', '.join(sorted(formats))})"
+        )
 
 
 def _build(spec: str, kwargs: dict):

@@ -29,7 +29,7 @@ from planner.costs import CostModel
 from planner.errors import PlanningError
 from planner.nested import NestedChoice
 from planner.options import CaptureOptions
-from planner.pipeline import prepare
+from planner.pipeline import budget_in_bytes, prepare
 from planner.problem import Problem
 from planner.progress import bar
 from planner.simulate import as_choice, simulate
@@ -154,7 +154,10 @@ def frontier_of(
         # where it can, at the peak of the plan it returns for the lowest peak.
         start = simulate(problem, choose(problem, lowest, solver, **options)[1]).peak_bytes
         budgets = _budgets(min(max(lowest, start), baseline), baseline, points)
-    budgets = sorted(map(int, budgets))
+    try:  # as plan() checks its budget
+        budgets = sorted(budget_in_bytes(None, budget) for budget in budgets)
+    except ValueError as error:
+        raise ValueError(f"frontier budgets: {error}") from None
     step_seconds = problem.step_seconds
     found: list[FrontierPoint] = []
     previous = None  # (simulation, segment count, solver) of the last point

@@ -155,14 +155,19 @@ def optimizer_memory(optimizer, model: nn.Module | None = None) -> OptimizerMemo
 
 def _step_on_meta(optimizer: torch.optim.Optimizer) -> None:
     """One step on meta tensors; a clear error for an optimizer whose step reads a value
-    (``Adafactor``'s ``.item()``), which meta tensors do not have."""
+    (``Adafactor``'s ``.item()``), which meta tensors do not have, or needs a closure that
+    re-evaluates the model (``LBFGS``)."""
     try:
         optimizer.step()
-    except (RuntimeError, NotImplementedError) as error:
+    except (RuntimeError, NotImplementedError, TypeError) as error:
+        why = (
+            "its step needs a closure that runs the model, and planning steps it without one"
+            if isinstance(error, TypeError)
+            else "its step reads tensor values, and planning steps it on the meta device"
+        )
         raise PlanningError(
-            f"cannot count the memory of {type(optimizer).__name__}: its step reads tensor "
-            f"values, and planning steps it on the meta device ({error}). Pass its state's "
-            "bytes as optimizer_state_bytes= instead of optimizer="
+            f"cannot count the memory of {type(optimizer).__name__}: {why} ({error}). Pass "
+            "its state's bytes as optimizer_state_bytes= instead of optimizer="
         ) from error
 
 

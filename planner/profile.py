@@ -106,7 +106,7 @@ from planner.fakes import (
 from planner.gcpause import paused_collection
 from planner.regions import closing_regions, enter_autocast
 from planner.side_effects import repeated_effects
-from planner.step import training_loss
+from planner.step import nothing_to_differentiate, training_loss
 
 META_KEYS = (
     "planner.created",
@@ -843,7 +843,11 @@ def profile(
         default_loss = _HighWater(call)
         if loss_fn is None or loss_at is None:
             with default_loss:
-                loss = training_loss(output)
+                try:
+                    loss = training_loss(output)
+                except ValueError:
+                    why = nothing_to_differentiate(output)
+                    raise PlanningError(f"a training step has nothing to differentiate: {why}") from None
         else:
             recorder.backward.nodes.append(loss_at)
             with cost:

@@ -111,22 +111,26 @@ def training_loss(output) -> torch.Tensor:
         if t.is_floating_point() and t.requires_grad
     ]
     if not terms:
-        raise ValueError(
-            f"training_loss: no floating-point tensor that requires grad in the model output "
-            f"(got {_describe(output)}). Make sure the model runs with grad enabled, that its "
-            f"parameters or inputs require grad, and that it returns its floating-point outputs."
-        )
+        raise ValueError(f"training_loss: {nothing_to_differentiate(output)}")
     return functools.reduce(torch.add, terms)
 
 
-def _describe(output) -> str:
-    """A short description of an output, for error messages."""
+def nothing_to_differentiate(output) -> str:
+    """Why ``output`` gives no training loss, and what to check."""
     tensors = list(_tensors_in(output))
-    if not tensors:
-        return f"{type(output).__name__} containing no tensors"
     kinds = ", ".join(f"{t.dtype} requires_grad={t.requires_grad}" for t in tensors[:4])
     more = f", ... ({len(tensors)} tensors)" if len(tensors) > 4 else ""
-    return f"{type(output).__name__} of tensors [{kinds}{more}]"
+    if isinstance(output, torch.Tensor):  # the profile's stand-in (FakeTensor) or the user's
+        got = f"a tensor, {kinds}"
+    elif tensors:
+        got = f"{type(output).__name__} of tensors [{kinds}{more}]"
+    else:
+        got = f"{type(output).__name__} containing no tensors"
+    return (
+        f"no floating-point tensor that requires grad in the model output (got {got}). Make "
+        "sure the model runs with grad enabled, that its parameters or inputs require grad, "
+        "and that it returns its floating-point outputs."
+    )
 
 
 def training_step(module, args, kwargs=None, *, loss_fn=None, optimizer=None) -> torch.Tensor:

@@ -257,6 +257,23 @@ def test_no_trainable_parameters_is_refused():
     assert_same_state(before, model_state(model))
 
 
+def test_a_model_whose_output_needs_no_gradient_is_refused_as_a_planning_error():
+    """Found trying the library: a detached output raised ``training_loss``'s ValueError,
+    naming a ``FakeTensor`` (the profile's stand-in), not the PlanningError plan() promises."""
+
+    class Detached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.linear(x).detach() * 2
+
+    with pytest.raises(PlanningError, match="nothing to differentiate") as error:
+        planner.plan(Detached(), (torch.randn(3, 4),), budget_gb=1)
+    assert "FakeTensor" not in str(error.value)
+
+
 def test_a_frozen_model_differentiated_for_its_input_is_planned_exactly():
     """Adversarial examples, feature visualisation: no parameter trains, but the input's
     gradient needs the activations. Found trying the library: refused, saying that no

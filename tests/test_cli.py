@@ -158,3 +158,15 @@ def test_output_paths_are_checked_before_planning(option, tmp_path, capsys, monk
     assert f"{option} {tmp_path} is a directory" in capsys.readouterr().err
     assert cli.main(["plan", "mlp", "--budget-gb", "1", option, str(tmp_path / "no" / "f")]) == 2
     assert "there is no directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--draw", "--memory-plot"])
+def test_a_figure_format_matplotlib_cannot_write_is_refused_before_planning(
+    option, tmp_path, capsys, monkeypatch
+):
+    """Found trying the library: ``--draw graph.txt`` planned, printed the plan, then failed
+    in matplotlib with exit status 1."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr("planner.plan", None)  # planning would fail: it must not be reached
+    assert cli.main(["plan", "mlp", "--budget-gb", "1", option, str(tmp_path / "f.txt")]) == 2
+    assert "format comes from the file's suffix, and .txt is none" in capsys.readouterr().err

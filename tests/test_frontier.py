@@ -89,6 +89,14 @@ def test_given_budgets_and_a_budget_nothing_fits(problem):
         frontier_of(problem, points=0)
 
 
+@pytest.mark.parametrize("budget", [float("nan"), -5, 0, "1e9"])
+def test_a_budget_plan_would_refuse_is_a_value_error(problem, budget):
+    """Found trying the library: NaN failed converting to an integer, -5 planned to a
+    "budget of -0.0 MiB", 0 was a PlanningError: budgets are checked as plan() checks its."""
+    with pytest.raises(ValueError, match="frontier budgets: budget_bytes must be"):
+        frontier_of(problem, budgets=[budget])
+
+
 def test_from_a_model_with_a_progress_bar(monkeypatch):
     wrapped = []
 
