@@ -847,7 +847,8 @@ def profile(
                     loss = training_loss(output)
                 except ValueError:
                     why = nothing_to_differentiate(output)
-                    raise PlanningError(f"a training step has nothing to differentiate: {why}") from None
+                    message = f"a training step has nothing to differentiate: {why}"
+                    raise PlanningError(message) from None
         else:
             recorder.backward.nodes.append(loss_at)
             with cost:
