@@ -25,8 +25,8 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is a test-only dependency: pip install -e '.[test]'"
 )
 
-from hf_families import FAMILIES  # noqa: E402
 import planner  # noqa: E402
+from hf_families import FAMILIES  # noqa: E402
 from planner.errors import PlanningError  # noqa: E402
 from planner.options import CaptureOptions  # noqa: E402
 from planner.pipeline import assemble, prepare  # noqa: E402
