@@ -128,11 +128,12 @@ class _Tables:
     first_saver: np.ndarray  # NEVER when nothing saves the storage
     touches: tuple[tuple[int, ...], ...]  # sorted readers and savers of each storage
     crossing: tuple[tuple[int, ...], ...]  # per cut c: storages with producer < c <= last reader
-    crossing_set: tuple[frozenset, ...]  # the same, as sets (masks are subsets of them)
+    crossing_bits: tuple[int, ...]  # the same, as masks (_bits; masks are subsets of them)
     made_at: tuple[tuple[int, ...], ...]  # per node: storages it produces
     read_at: tuple[tuple[int, ...], ...]  # per node: storages it reads
     saved_first_at: tuple[tuple[int, ...], ...]  # per node: storages it saves first
-    triggered_at: tuple[frozenset, ...]  # per node: storages crossing or made there it saves
+    triggered_at: tuple[tuple[int, ...], ...]  # per node: storages crossing or made there it saves
+    triggered_bits: tuple[int, ...]  # the same, as masks
     forward_live: np.ndarray  # per node: bytes alive by being read, plus its workspace
     backward_live: np.ndarray  # per node: gradients alive at its backward
     after_backward: np.ndarray  # per cut: gradients alive once backward reaches it
@@ -213,6 +214,9 @@ def _new_tables(problem: Problem) -> _Tables:
     makes_cast[producer[arrays.cast_cache]] = True
     remade = np.ones(n, dtype=bool)
     remade[producer[~arrays.before_last_save]] = False
+    triggered = tuple(
+        tuple(k for k in (*crossing[x], *made_at[x]) if x in storages[k].savers) for x in range(n)
+    )
     return _Tables(
         nbytes=nbytes,
         producer=producer,
@@ -220,14 +224,12 @@ def _new_tables(problem: Problem) -> _Tables:
         first_saver=first_saver,
         touches=tuple(tuple(sorted({*s.readers, *s.savers})) for s in storages),
         crossing=tuple(tuple(c) for c in crossing),
-        crossing_set=tuple(map(frozenset, crossing)),
+        crossing_bits=tuple(map(_bits, crossing)),
         made_at=tuple(map(tuple, made_at)),
         read_at=tuple(map(tuple, read_at)),
         saved_first_at=tuple(map(tuple, saved_first_at)),
-        triggered_at=tuple(
-            frozenset(k for k in (*crossing[x], *made_at[x]) if x in storages[k].savers)
-            for x in range(n)
-        ),
+        triggered_at=triggered,
+        triggered_bits=tuple(map(_bits, triggered)),
         forward_live=forward_live,
         backward_live=backward_live,
         after_backward=after_backward,
@@ -243,6 +245,15 @@ def _new_tables(problem: Problem) -> _Tables:
         buffer_uses=tuple(np.array(buffer_uses, dtype=np.int64).reshape(-1, 4).T),
         cache_steps=tuple(_cache_steps(problem, x, made_at[x], last_use, nbytes) for x in range(n)),
     )
+
+
+def _bits(storages) -> int:
+    """A set of storages as a mask: bit ``k`` says storage ``k`` is in it. Masks are dict keys
+    and are or-ed and and-ed at every block the search tries, which ints do faster than sets."""
+    mask = 0
+    for k in storages:
+        mask |= 1 << k
+    return mask
 
 
 def _cache_steps(problem: Problem, x: int, made: list[int], last_use, nbytes):
@@ -437,7 +448,7 @@ def _running(width: int, offsets: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
 def _segment_locals(
     t: _Tables,
     c: int,
-    masks: list[frozenset],
+    masks: list[int],
     start: _Start,
     recompute: np.ndarray,
     width: int,
@@ -460,7 +471,7 @@ def _segment_locals(
         # An input charged to an earlier block is not counted twice while it is read; the
         # others are charged here, alive until the segment's backward ends. Row k of a
         # "steps" array holds input k's bytes from its offset on.
-        read = np.array([[k in mask for k in start.inputs] for mask in masks], dtype=np.int64)
+        read = np.array([[mask >> k & 1 for k in start.inputs] for mask in masks], dtype=np.int64)
         here = 1 - read
         offsets = np.arange(width)
         freed_steps = np.where(start.freed[:, None] <= offsets, start.nbytes[:, None], 0)
@@ -558,7 +569,7 @@ class _KeepSets:
     cache: np.ndarray  # (sets,): bytes held from the forward to the recompute
     saved: np.ndarray  # (sets,): recompute seconds spared, less what the kept nodes cost
     first_id: int = 0  # kinds first_id .. first_id + sets - 1 name them in the search's states
-    joins: tuple[frozenset, ...] = ()  # per set: cached storages crossing b (they join the mask)
+    joins: tuple[int, ...] = ()  # per set: cached storages crossing b (they join the mask)
 
 
 def _keep_candidates(problem: Problem, t: _Tables, c: int, b: int) -> tuple[list, list]:
@@ -727,16 +738,17 @@ def _copy_bytes(problem: Problem, t: _Tables, c: int, stop: int) -> np.ndarray:
     return _running(stop - c, node[chosen] - c, nbytes[chosen])
 
 
-def _stored_local(t: _Tables, c: int, mask: frozenset):
-    """Charged bytes and local peak of keeping node ``c`` outside every segment."""
-    charged = sum(int(t.nbytes[k]) for k in t.triggered_at[c] if k not in mask)
-    forward = int(t.forward_live[c]) - sum(int(t.nbytes[k]) for k in mask)
+def _stored_local(t: _Tables, c: int, mask: int):
+    """Charged bytes and local peak of keeping node ``c`` outside every segment (``mask``: the
+    storages crossing cut ``c`` already charged)."""
+    charged = sum(int(t.nbytes[k]) for k in t.triggered_at[c] if not mask >> k & 1)
+    forward = int(t.forward_live[c]) - sum(int(t.nbytes[k]) for k in t.crossing[c] if mask >> k & 1)
     return charged, max(forward, int(t.backward_live[c]) + charged)
 
 
-def _next_mask(t: _Tables, b: int, previous: frozenset, triggered: frozenset) -> frozenset:
+def _next_mask(t: _Tables, b: int, previous: int, triggered: int) -> int:
     """Storages crossing cut ``b`` already charged: before, or by the block just chosen."""
-    return (previous | triggered) & t.crossing_set[b]
+    return (previous | triggered) & t.crossing_bits[b]
 
 
 def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int, ordered: bool = False):
@@ -749,21 +761,25 @@ def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int, ordered: bool =
     (it may hold up to ``bucket - 1`` bytes more than a dropped one) and the one of least
     memory (what a tight budget needs). With ``bucket == 1`` nothing is thinned.
     """
-    order = np.arange(charged.size) if ordered else charged.argsort()
-    values = value[order]
-    keep = np.ones(order.size, dtype=bool)
-    keep[1:] = values[1:] < np.minimum.accumulate(values)[:-1]
-    order = order[keep]
+    # Masks are filled with np.empty and out= (np.ones costs more than the work on short fronts).
+    order = None if ordered else charged.argsort()
+    values = value if order is None else value[order]
+    keep = np.empty(values.size, dtype=bool)
+    keep[0] = True
+    np.less(values[1:], np.minimum.accumulate(values)[:-1], out=keep[1:])
+    order = keep.nonzero()[0] if order is None else order[keep]
     sizes = charged[order]
     if not ordered:
         # Of entries with equal charged bytes, the last kept is the cheapest (values decrease).
-        last = np.ones(order.size, dtype=bool)
+        last = np.empty(order.size, dtype=bool)
+        last[-1] = True
         np.not_equal(sizes[1:], sizes[:-1], out=last[:-1])
         order, sizes = order[last], sizes[last]
     if bucket > 1 and order.size > 2:
         change = sizes[1:] // bucket != sizes[:-1] // bucket
-        edge = np.ones(order.size, dtype=bool)
-        edge[1:-1] = change[:-1] | change[1:]
+        edge = np.empty(order.size, dtype=bool)
+        edge[0] = edge[-1] = True
+        np.logical_or(change[:-1], change[1:], out=edge[1:-1])
         order = order[edge]
     return order
 
@@ -800,7 +816,7 @@ class _Search:
     keep_memo: dict = field(default_factory=dict)
     profile_memo: dict = field(default_factory=dict)  # per c: _recompute_bound_profile, _ranked
     start_memo: dict = field(default_factory=dict)  # per c: (stop, _segment_start)
-    charged_memo: dict = field(default_factory=dict)  # per (c, b): _charged_inputs
+    charged_memo: dict = field(default_factory=dict)  # per c: (stop, _charged_inputs' prefixes)
     locals_memo: dict = field(default_factory=dict)  # per (c, mask, keeps): _segment_locals
     mask_memo: dict = field(default_factory=dict)  # per (c, mask): {b: _next_mask}
     kept_nodes: list = field(default_factory=lambda: [()])
@@ -839,9 +855,9 @@ class _Search:
         problem, n = self.problem, self.problem.size
         named = [np.array([0, n]), np.fromiter(corridors, int), *corridors.values()]
         positions = np.unique(np.concatenate(named)).tolist()
-        self.pending: dict[int, dict[frozenset, list]] = {p: {} for p in positions}
+        self.pending: dict[int, dict[int, list]] = {p: {} for p in positions}
         self.states: list[tuple] = []  # (position, charged, value, origin: see _settle)
-        self.pending[0][frozenset()] = [(np.zeros(1, np.int64), np.zeros(1), -1, STORED, 0)]
+        self.pending[0][0] = [(np.zeros(1, np.int64), np.zeros(1), -1, STORED, 0)]
         for c, following in zip(positions, positions[1:]):
             if time.perf_counter() > self.deadline:
                 raise _OutOfTime
@@ -934,9 +950,7 @@ class _Search:
                 outlive = sets.nodes[t.read_until[sets.nodes] >= b].tolist()
                 crossing = {x: [k for k in t.made_at[x] if t.last_use[k] >= b] for x in outlive}
                 joins = tuple(
-                    frozenset(k for x in keeps if x in crossing for k in crossing[x])
-                    if crossing
-                    else frozenset()
+                    _bits(k for x in keeps if x in crossing for k in crossing[x])
                     for keeps in sets.keeps
                 )
                 sets = replace(sets, first_id=len(self.kept_nodes), joins=joins)
@@ -954,14 +968,21 @@ class _Search:
             self.start_memo[c] = known
         return known[1]
 
-    def _charged_inputs(self, c: int, b: int) -> frozenset:
-        """The inputs the segment ``[c, b)`` charges (``_Start.charges``), computed once."""
-        if (c, b) not in self.charged_memo:
+    def _charged_inputs(self, c: int, b: int) -> int:
+        """The inputs the segment ``[c, b)`` charges (``_Start.charges``), as a mask: those
+        whose offset is below ``b - c``, a prefix of the inputs in order of offset, so one
+        list of prefixes per cut answers every ``b`` (until a longer segment needs a new start:
+        offsets within the shorter one do not change)."""
+        known = self.charged_memo.get(c)
+        if known is None or known[0] < b:
             start = self._segment_start(c, b)
-            self.charged_memo[c, b] = frozenset(
-                k for k, offset in zip(start.inputs, start.charges.tolist()) if c + offset < b
-            )
-        return self.charged_memo[c, b]
+            order = np.argsort(start.charges, kind="stable")
+            prefixes = [0]
+            for k in np.asarray(start.inputs, dtype=np.int64)[order].tolist():
+                prefixes.append(prefixes[-1] | 1 << k)
+            known = self.start_memo[c][0], start.charges[order], prefixes
+            self.charged_memo[c] = known
+        return known[2][int(known[1].searchsorted(b - c))]
 
     def _segment_locals(self, c: int, masks: list, recompute, width: int) -> list:
         """``_segment_locals`` of the segments from ``c`` under each of ``masks``, for at
@@ -976,7 +997,7 @@ class _Search:
                 memo[c, mask, self.keeps] = width, result
         return [memo[c, m, self.keeps][1] for m in masks]
 
-    def _next_masks(self, c: int, mask: frozenset, ends: list[int]) -> list:
+    def _next_masks(self, c: int, mask: int, ends: list[int]) -> list:
         """The mask at each of ``ends`` after a segment from ``c`` under ``mask``, each worked
         out once for all passes."""
         memo = self.mask_memo.setdefault((c, mask), {})
@@ -994,7 +1015,7 @@ class _Search:
             self.segment_memo[c] = known
         return known[1]
 
-    def _stored_run(self, c: int, end: int, mask: frozenset) -> tuple[int, int, frozenset]:
+    def _stored_run(self, c: int, end: int, mask: int) -> tuple[int, int, int]:
         """Local peak, charged bytes and mask at ``end`` of keeping every node of ``[c, end)``.
 
         The nodes are blocks one after the other: node ``x`` must fit on top of the bytes the
@@ -1006,7 +1027,7 @@ class _Search:
             step = self.step_memo.get((x, mask))
             if step is None:
                 charged, local = _stored_local(self.t, x, mask)
-                triggered = self.t.triggered_at[x]
+                triggered = self.t.triggered_bits[x]
                 step = charged, local, _next_mask(self.t, x + 1, mask, triggered)
                 self.step_memo[(x, mask)] = step
             charged, local, mask = step
@@ -1015,7 +1036,7 @@ class _Search:
         assert peak is not None, "an empty run"  # callers pass end > c
         return peak, held, mask
 
-    def _extend_stored(self, state, end: int, local: int, held: int, mask: frozenset) -> None:
+    def _extend_stored(self, state, end: int, local: int, held: int, mask: int) -> None:
         """``_extend`` by the run of stored nodes to ``end``: one block of no cost."""
         charged, value = self.states[state][1:3]
         count = int(charged.searchsorted(self.limit - local, side="right"))
@@ -1062,7 +1083,7 @@ class _Search:
                 chunk = (grown[i, first:count], scores[i, first:count], state, kind, first)
                 pending[ends[row]].setdefault(masks[row], []).append(chunk)
 
-    def _settle(self, position: int) -> list[tuple[frozenset, int]]:
+    def _settle(self, position: int) -> list[tuple[int, int]]:
         """Turn the blocks that reached ``position`` into Pareto fronts, one state per mask."""
         settled = []
         for mask, chunks in self._masks_kept(position).items():
@@ -1090,7 +1111,7 @@ class _Search:
             chunk += 1
         return parents[chunk], entry + firsts[chunk], kinds[chunk]
 
-    def _masks_kept(self, position: int) -> dict[frozenset, list]:
+    def _masks_kept(self, position: int) -> dict[int, list]:
         """The masks that reached ``position``; above ``MASKS`` of them (large problems only),
         the ``MASKS // 2`` whose fronts hold the cheapest entry and the ``MASKS // 2`` whose
         fronts hold the least charged bytes.
