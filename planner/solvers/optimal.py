@@ -819,6 +819,7 @@ class _Search:
     charged_memo: dict = field(default_factory=dict)  # per c: (stop, _charged_inputs' prefixes)
     locals_memo: dict = field(default_factory=dict)  # per (c, mask, keeps): _segment_locals
     mask_memo: dict = field(default_factory=dict)  # per (c, mask): {b: _next_mask}
+    blocks_memo: dict = field(default_factory=dict)  # per (c, mask, b): _keep_blocks
     kept_nodes: list = field(default_factory=lambda: [()])
 
     @cached_property
@@ -891,7 +892,7 @@ class _Search:
                     SEGMENT,
                 )
                 for b, mask_b in zip(reachable.tolist() if self.keeps else (), masks):
-                    self._extend_with_keeps(state, c, b, stop, mask_b, parts, held_b, cost)
+                    self._extend_with_keeps(state, c, b, stop, (mask, mask_b), parts, held_b, cost)
         finals = self._settle(n)
         if not finals:
             return None
@@ -909,28 +910,50 @@ class _Search:
             state, index = parent, previous
         return score, Choice(tuple(reversed(segments)), frozenset(keep))
 
-    def _extend_with_keeps(self, state, c: int, b: int, stop: int, mask, parts, held, cost):
+    def _extend_with_keeps(self, state, c: int, b: int, stop: int, masks, parts, held, cost):
         """Extend the front of ``state`` by the segment ``[c, b)`` under each of its keep sets
         that can fit: a keep set charges its caches to the segment, and the storages of kept
-        nodes crossing ``b`` join the mask (their cache holds them until the recompute)."""
-        sets = self._keep_sets(c, b, stop)
-        if sets is None:
+        nodes crossing ``b`` join the mask (their cache holds them until the recompute).
+        ``masks``: the state's mask and the segment's mask at ``b``."""
+        blocks = self._keep_blocks(c, b, stop, masks, parts, held, cost)
+        if blocks is None:
             return
-        i = b - c - 1
-        local = parts.locals(i, sets)
+        local, charged, costs, ends, kinds = blocks
         rows = np.flatnonzero(int(self.states[state][1][0]) + local <= self.limit)
         if not rows.size:
             return
-        ties = self.segment_tie + self.tie * np.array([len(sets.keeps[r]) for r in rows.tolist()])
+        listed = rows.tolist()
         self._extend(
             state,
             [b] * rows.size,
-            [mask | sets.joins[r] for r in rows.tolist()],
+            [ends[r] for r in listed],
             local[rows],
-            held[i] + sets.cache[rows],
-            cost[i] - sets.saved[rows] + ties,
-            (sets.first_id + rows).tolist(),
+            charged[rows],
+            costs[rows],
+            [kinds[r] for r in listed],
         )
+
+    def _keep_blocks(self, c: int, b: int, stop: int, masks: tuple[int, int], parts, held, cost):
+        """Per keep set of ``[c, b)`` from a state of mask ``masks[0]`` (``masks[1]`` at ``b``
+        without keeps): local peak, charged bytes, cost, mask at ``b`` and block kind (None
+        when it has no keep set). They depend on the mask, not on the front extended, so they
+        are worked out once for all states and passes."""
+        key = c, masks[0], b
+        if key not in self.blocks_memo:
+            sets = self._keep_sets(c, b, stop)
+            blocks = None
+            if sets is not None:
+                i = b - c - 1
+                ties = self.segment_tie + self.tie * np.array([len(keeps) for keeps in sets.keeps])
+                blocks = (
+                    parts.locals(i, sets),
+                    held[i] + sets.cache,
+                    cost[i] - sets.saved + ties,
+                    [masks[1] | joins for joins in sets.joins],
+                    list(range(sets.first_id, sets.first_id + len(sets.keeps))),
+                )
+            self.blocks_memo[key] = blocks
+        return self.blocks_memo[key]
 
     def _keep_sets(self, c: int, b: int, stop: int) -> _KeepSets | None:
         """The keep sets of ``[c, b)``, computed once: ``_keep_sets`` when the search is exact,
