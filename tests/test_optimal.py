@@ -446,7 +446,7 @@ def test_a_segment_charges_the_inputs_it_touches_once_it_saves_something(seed):
         for b in range(c + 1, stop + 1):
             touched = {k for k in t.crossing[c] if any(c <= j < b for j in t.touches[k])}
             expected = touched if first_saving < b else set()
-            assert search._charged_inputs(c, b) == optimal._bits(expected)
+            assert search._charged_inputs(c, [b]) == [optimal._bits(expected)]
 
 
 def cuts_and_stops(problem, every: int):

@@ -568,8 +568,6 @@ class _KeepSets:
     recompute: np.ndarray  # (sets,): the recompute's own peak with the keeps
     cache: np.ndarray  # (sets,): bytes held from the forward to the recompute
     saved: np.ndarray  # (sets,): recompute seconds spared, less what the kept nodes cost
-    first_id: int = 0  # kinds first_id .. first_id + sets - 1 name them in the search's states
-    joins: tuple[int, ...] = ()  # per set: cached storages crossing b (they join the mask)
 
 
 def _keep_candidates(problem: Problem, t: _Tables, c: int, b: int) -> tuple[list, list]:
@@ -829,6 +827,14 @@ class _Search:
         return 1e-12 * float(self.problem.seconds.sum())
 
     @cached_property
+    def stops(self) -> np.ndarray:
+        """Per position: where the longest segment from there stops (the first node from there
+        on that is not checkpointable, else the end)."""
+        n = self.problem.size
+        stop = np.where(self.problem.checkpointable, n, np.arange(n))
+        return np.minimum.accumulate(stop[::-1])[::-1]
+
+    @cached_property
     def prunable(self) -> bool:
         """Whether no block costs less than nothing, so that a ``ceiling`` may drop entries."""
         problem = self.problem
@@ -865,7 +871,7 @@ class _Search:
             here = self._settle(c)
             stop, ends = c, np.zeros(0, dtype=np.int64)
             if c in corridors and problem.cut_allowed[c] and problem.checkpointable[c]:
-                stop = c + int(np.argmin(np.append(problem.checkpointable[c:], False)))
+                stop = int(self.stops[c])
                 ends = corridors[c][(corridors[c] > c) & (corridors[c] <= stop)]
             width = int(ends[-1]) - c if ends.size else 0  # ends are sorted
             if ends.size:
@@ -940,24 +946,27 @@ class _Search:
         are worked out once for all states and passes."""
         key = c, masks[0], b
         if key not in self.blocks_memo:
-            sets = self._keep_sets(c, b, stop)
+            known = self._keep_sets(c, b, stop)
             blocks = None
-            if sets is not None:
+            if known is not None:
+                sets, first_id, joins = known
                 i = b - c - 1
                 ties = self.segment_tie + self.tie * np.array([len(keeps) for keeps in sets.keeps])
                 blocks = (
                     parts.locals(i, sets),
                     held[i] + sets.cache,
                     cost[i] - sets.saved + ties,
-                    [masks[1] | joins for joins in sets.joins],
-                    list(range(sets.first_id, sets.first_id + len(sets.keeps))),
+                    [masks[1] | bits for bits in joins],
+                    list(range(first_id, first_id + len(sets.keeps))),
                 )
             self.blocks_memo[key] = blocks
         return self.blocks_memo[key]
 
-    def _keep_sets(self, c: int, b: int, stop: int) -> _KeepSets | None:
+    def _keep_sets(self, c: int, b: int, stop: int) -> tuple[_KeepSets, int, tuple] | None:
         """The keep sets of ``[c, b)``, computed once: ``_keep_sets`` when the search is exact,
-        else ``_keep_family``; its sets get ids in ``kept_nodes``."""
+        else ``_keep_family``; with the id of the first in ``kept_nodes`` (the block kinds
+        of the search's states, one per set, in order) and, per set, the storages its caches
+        hold that cross ``b`` (they join the mask there)."""
         if (c, b) not in self.keep_memo:
             if self.problem.size <= EXACT_KEEP_NODES:
                 sets = _keep_sets(self.problem, self.t, c, b)
@@ -976,9 +985,10 @@ class _Search:
                     _bits(k for x in keeps if x in crossing for k in crossing[x])
                     for keeps in sets.keeps
                 )
-                sets = replace(sets, first_id=len(self.kept_nodes), joins=joins)
+                self.keep_memo[c, b] = sets, len(self.kept_nodes), joins
                 self.kept_nodes.extend(sets.keeps)
-            self.keep_memo[c, b] = sets
+            else:
+                self.keep_memo[c, b] = None
         return self.keep_memo[c, b]
 
     def _segment_start(self, c: int, stop: int) -> _Start:
@@ -991,21 +1001,22 @@ class _Search:
             self.start_memo[c] = known
         return known[1]
 
-    def _charged_inputs(self, c: int, b: int) -> int:
-        """The inputs the segment ``[c, b)`` charges (``_Start.charges``), as a mask: those
-        whose offset is below ``b - c``, a prefix of the inputs in order of offset, so one
-        list of prefixes per cut answers every ``b`` (until a longer segment needs a new start:
-        offsets within the shorter one do not change)."""
+    def _charged_inputs(self, c: int, ends: list[int]) -> list[int]:
+        """The inputs each segment ``[c, b)``, ``b`` in ``ends``, charges (``_Start.charges``),
+        as masks: those whose offset is below ``b - c``, a prefix of the inputs in order of
+        offset, so one list of prefixes per cut answers every ``b`` (until a longer segment
+        needs a new start: offsets within the shorter one do not change)."""
         known = self.charged_memo.get(c)
-        if known is None or known[0] < b:
-            start = self._segment_start(c, b)
+        if known is None or known[0] < max(ends):
+            start = self._segment_start(c, max(ends))
             order = np.argsort(start.charges, kind="stable")
             prefixes = [0]
             for k in np.asarray(start.inputs, dtype=np.int64)[order].tolist():
                 prefixes.append(prefixes[-1] | 1 << k)
             known = self.start_memo[c][0], start.charges[order], prefixes
             self.charged_memo[c] = known
-        return known[2][int(known[1].searchsorted(b - c))]
+        counts = known[1].searchsorted(np.array(ends) - c).tolist()
+        return [known[2][count] for count in counts]
 
     def _segment_locals(self, c: int, masks: list, recompute, width: int) -> list:
         """``_segment_locals`` of the segments from ``c`` under each of ``masks``, for at
@@ -1024,9 +1035,10 @@ class _Search:
         """The mask at each of ``ends`` after a segment from ``c`` under ``mask``, each worked
         out once for all passes."""
         memo = self.mask_memo.setdefault((c, mask), {})
-        for b in ends:
-            if b not in memo:
-                memo[b] = _next_mask(self.t, b, mask, self._charged_inputs(c, b))
+        missing = [b for b in ends if b not in memo]
+        if missing:
+            for b, charged in zip(missing, self._charged_inputs(c, missing)):
+                memo[b] = _next_mask(self.t, b, mask, charged)
         return [memo[b] for b in ends]
 
     def _segment_costs(self, c: int, stop: int):
@@ -1099,11 +1111,10 @@ class _Search:
         else:
             firsts = [0] * rows.size
         pending = self.pending
-        for i, (row, count) in enumerate(zip(rows.tolist(), counts.tolist())):
-            first = firsts[i]
+        kind_of = [kinds] * len(ends) if isinstance(kinds, int) else kinds
+        for i, (row, count, first) in enumerate(zip(rows.tolist(), counts.tolist(), firsts)):
             if first < count:
-                kind = kinds if isinstance(kinds, int) else kinds[row]
-                chunk = (grown[i, first:count], scores[i, first:count], state, kind, first)
+                chunk = (grown[i, first:count], scores[i, first:count], state, kind_of[row], first)
                 pending[ends[row]].setdefault(masks[row], []).append(chunk)
 
     def _settle(self, position: int) -> list[tuple[int, int]]:
