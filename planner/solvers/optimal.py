@@ -897,8 +897,10 @@ class _Search:
                     cost[i] + self.segment_tie,
                     SEGMENT,
                 )
-                for b, mask_b in zip(reachable.tolist() if self.keeps else (), masks):
-                    self._extend_with_keeps(state, c, b, stop, (mask, mask_b), parts, held_b, cost)
+                if self.keeps:
+                    self._extend_with_keeps(
+                        state, c, reachable.tolist(), stop, (mask, masks), parts, held_b, cost
+                    )
         finals = self._settle(n)
         if not finals:
             return None
@@ -916,26 +918,37 @@ class _Search:
             state, index = parent, previous
         return score, Choice(tuple(reversed(segments)), frozenset(keep))
 
-    def _extend_with_keeps(self, state, c: int, b: int, stop: int, masks, parts, held, cost):
-        """Extend the front of ``state`` by the segment ``[c, b)`` under each of its keep sets
-        that can fit: a keep set charges its caches to the segment, and the storages of kept
-        nodes crossing ``b`` join the mask (their cache holds them until the recompute).
-        ``masks``: the state's mask and the segment's mask at ``b``."""
-        blocks = self._keep_blocks(c, b, stop, masks, parts, held, cost)
-        if blocks is None:
+    def _extend_with_keeps(
+        self, state, c: int, ends: list[int], stop: int, masks, parts, held, cost
+    ):
+        """Extend the front of ``state`` by each segment ``[c, b)``, ``b`` in ``ends``, under
+        each of its keep sets that can fit: a keep set charges its caches to the segment, and
+        the storages of kept nodes crossing ``b`` join the mask (their cache holds them until
+        the recompute). ``masks``: the state's mask, and the segments' masks at ``ends``. One
+        ``_extend`` for all of them (blocks in order of end, then of keep set)."""
+        mask, following = masks
+        found = [
+            (b, blocks)
+            for b, mask_b in zip(ends, following)
+            if (blocks := self._keep_blocks(c, b, stop, (mask, mask_b), parts, held, cost))
+        ]
+        if not found:
             return
-        local, charged, costs, ends, kinds = blocks
+        local = np.concatenate([blocks[0] for _, blocks in found])
         rows = np.flatnonzero(int(self.states[state][1][0]) + local <= self.limit)
         if not rows.size:
             return
         listed = rows.tolist()
+        targets = [b for b, blocks in found for _ in blocks[4]]
+        next_masks = [mask_b for _, blocks in found for mask_b in blocks[3]]
+        kinds = [kind for _, blocks in found for kind in blocks[4]]
         self._extend(
             state,
-            [b] * rows.size,
-            [ends[r] for r in listed],
+            [targets[r] for r in listed],
+            [next_masks[r] for r in listed],
             local[rows],
-            charged[rows],
-            costs[rows],
+            np.concatenate([blocks[1] for _, blocks in found])[rows],
+            np.concatenate([blocks[2] for _, blocks in found])[rows],
             [kinds[r] for r in listed],
         )
 
