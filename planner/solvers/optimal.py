@@ -759,7 +759,8 @@ def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int, ordered: bool =
     (it may hold up to ``bucket - 1`` bytes more than a dropped one) and the one of least
     memory (what a tight budget needs). With ``bucket == 1`` nothing is thinned.
     """
-    # Masks are filled with np.empty and out= (np.ones costs more than the work on short fronts).
+    # Filters are made with np.empty and filled with out= (np.ones costs more than the work on
+    # short fronts).
     order = None if ordered else charged.argsort()
     values = value if order is None else value[order]
     keep = np.empty(values.size, dtype=bool)
@@ -899,7 +900,7 @@ class _Search:
                 )
                 if self.keeps:
                     self._extend_with_keeps(
-                        state, c, reachable.tolist(), stop, (mask, masks), parts, held_b, cost
+                        state, c, reachable.tolist(), stop, mask, masks, parts, held_b, cost
                     )
         finals = self._settle(n)
         if not finals:
@@ -919,18 +920,18 @@ class _Search:
         return score, Choice(tuple(reversed(segments)), frozenset(keep))
 
     def _extend_with_keeps(
-        self, state, c: int, ends: list[int], stop: int, masks, parts, held, cost
+        self, state, c: int, ends: list[int], stop: int, mask: int, following, parts, held, cost
     ):
         """Extend the front of ``state`` by each segment ``[c, b)``, ``b`` in ``ends``, under
         each of its keep sets that can fit: a keep set charges its caches to the segment, and
         the storages of kept nodes crossing ``b`` join the mask (their cache holds them until
-        the recompute). ``masks``: the state's mask, and the segments' masks at ``ends``. One
-        ``_extend`` for all of them (blocks in order of end, then of keep set)."""
-        mask, following = masks
+        the recompute). ``mask``: the state's; ``following``: the segments' masks at ``ends``
+        without keeps. One ``_extend`` for all of them (blocks in order of end, then of keep
+        set)."""
         found = [
             (b, blocks)
             for b, mask_b in zip(ends, following)
-            if (blocks := self._keep_blocks(c, b, stop, (mask, mask_b), parts, held, cost))
+            if (blocks := self._keep_blocks(c, b, stop, mask, mask_b, parts, held, cost))
         ]
         if not found:
             return
@@ -952,12 +953,14 @@ class _Search:
             [kinds[r] for r in listed],
         )
 
-    def _keep_blocks(self, c: int, b: int, stop: int, masks: tuple[int, int], parts, held, cost):
-        """Per keep set of ``[c, b)`` from a state of mask ``masks[0]`` (``masks[1]`` at ``b``
+    def _keep_blocks(
+        self, c: int, b: int, stop: int, mask: int, mask_b: int, parts, held, cost
+    ) -> tuple | None:
+        """Per keep set of ``[c, b)`` from a state of mask ``mask`` (``mask_b`` at ``b``
         without keeps): local peak, charged bytes, cost, mask at ``b`` and block kind (None
         when it has no keep set). They depend on the mask, not on the front extended, so they
         are worked out once for all states and passes."""
-        key = c, masks[0], b
+        key = c, mask, b
         if key not in self.blocks_memo:
             known = self._keep_sets(c, b, stop)
             blocks = None
@@ -969,7 +972,7 @@ class _Search:
                     parts.locals(i, sets),
                     held[i] + sets.cache,
                     cost[i] - sets.saved + ties,
-                    [masks[1] | bits for bits in joins],
+                    [mask_b | bits for bits in joins],
                     list(range(first_id, first_id + len(sets.keeps))),
                 )
             self.blocks_memo[key] = blocks
