@@ -446,7 +446,7 @@ def test_a_segment_charges_the_inputs_it_touches_once_it_saves_something(seed):
         for b in range(c + 1, stop + 1):
             touched = {k for k in t.crossing[c] if any(c <= j < b for j in t.touches[k])}
             expected = touched if first_saving < b else set()
-            assert search._charged_inputs(c, b) == expected
+            assert search._charged_inputs(c, [b]) == [optimal._bits(expected)]
 
 
 def cuts_and_stops(problem, every: int):
@@ -474,7 +474,7 @@ def test_segment_locals_for_the_segments_a_pass_tries_are_those_of_every_segment
     t, search = optimal._tables(problem), segment_search(problem)
     rng = np.random.default_rng(seed)
     for c, stop, start, recompute, crossing in segment_parts(problem, t, search, every=5):
-        mask = frozenset(k for k in crossing if rng.random() < 0.5)
+        mask = optimal._bits(k for k in crossing if rng.random() < 0.5)
         (whole,) = optimal._segment_locals(t, c, [mask], start, recompute, stop - c, keeps=True)
         width = int(rng.integers(1, stop - c + 1))
         (part,) = optimal._segment_locals(t, c, [mask], start, recompute, width, keeps=True)
@@ -520,7 +520,7 @@ def test_segment_locals_of_masks_worked_out_together_are_those_of_each_alone(see
     t, search = optimal._tables(problem), segment_search(problem)
     rng = np.random.default_rng(seed)
     for c, stop, start, recompute, crossing in segment_parts(problem, t, search, every=7):
-        masks = [frozenset(k for k in crossing if rng.random() < 0.5) for _ in range(4)]
+        masks = [optimal._bits(k for k in crossing if rng.random() < 0.5) for _ in range(4)]
         together = optimal._segment_locals(t, c, masks, start, recompute, stop - c, keeps=True)
         for mask, row in zip(masks, together):
             (alone,) = optimal._segment_locals(t, c, [mask], start, recompute, stop - c, True)

@@ -128,11 +128,12 @@ class _Tables:
     first_saver: np.ndarray  # NEVER when nothing saves the storage
     touches: tuple[tuple[int, ...], ...]  # sorted readers and savers of each storage
     crossing: tuple[tuple[int, ...], ...]  # per cut c: storages with producer < c <= last reader
-    crossing_set: tuple[frozenset, ...]  # the same, as sets (masks are subsets of them)
+    crossing_bits: tuple[int, ...]  # the same, as masks (_bits; masks are subsets of them)
     made_at: tuple[tuple[int, ...], ...]  # per node: storages it produces
     read_at: tuple[tuple[int, ...], ...]  # per node: storages it reads
     saved_first_at: tuple[tuple[int, ...], ...]  # per node: storages it saves first
-    triggered_at: tuple[frozenset, ...]  # per node: storages crossing or made there it saves
+    triggered_at: tuple[tuple[int, ...], ...]  # per node: storages crossing or made there it saves
+    triggered_bits: tuple[int, ...]  # the same, as masks
     forward_live: np.ndarray  # per node: bytes alive by being read, plus its workspace
     backward_live: np.ndarray  # per node: gradients alive at its backward
     after_backward: np.ndarray  # per cut: gradients alive once backward reaches it
@@ -213,6 +214,9 @@ def _new_tables(problem: Problem) -> _Tables:
     makes_cast[producer[arrays.cast_cache]] = True
     remade = np.ones(n, dtype=bool)
     remade[producer[~arrays.before_last_save]] = False
+    triggered = tuple(
+        tuple(k for k in (*crossing[x], *made_at[x]) if x in storages[k].savers) for x in range(n)
+    )
     return _Tables(
         nbytes=nbytes,
         producer=producer,
@@ -220,14 +224,12 @@ def _new_tables(problem: Problem) -> _Tables:
         first_saver=first_saver,
         touches=tuple(tuple(sorted({*s.readers, *s.savers})) for s in storages),
         crossing=tuple(tuple(c) for c in crossing),
-        crossing_set=tuple(map(frozenset, crossing)),
+        crossing_bits=tuple(map(_bits, crossing)),
         made_at=tuple(map(tuple, made_at)),
         read_at=tuple(map(tuple, read_at)),
         saved_first_at=tuple(map(tuple, saved_first_at)),
-        triggered_at=tuple(
-            frozenset(k for k in (*crossing[x], *made_at[x]) if x in storages[k].savers)
-            for x in range(n)
-        ),
+        triggered_at=triggered,
+        triggered_bits=tuple(map(_bits, triggered)),
         forward_live=forward_live,
         backward_live=backward_live,
         after_backward=after_backward,
@@ -243,6 +245,15 @@ def _new_tables(problem: Problem) -> _Tables:
         buffer_uses=tuple(np.array(buffer_uses, dtype=np.int64).reshape(-1, 4).T),
         cache_steps=tuple(_cache_steps(problem, x, made_at[x], last_use, nbytes) for x in range(n)),
     )
+
+
+def _bits(storages) -> int:
+    """A set of storages as a mask: bit ``k`` says storage ``k`` is in it. Masks are dict keys
+    and are or-ed and and-ed at every block the search tries, which ints do faster than sets."""
+    mask = 0
+    for k in storages:
+        mask |= 1 << k
+    return mask
 
 
 def _cache_steps(problem: Problem, x: int, made: list[int], last_use, nbytes):
@@ -437,7 +448,7 @@ def _running(width: int, offsets: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
 def _segment_locals(
     t: _Tables,
     c: int,
-    masks: list[frozenset],
+    masks: list[int],
     start: _Start,
     recompute: np.ndarray,
     width: int,
@@ -460,7 +471,7 @@ def _segment_locals(
         # An input charged to an earlier block is not counted twice while it is read; the
         # others are charged here, alive until the segment's backward ends. Row k of a
         # "steps" array holds input k's bytes from its offset on.
-        read = np.array([[k in mask for k in start.inputs] for mask in masks], dtype=np.int64)
+        read = np.array([[mask >> k & 1 for k in start.inputs] for mask in masks], dtype=np.int64)
         here = 1 - read
         offsets = np.arange(width)
         freed_steps = np.where(start.freed[:, None] <= offsets, start.nbytes[:, None], 0)
@@ -557,8 +568,6 @@ class _KeepSets:
     recompute: np.ndarray  # (sets,): the recompute's own peak with the keeps
     cache: np.ndarray  # (sets,): bytes held from the forward to the recompute
     saved: np.ndarray  # (sets,): recompute seconds spared, less what the kept nodes cost
-    first_id: int = 0  # kinds first_id .. first_id + sets - 1 name them in the search's states
-    joins: tuple[frozenset, ...] = ()  # per set: cached storages crossing b (they join the mask)
 
 
 def _keep_candidates(problem: Problem, t: _Tables, c: int, b: int) -> tuple[list, list]:
@@ -727,16 +736,17 @@ def _copy_bytes(problem: Problem, t: _Tables, c: int, stop: int) -> np.ndarray:
     return _running(stop - c, node[chosen] - c, nbytes[chosen])
 
 
-def _stored_local(t: _Tables, c: int, mask: frozenset):
-    """Charged bytes and local peak of keeping node ``c`` outside every segment."""
-    charged = sum(int(t.nbytes[k]) for k in t.triggered_at[c] if k not in mask)
-    forward = int(t.forward_live[c]) - sum(int(t.nbytes[k]) for k in mask)
+def _stored_local(t: _Tables, c: int, mask: int):
+    """Charged bytes and local peak of keeping node ``c`` outside every segment (``mask``: the
+    storages crossing cut ``c`` already charged)."""
+    charged = sum(int(t.nbytes[k]) for k in t.triggered_at[c] if not mask >> k & 1)
+    forward = int(t.forward_live[c]) - sum(int(t.nbytes[k]) for k in t.crossing[c] if mask >> k & 1)
     return charged, max(forward, int(t.backward_live[c]) + charged)
 
 
-def _next_mask(t: _Tables, b: int, previous: frozenset, triggered: frozenset) -> frozenset:
+def _next_mask(t: _Tables, b: int, previous: int, triggered: int) -> int:
     """Storages crossing cut ``b`` already charged: before, or by the block just chosen."""
-    return (previous | triggered) & t.crossing_set[b]
+    return (previous | triggered) & t.crossing_bits[b]
 
 
 def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int, ordered: bool = False):
@@ -749,21 +759,26 @@ def _pareto(charged: np.ndarray, value: np.ndarray, bucket: int, ordered: bool =
     (it may hold up to ``bucket - 1`` bytes more than a dropped one) and the one of least
     memory (what a tight budget needs). With ``bucket == 1`` nothing is thinned.
     """
-    order = np.arange(charged.size) if ordered else charged.argsort()
-    values = value[order]
-    keep = np.ones(order.size, dtype=bool)
-    keep[1:] = values[1:] < np.minimum.accumulate(values)[:-1]
-    order = order[keep]
+    # Filters are made with np.empty and filled with out= (np.ones costs more than the work on
+    # short fronts).
+    order = None if ordered else charged.argsort()
+    values = value if order is None else value[order]
+    keep = np.empty(values.size, dtype=bool)
+    keep[0] = True
+    np.less(values[1:], np.minimum.accumulate(values)[:-1], out=keep[1:])
+    order = keep.nonzero()[0] if order is None else order[keep]
     sizes = charged[order]
     if not ordered:
         # Of entries with equal charged bytes, the last kept is the cheapest (values decrease).
-        last = np.ones(order.size, dtype=bool)
+        last = np.empty(order.size, dtype=bool)
+        last[-1] = True
         np.not_equal(sizes[1:], sizes[:-1], out=last[:-1])
         order, sizes = order[last], sizes[last]
     if bucket > 1 and order.size > 2:
         change = sizes[1:] // bucket != sizes[:-1] // bucket
-        edge = np.ones(order.size, dtype=bool)
-        edge[1:-1] = change[:-1] | change[1:]
+        edge = np.empty(order.size, dtype=bool)
+        edge[0] = edge[-1] = True
+        np.logical_or(change[:-1], change[1:], out=edge[1:-1])
         order = order[edge]
     return order
 
@@ -800,9 +815,10 @@ class _Search:
     keep_memo: dict = field(default_factory=dict)
     profile_memo: dict = field(default_factory=dict)  # per c: _recompute_bound_profile, _ranked
     start_memo: dict = field(default_factory=dict)  # per c: (stop, _segment_start)
-    charged_memo: dict = field(default_factory=dict)  # per (c, b): _charged_inputs
+    charged_memo: dict = field(default_factory=dict)  # per c: (stop, _charged_inputs' prefixes)
     locals_memo: dict = field(default_factory=dict)  # per (c, mask, keeps): _segment_locals
     mask_memo: dict = field(default_factory=dict)  # per (c, mask): {b: _next_mask}
+    blocks_memo: dict = field(default_factory=dict)  # per (c, mask, b): _keep_blocks
     kept_nodes: list = field(default_factory=lambda: [()])
 
     @cached_property
@@ -810,6 +826,14 @@ class _Search:
         """Of plans with equal cost, prefer fewer segments and kept nodes (a segment that
         recomputes nothing still holds its inputs)."""
         return 1e-12 * float(self.problem.seconds.sum())
+
+    @cached_property
+    def stops(self) -> np.ndarray:
+        """Per position: where the longest segment from there stops (the first node from there
+        on that is not checkpointable, else the end)."""
+        n = self.problem.size
+        stop = np.where(self.problem.checkpointable, n, np.arange(n))
+        return np.minimum.accumulate(stop[::-1])[::-1]
 
     @cached_property
     def prunable(self) -> bool:
@@ -839,16 +863,16 @@ class _Search:
         problem, n = self.problem, self.problem.size
         named = [np.array([0, n]), np.fromiter(corridors, int), *corridors.values()]
         positions = np.unique(np.concatenate(named)).tolist()
-        self.pending: dict[int, dict[frozenset, list]] = {p: {} for p in positions}
+        self.pending: dict[int, dict[int, list]] = {p: {} for p in positions}
         self.states: list[tuple] = []  # (position, charged, value, origin: see _settle)
-        self.pending[0][frozenset()] = [(np.zeros(1, np.int64), np.zeros(1), -1, STORED, 0)]
+        self.pending[0][0] = [(np.zeros(1, np.int64), np.zeros(1), -1, STORED, 0)]
         for c, following in zip(positions, positions[1:]):
             if time.perf_counter() > self.deadline:
                 raise _OutOfTime
             here = self._settle(c)
             stop, ends = c, np.zeros(0, dtype=np.int64)
             if c in corridors and problem.cut_allowed[c] and problem.checkpointable[c]:
-                stop = c + int(np.argmin(np.append(problem.checkpointable[c:], False)))
+                stop = int(self.stops[c])
                 ends = corridors[c][(corridors[c] > c) & (corridors[c] <= stop)]
             width = int(ends[-1]) - c if ends.size else 0  # ends are sorted
             if ends.size:
@@ -874,8 +898,10 @@ class _Search:
                     cost[i] + self.segment_tie,
                     SEGMENT,
                 )
-                for b, mask_b in zip(reachable.tolist() if self.keeps else (), masks):
-                    self._extend_with_keeps(state, c, b, stop, mask_b, parts, held_b, cost)
+                if self.keeps:
+                    self._extend_with_keeps(
+                        state, c, reachable.tolist(), stop, mask, masks, parts, held_b, cost
+                    )
         finals = self._settle(n)
         if not finals:
             return None
@@ -893,32 +919,70 @@ class _Search:
             state, index = parent, previous
         return score, Choice(tuple(reversed(segments)), frozenset(keep))
 
-    def _extend_with_keeps(self, state, c: int, b: int, stop: int, mask, parts, held, cost):
-        """Extend the front of ``state`` by the segment ``[c, b)`` under each of its keep sets
-        that can fit: a keep set charges its caches to the segment, and the storages of kept
-        nodes crossing ``b`` join the mask (their cache holds them until the recompute)."""
-        sets = self._keep_sets(c, b, stop)
-        if sets is None:
+    def _extend_with_keeps(
+        self, state, c: int, ends: list[int], stop: int, mask: int, following, parts, held, cost
+    ):
+        """Extend the front of ``state`` by each segment ``[c, b)``, ``b`` in ``ends``, under
+        each of its keep sets that can fit: a keep set charges its caches to the segment, and
+        the storages of kept nodes crossing ``b`` join the mask (their cache holds them until
+        the recompute). ``mask``: the state's; ``following``: the segments' masks at ``ends``
+        without keeps. One ``_extend`` for all of them (blocks in order of end, then of keep
+        set)."""
+        found = [
+            (b, blocks)
+            for b, mask_b in zip(ends, following)
+            if (blocks := self._keep_blocks(c, b, stop, mask, mask_b, parts, held, cost))
+        ]
+        if not found:
             return
-        i = b - c - 1
-        local = parts.locals(i, sets)
+        local = np.concatenate([blocks[0] for _, blocks in found])
         rows = np.flatnonzero(int(self.states[state][1][0]) + local <= self.limit)
         if not rows.size:
             return
-        ties = self.segment_tie + self.tie * np.array([len(sets.keeps[r]) for r in rows.tolist()])
+        listed = rows.tolist()
+        targets = [b for b, blocks in found for _ in blocks[4]]
+        next_masks = [mask_b for _, blocks in found for mask_b in blocks[3]]
+        kinds = [kind for _, blocks in found for kind in blocks[4]]
         self._extend(
             state,
-            [b] * rows.size,
-            [mask | sets.joins[r] for r in rows.tolist()],
+            [targets[r] for r in listed],
+            [next_masks[r] for r in listed],
             local[rows],
-            held[i] + sets.cache[rows],
-            cost[i] - sets.saved[rows] + ties,
-            (sets.first_id + rows).tolist(),
+            np.concatenate([blocks[1] for _, blocks in found])[rows],
+            np.concatenate([blocks[2] for _, blocks in found])[rows],
+            [kinds[r] for r in listed],
         )
 
-    def _keep_sets(self, c: int, b: int, stop: int) -> _KeepSets | None:
+    def _keep_blocks(
+        self, c: int, b: int, stop: int, mask: int, mask_b: int, parts, held, cost
+    ) -> tuple | None:
+        """Per keep set of ``[c, b)`` from a state of mask ``mask`` (``mask_b`` at ``b``
+        without keeps): local peak, charged bytes, cost, mask at ``b`` and block kind (None
+        when it has no keep set). They depend on the mask, not on the front extended, so they
+        are worked out once for all states and passes."""
+        key = c, mask, b
+        if key not in self.blocks_memo:
+            known = self._keep_sets(c, b, stop)
+            blocks = None
+            if known is not None:
+                sets, first_id, joins = known
+                i = b - c - 1
+                ties = self.segment_tie + self.tie * np.array([len(keeps) for keeps in sets.keeps])
+                blocks = (
+                    parts.locals(i, sets),
+                    held[i] + sets.cache,
+                    cost[i] - sets.saved + ties,
+                    [mask_b | bits for bits in joins],
+                    list(range(first_id, first_id + len(sets.keeps))),
+                )
+            self.blocks_memo[key] = blocks
+        return self.blocks_memo[key]
+
+    def _keep_sets(self, c: int, b: int, stop: int) -> tuple[_KeepSets, int, tuple] | None:
         """The keep sets of ``[c, b)``, computed once: ``_keep_sets`` when the search is exact,
-        else ``_keep_family``; its sets get ids in ``kept_nodes``."""
+        else ``_keep_family``; with the id of the first in ``kept_nodes`` (the block kinds
+        of the search's states, one per set, in order) and, per set, the storages its caches
+        hold that cross ``b`` (they join the mask there)."""
         if (c, b) not in self.keep_memo:
             if self.problem.size <= EXACT_KEEP_NODES:
                 sets = _keep_sets(self.problem, self.t, c, b)
@@ -934,14 +998,13 @@ class _Search:
                 outlive = sets.nodes[t.read_until[sets.nodes] >= b].tolist()
                 crossing = {x: [k for k in t.made_at[x] if t.last_use[k] >= b] for x in outlive}
                 joins = tuple(
-                    frozenset(k for x in keeps if x in crossing for k in crossing[x])
-                    if crossing
-                    else frozenset()
+                    _bits(k for x in keeps if x in crossing for k in crossing[x])
                     for keeps in sets.keeps
                 )
-                sets = replace(sets, first_id=len(self.kept_nodes), joins=joins)
+                self.keep_memo[c, b] = sets, len(self.kept_nodes), joins
                 self.kept_nodes.extend(sets.keeps)
-            self.keep_memo[c, b] = sets
+            else:
+                self.keep_memo[c, b] = None
         return self.keep_memo[c, b]
 
     def _segment_start(self, c: int, stop: int) -> _Start:
@@ -954,14 +1017,22 @@ class _Search:
             self.start_memo[c] = known
         return known[1]
 
-    def _charged_inputs(self, c: int, b: int) -> frozenset:
-        """The inputs the segment ``[c, b)`` charges (``_Start.charges``), computed once."""
-        if (c, b) not in self.charged_memo:
-            start = self._segment_start(c, b)
-            self.charged_memo[c, b] = frozenset(
-                k for k, offset in zip(start.inputs, start.charges.tolist()) if c + offset < b
-            )
-        return self.charged_memo[c, b]
+    def _charged_inputs(self, c: int, ends: list[int]) -> list[int]:
+        """The inputs each segment ``[c, b)``, ``b`` in ``ends``, charges (``_Start.charges``),
+        as masks: those whose offset is below ``b - c``, a prefix of the inputs in order of
+        offset, so one list of prefixes per cut answers every ``b`` (until a longer segment
+        needs a new start: offsets within the shorter one do not change)."""
+        known = self.charged_memo.get(c)
+        if known is None or known[0] < max(ends):
+            start = self._segment_start(c, max(ends))
+            order = np.argsort(start.charges, kind="stable")
+            prefixes = [0]
+            for k in np.asarray(start.inputs, dtype=np.int64)[order].tolist():
+                prefixes.append(prefixes[-1] | 1 << k)
+            known = self.start_memo[c][0], start.charges[order], prefixes
+            self.charged_memo[c] = known
+        counts = known[1].searchsorted(np.array(ends) - c).tolist()
+        return [known[2][count] for count in counts]
 
     def _segment_locals(self, c: int, masks: list, recompute, width: int) -> list:
         """``_segment_locals`` of the segments from ``c`` under each of ``masks``, for at
@@ -976,13 +1047,14 @@ class _Search:
                 memo[c, mask, self.keeps] = width, result
         return [memo[c, m, self.keeps][1] for m in masks]
 
-    def _next_masks(self, c: int, mask: frozenset, ends: list[int]) -> list:
+    def _next_masks(self, c: int, mask: int, ends: list[int]) -> list:
         """The mask at each of ``ends`` after a segment from ``c`` under ``mask``, each worked
         out once for all passes."""
         memo = self.mask_memo.setdefault((c, mask), {})
-        for b in ends:
-            if b not in memo:
-                memo[b] = _next_mask(self.t, b, mask, self._charged_inputs(c, b))
+        missing = [b for b in ends if b not in memo]
+        if missing:
+            for b, charged in zip(missing, self._charged_inputs(c, missing)):
+                memo[b] = _next_mask(self.t, b, mask, charged)
         return [memo[b] for b in ends]
 
     def _segment_costs(self, c: int, stop: int):
@@ -994,7 +1066,7 @@ class _Search:
             self.segment_memo[c] = known
         return known[1]
 
-    def _stored_run(self, c: int, end: int, mask: frozenset) -> tuple[int, int, frozenset]:
+    def _stored_run(self, c: int, end: int, mask: int) -> tuple[int, int, int]:
         """Local peak, charged bytes and mask at ``end`` of keeping every node of ``[c, end)``.
 
         The nodes are blocks one after the other: node ``x`` must fit on top of the bytes the
@@ -1006,7 +1078,7 @@ class _Search:
             step = self.step_memo.get((x, mask))
             if step is None:
                 charged, local = _stored_local(self.t, x, mask)
-                triggered = self.t.triggered_at[x]
+                triggered = self.t.triggered_bits[x]
                 step = charged, local, _next_mask(self.t, x + 1, mask, triggered)
                 self.step_memo[(x, mask)] = step
             charged, local, mask = step
@@ -1015,7 +1087,7 @@ class _Search:
         assert peak is not None, "an empty run"  # callers pass end > c
         return peak, held, mask
 
-    def _extend_stored(self, state, end: int, local: int, held: int, mask: frozenset) -> None:
+    def _extend_stored(self, state, end: int, local: int, held: int, mask: int) -> None:
         """``_extend`` by the run of stored nodes to ``end``: one block of no cost."""
         charged, value = self.states[state][1:3]
         count = int(charged.searchsorted(self.limit - local, side="right"))
@@ -1055,14 +1127,13 @@ class _Search:
         else:
             firsts = [0] * rows.size
         pending = self.pending
-        for i, (row, count) in enumerate(zip(rows.tolist(), counts.tolist())):
-            first = firsts[i]
+        kind_of = [kinds] * len(ends) if isinstance(kinds, int) else kinds
+        for i, (row, count, first) in enumerate(zip(rows.tolist(), counts.tolist(), firsts)):
             if first < count:
-                kind = kinds if isinstance(kinds, int) else kinds[row]
-                chunk = (grown[i, first:count], scores[i, first:count], state, kind, first)
+                chunk = (grown[i, first:count], scores[i, first:count], state, kind_of[row], first)
                 pending[ends[row]].setdefault(masks[row], []).append(chunk)
 
-    def _settle(self, position: int) -> list[tuple[frozenset, int]]:
+    def _settle(self, position: int) -> list[tuple[int, int]]:
         """Turn the blocks that reached ``position`` into Pareto fronts, one state per mask."""
         settled = []
         for mask, chunks in self._masks_kept(position).items():
@@ -1090,7 +1161,7 @@ class _Search:
             chunk += 1
         return parents[chunk], entry + firsts[chunk], kinds[chunk]
 
-    def _masks_kept(self, position: int) -> dict[frozenset, list]:
+    def _masks_kept(self, position: int) -> dict[int, list]:
         """The masks that reached ``position``; above ``MASKS`` of them (large problems only),
         the ``MASKS // 2`` whose fronts hold the cheapest entry and the ``MASKS // 2`` whose
         fronts hold the least charged bytes.
