@@ -131,14 +131,17 @@ def accumulation_problem(problem: Problem, batch_bytes: int = 0) -> Problem:
 
     The accumulated gradients are live from the start (counted as fixed memory); each backward
     still allocates a parameter's new gradient, which ``AccumulateGrad`` adds in place and frees
-    at once, so the gradient bytes a node allocates are also freed after it. ``batch_bytes``:
-    the rest of the batch's inputs, beside the micro-batch's own, live through the window
-    (``micro_batches`` cuts views of the batch; ``accumulation_windows`` reads the window ahead).
+    once the last contribution has arrived: after the backward of the parameter's first reader
+    (``Problem.grad_complete_at``; the node that allocated it, unless several read it: a tied
+    embedding's gradient is summed from the output layer's backward to the input's).
+    ``batch_bytes``: the rest of the batch's inputs, beside the micro-batch's own, live through
+    the window (``micro_batches`` cuts views of the batch; ``accumulation_windows`` reads the
+    window ahead).
     """
     return dataclasses.replace(
         problem,
         fixed_bytes=problem.fixed_bytes + problem.gradient_bytes + batch_bytes,
-        activation_grad_free=problem.activation_grad_free + problem.grad_bytes_at,
+        activation_grad_free=problem.activation_grad_free + problem.grad_complete_at,
     )
 
 

@@ -133,12 +133,18 @@ class Problem:
     kept_bytes: np.ndarray = None  # type: ignore[assignment]
     random: np.ndarray = None  # type: ignore[assignment]
     keepable: np.ndarray = None  # type: ignore[assignment]
+    # Parameter gradient bytes complete at backward step i: its parameter's first reader in
+    # forward, whose backward brings the last contribution (AccumulateGrad runs there). The
+    # same as grad_bytes_at but for a parameter several nodes read (tied embeddings), whose
+    # gradient is summed from its last reader's backward to its first's.
+    grad_complete_at: np.ndarray = None  # type: ignore[assignment]
 
     def __post_init__(self):
         defaults = {
             "kept_bytes": lambda: self.created_bytes + self.workspace,
             "random": lambda: np.zeros(self.size, dtype=bool),
             "keepable": lambda: self.kept_bytes > 0,
+            "grad_complete_at": lambda: self.grad_bytes_at,
         }
         for name, default in defaults.items():
             if getattr(self, name) is None:
@@ -389,19 +395,22 @@ def build_problem(
     producer = {key: i for i, c in enumerate(created) for key in c}
     readers: dict[int, list[int]] = {key: [] for key in producer}
     savers: dict[int, list[int]] = {key: [] for key in producer}
-    grad_bytes_at = np.zeros(n, dtype=np.int64)
+    grad_bytes_at, grad_complete_at = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    first_trainable_use: dict[int, int] = {}
     last_trainable_use: dict[int, int] = {}
     for i in range(n):
         for key in reads[i]:
             if key in readers and producer[key] < i:
                 readers[key].append(i)
             if key in profile.trainable:
+                first_trainable_use.setdefault(key, i)
                 last_trainable_use[key] = i
         for key in saved[i]:
             if key in savers:
                 savers[key].append(i)
     for key, i in last_trainable_use.items():
         grad_bytes_at[i] += profile.storage_bytes[key]
+        grad_complete_at[first_trainable_use[key]] += profile.storage_bytes[key]
     cast_exits = _cast_cache_exits(nodes)
     for key, exit_ in cast_exits.items():
         readers[key].append(exit_)
@@ -484,6 +493,7 @@ def build_problem(
         saves=np.array([bool(s) for s in saved], dtype=bool),
         saves_own=np.array([bool(made) for made in made_before_last_save], dtype=bool),
         grad_bytes_at=grad_bytes_at,
+        grad_complete_at=grad_complete_at,
         activation_grad_alloc=grad_alloc,
         activation_grad_free=grad_free,
         checkpointable=~pinned,
