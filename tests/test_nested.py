@@ -262,6 +262,21 @@ def test_a_checkpoint_call_holds_its_arguments_until_it_returns():
     assert peak_memory(planned, args).peak_bytes - offset == simulate(problem, choice).peak_bytes
 
 
+@pytest.mark.xfail(strict=True, reason="64 bytes over the measured peak (safe side), unexplained")
+def test_replay_equals_the_measured_peak_on_a_chain_nested_three_deep():
+    """Not yet exact: found by Hypothesis on the chain property above (thorough profile), the
+    replay reads 64 bytes (one bias gradient's size) over the measured peak of a 7-layer MLP
+    chain whose segment (0, 13) holds (3, 5) and (9, 11), which holds (9, 10)."""
+    from planner import zoo
+
+    model, args = zoo.build("mlp", depth=7, width=16, batch=64)
+    captured, problem = prepare(model, args)
+    offset = _offset(model, args, problem)
+    choice = nested_choice([(0, 13, [(3, 5), (9, 11, [(9, 10)])])])
+    planned = rewrite(captured.graph_module, model, choice)
+    assert peak_memory(planned, args).peak_bytes - offset == simulate(problem, choice).peak_bytes
+
+
 @pytest.mark.xfail(strict=True, reason="the profile's backward high point (measured 128 KiB over)")
 def test_replay_equals_the_measured_peak_where_backward_accumulates():
     """Not yet exact: U-Net's segment (0, 15) reads 131,072 bytes over the measured peak, at
