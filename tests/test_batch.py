@@ -194,6 +194,21 @@ def test_make_inputs_that_ignores_the_batch_size_is_refused(model):
                    micro_batches=[2, 4])  # fmt: skip
 
 
+def measured_window(choice, batch: tuple, loss_of_output) -> int:
+    """Measured peak of one accumulation window of ``choice`` over ``batch``, as the loop of
+    docs/training.md runs it."""
+    gc.collect()
+    tracker = LiveStorageTracker()
+    for t in state_tensors(choice.module, batch, {}):
+        tracker.register_existing(t)
+    with tracker:
+        for micro in micro_batches(batch, choice.micro_batch):
+            with micro:
+                micro.backward(loss_of_output(choice.module(*micro.data)))
+        gc.collect()
+    return tracker.report("cpu").peak_bytes
+
+
 def test_the_loop_holds_the_whole_batch_and_the_plan_counts_it():
     """``micro_batches`` cuts views of the batch, so the loop holds all of the batch's inputs.
     Found trying the library: the prediction counted one micro-batch's inputs, and the loop
@@ -207,16 +222,7 @@ def test_the_loop_holds_the_whole_batch_and_the_plan_counts_it():
 
     choice = plan_batch(model, make, budget_bytes=4 * 2**20, global_batch=1024)
     assert choice.steps > 1
-    batch = make(1024)
-    tracker = LiveStorageTracker()
-    for t in state_tensors(choice.module, batch, {}):
-        tracker.register_existing(t)
-    with tracker:
-        for micro in micro_batches(batch, choice.micro_batch):
-            with micro:
-                micro.backward(choice.module(*micro.data).sum())
-        gc.collect()
-    measured = tracker.report("cpu").peak_bytes
+    measured = measured_window(choice, make(1024), lambda out: out.sum())
     assert measured <= choice.budget_bytes
     assert abs(measured - choice.predicted_peak_bytes) < 0.001 * measured
 
@@ -241,16 +247,6 @@ def test_a_tied_embeddings_gradient_is_held_until_its_first_readers_backward():
         model, make, budget_gb=1, global_batch=8, micro_batches=[4], solver=lambda p, b: segment
     )
     assert choice.steps == 2 and choice.plan.segments == segment
-    batch = make(8)
     model.zero_grad(set_to_none=True)
-    gc.collect()
-    tracker = LiveStorageTracker()
-    for t in state_tensors(choice.module, batch, {}):
-        tracker.register_existing(t)
-    with tracker:
-        for micro in micro_batches(batch, choice.micro_batch):
-            with micro:
-                micro.backward(choice.module(*micro.data))
-        gc.collect()
-    measured = tracker.report("cpu").peak_bytes
+    measured = measured_window(choice, make(8), lambda loss: loss)
     assert 0 <= choice.predicted_peak_bytes - measured < 0.0001 * measured
