@@ -387,18 +387,12 @@ class Snapshot:
             args[position] if position is not None and position < len(args) else kwargs.get(name)
             for name, position in self.tensor_arguments
         ]
-        state = _state_dtypes(self.state_tables)
         arguments = tuple([v.dtype if isinstance(v, torch.Tensor) else None for v in values])
         left_out = tuple([n for (n, _), v in zip(self.tensor_arguments, values) if v is None])
-        moved = [
-            a is not None and b is not None and a != b
-            for a, b in zip(arguments, self.argument_dtypes)
-        ]
-        autocast = autocast_state()
-        if not left_out and state == self.state_dtypes and not any(moved):
-            if autocast == self.autocast:
-                return None  # (a value that is no tensor, a tracer's proxy, has no dtype)
-        return CallForm(left_out, state, arguments, autocast)
+        form = CallForm(left_out, _state_dtypes(self.state_tables), arguments, autocast_state())
+        if not left_out and not self._dtypes_moved(form):
+            return None  # (a value that is no tensor, a tracer's proxy, has no dtype)
+        return form
 
     def warn_if_larger(self, args: tuple, kwargs: dict) -> None:
         """Once: a tensor argument is larger than when planning (a longer batch of a

@@ -74,7 +74,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx, nn
@@ -521,9 +521,9 @@ class _Recorder(fx.Interpreter):
             # (``nn.Identity``): a checkpoint starting at a later node still takes them.
             passed = [t for n in node.all_input_nodes for t in tree_leaves(self.env.get(n))]
             run = functools.partial(super().run_node, node)
-            if not isinstance(node.target, str) or node.op != "call_module":
+            if node.op != "call_module":
                 return self.record(node, run, passed)
-            with repeated_effects(self.fetch_attr(node.target)) as effects:
+            with repeated_effects(self.fetch_attr(cast(str, node.target))) as effects:
                 out = self.record(node, run, passed)
             node.meta["planner.repeated_effects"] += tuple(effects)
             return out
