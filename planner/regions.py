@@ -20,6 +20,7 @@ import threading
 
 import torch
 from torch import fx
+from torch.autograd import grad_mode
 
 # Tracing patches process-wide objects (fx patches ``nn.Module.__call__`` and ``__getattr__``;
 # capture patches ``torch.utils.checkpoint`` and the grad-mode and autocast context managers).
@@ -41,8 +42,14 @@ def in_capturing_thread() -> bool:
 # tracing, entering and exiting such a context manager is recorded as a node calling one of the
 # functions below, which do at run time what the context manager does: switch the mode, and on
 # exit restore the mode that was current on entry (whatever mode the caller runs in).
+#
+# A region is the pair ``(leave, state)``: ``leave(state)`` restores what was current on entry.
+# Each switch is a call torch.compile traces as the switch it is (``torch.set_grad_enabled``
+# called as a function, ``torch.amp._enter_autocast``, ``_enter_inference_mode``: the forms
+# torch.export records); a context manager's ``__enter__``/``__exit__`` called outside a ``with``
+# statement is not, and left grad mode off after a compiled call.
 
-_open = threading.local()  # .regions: context managers entered by those nodes, not yet exited
+_open = threading.local()  # .regions: regions entered by those nodes, not yet exited
 
 
 def _open_regions() -> list:
@@ -51,36 +58,43 @@ def _open_regions() -> list:
     return _open.regions
 
 
-def _entered(region):
-    _open_regions().append(region)
+def _entered(leave, state) -> tuple:
+    """The region; remembered in eager mode only, for ``closing_regions`` (a compiled graph
+    recomputes in a graph of its own, and does not trace the thread's list)."""
+    region = leave, state
+    if not torch.compiler.is_compiling():
+        _open_regions().append(region)
     return region
 
 
-def enter_grad_mode(enabled: bool):
+def enter_grad_mode(enabled: bool) -> tuple:
     """Graph node for ``torch.no_grad()``, ``torch.enable_grad()``, ``set_grad_enabled(...)``."""
-    return _entered(torch.set_grad_enabled(enabled))  # switches now; its __exit__ restores
+    previous = torch.is_grad_enabled()
+    torch.set_grad_enabled(enabled)  # called as a function: switches now
+    return _entered(torch.set_grad_enabled, previous)
 
 
-def enter_inference_mode(mode: bool):
+def enter_inference_mode(mode: bool) -> tuple:
     """Graph node for ``torch.inference_mode(mode)``."""
-    region = torch.inference_mode(mode)
-    region.__enter__()
-    return _entered(region)
+    return _entered(grad_mode._exit_inference_mode, grad_mode._enter_inference_mode(mode))
 
 
-def enter_autocast(device_type: str, dtype: torch.dtype, enabled: bool, cache_enabled: bool):
+def enter_autocast(
+    device_type: str, dtype: torch.dtype, enabled: bool, cache_enabled: bool
+) -> tuple:
     """Graph node for ``torch.autocast(...)`` (arguments as resolved when it was traced)."""
-    region = torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
-    region.__enter__()
-    return _entered(region)
+    mode = torch.amp.autocast_mode._enter_autocast(device_type, dtype, enabled, cache_enabled)
+    return _entered(torch.amp.autocast_mode._exit_autocast, mode)
 
 
-def exit_region(region) -> None:
+def exit_region(region: tuple) -> None:
     """Graph node for leaving a region entered by one of the ``enter_*`` nodes."""
-    regions = _open_regions()
-    if region in regions:
-        regions.remove(region)
-    region.__exit__(None, None, None)
+    if not torch.compiler.is_compiling():
+        regions = _open_regions()
+        if region in regions:
+            regions.remove(region)
+    leave, state = region
+    leave(state)
 
 
 REGION_ENTRIES = (enter_grad_mode, enter_inference_mode, enter_autocast)
@@ -107,7 +121,8 @@ def closing_regions(*, always: bool):
 def _exit_regions_since(depth: int) -> None:
     regions = _open_regions()
     while len(regions) > depth:
-        regions.pop().__exit__(None, None, None)
+        leave, state = regions.pop()
+        leave(state)
 
 
 def region_spans(nodes: list[fx.Node]) -> list[tuple[int, int]]:

@@ -42,7 +42,7 @@ from planner.model_call import CALL_KEY
 from planner.nested import Nest, NestedChoice
 from planner.planned_module import PlannedModule, Snapshot, argument_positions, share_user_state
 from planner.problem import buffer_read, compute_nodes
-from planner.regions import REGION_ENTRIES, closing_regions
+from planner.regions import REGION_ENTRIES, closing_regions, enter_inference_mode
 from planner.simulate import Choice, as_choice
 
 # The cache scope of the selective segment running now (its forward or its recompute); per
@@ -268,12 +268,18 @@ class Segment:
         self.selective = selective
         # Only a body that enters regions (autocast, grad mode) can leave one open when the
         # recompute stops early; the others skip closing_regions (a few us per call).
-        self.opens_regions = any(
-            node.op == "call_function" and node.target in REGION_ENTRIES
-            for node in body.graph.nodes
-        )
+        entries = {n.target for n in body.graph.nodes if n.op == "call_function"}
+        self.opens_regions = not entries.isdisjoint(REGION_ENTRIES)
+        self.infers = enter_inference_mode in entries
 
     def __call__(self, *args):
+        if self.infers and torch.compiler.is_compiling():
+            # aot_eager: "Inference tensors do not track version counter"
+            raise PlanningError(
+                "torch.compile cannot checkpoint a torch.inference_mode block, and this plan "
+                "has one inside a segment. Run the plan without torch.compile (or compile "
+                "without fullgraph=True: Dynamo then runs this segment eagerly, exactly)."
+            )
         # ``forward``, not ``body(...)``: a GraphModule's call wrapper walks the traceback of
         # every exception, and the recompute's early stop is one (about 80 us per segment).
         if not self.opens_regions:

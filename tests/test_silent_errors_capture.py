@@ -260,6 +260,68 @@ def test_a_region_exported_inside_autocast_restores_the_callers_modes():
         assert torch.get_autocast_dtype("cpu") == torch.float16
 
 
+class InferenceScale(nn.Module):
+    """A scale computed in ``torch.inference_mode`` (symbolic_trace captures it)."""
+
+    width = 8
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.inference_mode():
+            k = self.b(x).std()
+        return self.a(x) / k.clone()
+
+
+def _longest_segment(problem) -> tuple[int, int]:
+    n = problem.size
+    return max(
+        ((a, b) for a in range(n) for b in range(a + 1, n + 1) if problem.is_valid_segment(a, b)),
+        key=lambda segment: segment[1] - segment[0],
+    )
+
+
+def _compiled_step_equals_the_compiled_models(model, planned, x, fullgraph: bool) -> None:
+    reference = copy.deepcopy(model)
+    reference.compile(backend="aot_eager", fullgraph=True)
+    planned.compile(backend="aot_eager", fullgraph=fullgraph)
+    assert_equivalent(reference, model, planned, (x,), {})
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("make", [NoGradScale, AutocastMiddle, NestedInAutocast, InferenceScale])
+def test_torch_compile_of_a_plan_with_regions_trains_like_the_compiled_model(make):
+    """Found trying the library: compiled, the region nodes left grad mode off for the whole
+    process after the first call (``no_grad``: the loss had no graph), or raised
+    ``'autocast' object has no attribute 'prev'`` (autocast); ``fullgraph=True`` raised
+    Dynamo's "Unsupported". Each plan: no segment, and the longest segment there is (but
+    for inference mode, below)."""
+    torch.manual_seed(0)
+    model, x = make(), torch.randn(4, getattr(make, "width", 8))
+    captured, problem = prepare(model, (x,))
+    plans = [()] if make is InferenceScale else [(), (_longest_segment(problem),)]
+    for segments in plans:
+        planned = rewrite(captured.graph_module, model, segments)
+        _compiled_step_equals_the_compiled_models(model, planned, x, fullgraph=True)
+
+
+def test_torch_compile_of_a_segment_holding_an_inference_mode_block_says_so():
+    """PyTorch's compiled checkpoint cannot run one ("Inference tensors do not track version
+    counter"); without fullgraph, Dynamo runs the segment eagerly, where the plan is exact."""
+    torch.manual_seed(0)
+    model, x = InferenceScale(), torch.randn(4, 8)
+    captured, problem = prepare(model, (x,))
+    planned = rewrite(captured.graph_module, model, (_longest_segment(problem),))
+    strict = copy.deepcopy(planned)
+    strict.compile(backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"(?s)PlanningError.*cannot checkpoint a torch\.inf"):
+        strict(x)
+    _compiled_step_equals_the_compiled_models(model, planned, x, fullgraph=False)
+
+
 class DirectGradSwitch(nn.Module):
     """Switches grad mode by ``torch._C._set_grad_enabled``, which no region records."""
 
