@@ -32,6 +32,7 @@ from planner.export_leaves import (
     restore_eager_arguments,
 )
 from planner.gcpause import paused_collection
+from planner.hooks import HOOK_TABLES, process_wide_hooks, process_wide_hooks_message
 from planner.model_call import CALL_KEY, ModelCall, container_types
 from planner.planned_module import PlannedModule
 from planner.regions import (
@@ -506,14 +507,6 @@ def updates_in_place(node) -> bool:
     return bool(first and first.is_write and result and result.before_set == first.before_set)
 
 
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
-
-
 def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
     """Raise a PlanningError for module hooks that the captured graph would not run.
 
@@ -525,8 +518,11 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
     running (again when a checkpointed segment is recomputed). Under ``torch.export`` even
     those are refused while planning: export records a kept module's call after its pre-hooks
     ran, and the planned module, calling the module, would run them a second time. Hooks
-    registered after planning (``fully_shard``) run once, as in the model.
+    registered after planning (``fully_shard``) run once, as in the model. Process-wide hooks
+    are refused (``planner.hooks``).
     """
+    if process_wide_hooks():
+        raise PlanningError(process_wide_hooks_message("while planning"))
     kept = (
         {node.target for node in captured.graph_module.graph.find_nodes(op="call_module")}
         if captured.method == "symbolic_trace"
@@ -535,7 +531,7 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
     dropped = [
         f"{name or '<the model itself>'}.{kind}"
         for name, module in model.named_modules()
-        for kind in _HOOK_DICTS
+        for kind in HOOK_TABLES
         if getattr(module, kind, None) and (name == "" or name not in kept)
     ]
     if dropped:

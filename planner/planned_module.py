@@ -30,6 +30,12 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
 from planner.errors import PlanningError, checkpointing_disable_advice
+from planner.hooks import (
+    HOOK_TABLES,
+    process_wide_hook_count,
+    process_wide_hooks,
+    process_wide_hooks_message,
+)
 from planner.model_state import ModelStateDict
 from planner.units import mib
 
@@ -225,10 +231,11 @@ class Snapshot:
             and key in _names_read(type(m))  # type: ignore[arg-type]  # a class is hashable
         ]
         # Hooks on a module the graph traced through would never run (the graph inlined it).
-        hooks = [(name, getattr(m, t)) for name, m in traced for t in _HOOK_TABLES if hasattr(m, t)]
+        hooks = [(name, getattr(m, t)) for name, m in traced for t in HOOK_TABLES if hasattr(m, t)]
         self.hook_owners = [name for name, _ in hooks]
         self.hook_dicts = [table for _, table in hooks]
         self.hook_counts = list(map(len, self.hook_dicts))
+        self.process_wide_hooks = process_wide_hook_count()
         # Where each parameter is held, read on every call: load_state_dict(assign=True) and
         # assignments (``layer.weight = nn.Parameter(...)``) put new objects there.
         slots = [name.rpartition(".") for name, _ in model.named_parameters()]
@@ -281,6 +288,8 @@ class Snapshot:
         """Raise a PlanningError when a module or attribute the graph was traced from changed."""
         if [p.requires_grad for p in self.parameters()] != self.trainable:
             self._warn_trainable()
+        if process_wide_hook_count() != self.process_wide_hooks and process_wide_hooks():
+            raise PlanningError(process_wide_hooks_message(f"after planning {planned_name}"))
         if (
             list(map(len, self.children)) == self.sizes
             and list(map(dict.get, self.child_dicts, self.child_keys)) == self.child_values
@@ -566,7 +575,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 _INTERNAL = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
-_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _callers_stacklevel() -> int:

@@ -877,6 +877,51 @@ def test_a_hook_on_a_leaf_module_after_planning_runs():
     torch.testing.assert_close(planned, model(x), rtol=0, atol=0)
 
 
+def _halve_sequential_outputs(module, args, out):
+    return out / 2 if isinstance(module, nn.Sequential) else out
+
+
+def test_a_process_wide_module_hook_is_refused_while_planning_and_after():
+    """Found trying the library: ``register_module_forward_hook`` (every module's calls) was
+    frozen into the graph when registered before planning (still applied after its
+    ``remove()``), and never ran on the traced-through blocks when registered after: outputs
+    and gradients differed silently."""
+    model, x = Blocks(), torch.randn(4, 8)
+    handle = torch.nn.modules.module.register_module_forward_hook(_halve_sequential_outputs)
+    try:
+        with pytest.raises(planner.PlanningError, match=r"process-wide.*_halve_sequential"):
+            planner.plan(model, (x,), budget_gb=1)
+    finally:
+        handle.remove()
+    p = tight_plan(model, (x,))
+    handle = torch.nn.modules.module.register_module_forward_hook(_halve_sequential_outputs)
+    try:
+        with pytest.raises(planner.PlanningError, match=r"process-wide.*after planning"):
+            p.module(x)
+    finally:
+        handle.remove()
+    torch.manual_seed(0)
+    planned = p.module(x)
+    torch.manual_seed(0)
+    assert torch.equal(planned, model(x))
+
+
+def test_flop_counter_mode_around_a_planned_step_is_not_a_process_wide_hook():
+    """``FlopCounterMode`` registers torch's ``ModuleTracker`` hooks for every module: they
+    only observe, so a plan runs under it and counts the same FLOPs as the model (no segment
+    recomputed at a budget that fits the baseline)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, x = Blocks(), torch.randn(4, 8)
+    p = planner.plan(model, (x,), budget_gb=1)
+    counts = []
+    for module in (model, p.module):
+        with FlopCounterMode(display=False) as counter:
+            module(x).sum().backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] > 0
+
+
 @pytest.mark.parametrize("reloaded", [False, True], ids=["same parameters", "assign=True"])
 def test_unfreezing_after_planning_warns_that_the_memory_no_longer_holds(reloaded):
     """Staged fine-tuning: frozen layers save nothing for backward, so a plan made with them
