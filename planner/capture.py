@@ -32,7 +32,13 @@ from planner.export_leaves import (
     restore_eager_arguments,
 )
 from planner.gcpause import paused_collection
-from planner.hooks import HOOK_TABLES, process_wide_hooks, process_wide_hooks_message
+from planner.hooks import (
+    HOOK_TABLES,
+    acting_hooks,
+    process_wide_hooks,
+    process_wide_hooks_message,
+    restoring_output_recorders,
+)
 from planner.model_call import CALL_KEY, ModelCall, container_types
 from planner.planned_module import PlannedModule
 from planner.regions import (
@@ -519,7 +525,7 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
     those are refused while planning: export records a kept module's call after its pre-hooks
     ran, and the planned module, calling the module, would run them a second time. Hooks
     registered after planning (``fully_shard``) run once, as in the model. Process-wide hooks
-    are refused (``planner.hooks``).
+    are refused; hooks that never act on the planned module are not (``planner.hooks``).
     """
     if process_wide_hooks():
         raise PlanningError(process_wide_hooks_message("while planning"))
@@ -532,7 +538,9 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
         f"{name or '<the model itself>'}.{kind}"
         for name, module in model.named_modules()
         for kind in HOOK_TABLES
-        if getattr(module, kind, None) and (name == "" or name not in kept)
+        if getattr(module, kind, None)
+        and acting_hooks(module, kind)
+        and (name == "" or name not in kept)
     ]
     if dropped:
         raise PlanningError(
@@ -808,6 +816,7 @@ def capture(
         _refusing_manual_checkpoints(model),
         recording_regions(),
         refusing_side_effects(model),
+        restoring_output_recorders(model),
     ):
         captured = _trace_or_export(model, args, kwargs, fixed, leaf_modules, dynamic_shapes)
     _refuse_dropped_hooks(model, captured)

@@ -5,10 +5,22 @@ while capturing and never again (``capture._refuse_dropped_hooks``, ``Snapshot``
 hooks (``torch.nn.modules.module.register_module_forward_hook`` and its kin) run on every
 module call, so they are refused too, all but those of torch's ``ModuleTracker``:
 ``FlopCounterMode`` registers them to name the modules it counts in, and they only observe.
+
+Hugging Face transformers (5.x) records ``output_hidden_states``/``output_attentions`` by
+forward hooks it installs on the layers the first time a call asks for them, and leaves there:
+each appends its layer's output to a collector that exists only during the model's own call.
+Capture runs that call, so the graph returns what they recorded; the planned module needs no
+hook, and one installed before or after planning never acts on it. They are not refused, and
+those a capture installs are removed again (``restoring_output_recorders``): planning leaves
+the model as it found it.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
 from torch.nn.modules import module as _module
 from torch.utils.module_tracker import ModuleTracker
 
@@ -22,6 +34,42 @@ _PROCESS_WIDE_TABLES = (
 )
 
 
+def _records_outputs(hook) -> bool:
+    """Whether ``hook`` is one of transformers' output recorders."""
+    return getattr(hook, "__name__", None) == "output_capturing_hook" and getattr(
+        hook, "__module__", ""
+    ).startswith("transformers.")
+
+
+def acts(hook) -> bool:
+    """Whether a module hook may change what the planned module computes or does: all but a
+    ``ModuleTracker``'s and transformers' output recorders."""
+    tracks = isinstance(getattr(hook, "__self__", None), ModuleTracker)
+    return not (tracks or _records_outputs(hook))
+
+
+def acting_hooks(module: nn.Module, table: str) -> int:
+    """How many hooks of ``module``'s ``table`` may act (``acts``)."""
+    return sum(map(acts, getattr(module, table).values()))
+
+
+@contextlib.contextmanager
+def restoring_output_recorders(model: nn.Module) -> Iterator[None]:
+    """Remove the transformers output recorders installed inside the block (on the way out,
+    by any way out), and the flag that says they are installed."""
+    before = {id(m): set(m._forward_hooks) for m in model.modules()}
+    flagged = {id(m) for m in model.modules() if "_output_capturing_hooks_installed" in vars(m)}
+    try:
+        yield
+    finally:
+        for m in model.modules():
+            for key, hook in list(m._forward_hooks.items()):
+                if key not in before.get(id(m), ()) and _records_outputs(hook):
+                    del m._forward_hooks[key]
+            if id(m) not in flagged:
+                vars(m).pop("_output_capturing_hooks_installed", None)
+
+
 def process_wide_hook_count() -> int:
     """How many process-wide module hooks are registered (cheap: read on every call)."""
     return sum(map(len, _PROCESS_WIDE_TABLES))
@@ -33,7 +81,7 @@ def process_wide_hooks() -> list[str]:
         getattr(hook, "__qualname__", repr(hook))
         for table in _PROCESS_WIDE_TABLES
         for hook in table.values()
-        if not isinstance(getattr(hook, "__self__", None), ModuleTracker)
+        if acts(hook)
     ]
 
 

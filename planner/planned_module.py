@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 from planner.errors import PlanningError, checkpointing_disable_advice
 from planner.hooks import (
     HOOK_TABLES,
+    acts,
     process_wide_hook_count,
     process_wide_hooks,
     process_wide_hooks_message,
@@ -231,10 +232,12 @@ class Snapshot:
             and key in _names_read(type(m))  # type: ignore[arg-type]  # a class is hashable
         ]
         # Hooks on a module the graph traced through would never run (the graph inlined it).
+        # Hooks that never act on it (transformers' output recorders) are counted apart.
         hooks = [(name, getattr(m, t)) for name, m in traced for t in HOOK_TABLES if hasattr(m, t)]
         self.hook_owners = [name for name, _ in hooks]
         self.hook_dicts = [table for _, table in hooks]
         self.hook_counts = list(map(len, self.hook_dicts))
+        self.acting_hook_counts = self._acting_hook_counts()
         self.process_wide_hooks = process_wide_hook_count()
         # Where each parameter is held, read on every call: load_state_dict(assign=True) and
         # assignments (``layer.weight = nn.Parameter(...)``) put new objects there.
@@ -290,21 +293,20 @@ class Snapshot:
             self._warn_trainable()
         if process_wide_hook_count() != self.process_wide_hooks and process_wide_hooks():
             raise PlanningError(process_wide_hooks_message(f"after planning {planned_name}"))
-        if (
-            list(map(len, self.children)) == self.sizes
-            and list(map(dict.get, self.child_dicts, self.child_keys)) == self.child_values
-            and list(map(dict.get, self.attribute_dicts, self.attribute_keys))
-            == self.attribute_values
-            and list(map(len, self.hook_dicts)) == self.hook_counts
-        ):
+        if self._unchanged():
             return
+        acting = self._acting_hook_counts()
         hooked = sorted(
             {
                 name or "the model"
-                for name, table, count in zip(self.hook_owners, self.hook_dicts, self.hook_counts)
-                if len(table) != count
+                for name, now, count in zip(self.hook_owners, acting, self.acting_hook_counts)
+                if now != count
             }
         )
+        if not hooked:  # hooks that never act came or went: count them as they are now
+            self.hook_counts = list(map(len, self.hook_dicts))
+            if self._unchanged():
+                return
         if hooked and getattr(self.model, "is_gradient_checkpointing", False):
             # Hugging Face's enable also hooks the input embeddings, which its disable leaves.
             embeddings = callable(getattr(self.model, "disable_input_require_grads", None))
@@ -342,6 +344,18 @@ class Snapshot:
             "before the change and would compute something else. Plan again "
             "(planner.plan(model, ...), or planner.load(path, model) for a saved plan)."
         )
+
+    def _unchanged(self) -> bool:
+        return (
+            list(map(len, self.children)) == self.sizes
+            and list(map(dict.get, self.child_dicts, self.child_keys)) == self.child_values
+            and list(map(dict.get, self.attribute_dicts, self.attribute_keys))
+            == self.attribute_values
+            and list(map(len, self.hook_dicts)) == self.hook_counts
+        )
+
+    def _acting_hook_counts(self) -> list[int]:
+        return [sum(map(acts, table.values())) for table in self.hook_dicts]
 
     def _warn_trainable(self) -> None:
         """Once: the plan was made for other trainable parameters (staged fine-tuning): frozen

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from planner.errors import PlanningError
+from planner.hooks import HOOK_TABLES, process_wide_hook_count
 
 __all__ = ["refusing_side_effects", "repeated_effects"]
 
@@ -171,17 +172,13 @@ def repeated_effects(module: nn.Module):
     )
 
 
-_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOKS = tuple(f"_global{name}" for name in _MODULE_HOOKS)
-
-
 def _torch_modules_only(module: nn.Module) -> bool:
     """Whether calling ``module`` runs only torch's own modules' forwards, with no hook."""
-    if any(getattr(torch.nn.modules.module, table, None) for table in _GLOBAL_HOOKS):
+    if process_wide_hook_count():
         return False
     return all(
         type(sub).__module__.startswith("torch.")
-        and not any(getattr(sub, table, None) for table in _MODULE_HOOKS)
+        and not any(getattr(sub, table, None) for table in HOOK_TABLES)
         for sub in module.modules()
     )
 

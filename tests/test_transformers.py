@@ -99,6 +99,32 @@ def test_plan_returns_the_same_model_output_type():
     assert out.logits.shape == expected.logits.shape
 
 
+@pytest.mark.parametrize("leaf", [False, True], ids=["op by op", "blocks kept whole"])
+@pytest.mark.parametrize("installed", [False, True], ids=["fresh", "recorders installed"])
+def test_hidden_states_and_attentions_plan_and_leave_the_recorders_as_found(installed, leaf):
+    """Found trying the library: transformers 5 records ``output_hidden_states`` and
+    ``output_attentions`` by forward hooks it installs on the layers at the first call that
+    asks for them (and leaves there). Planning refused them as hooks the plan would not run,
+    and left those its capture installed on the model. They only append to a collector that
+    lives during the model's own call: the graph returns what they recorded."""
+    model, args, _ = gpt2()
+    kwargs = {"labels": args[0], "output_hidden_states": True, "output_attentions": True}
+    if installed:
+        model(*args, **kwargs)
+    reference = copy.deepcopy(model)
+    before = model_state(model)
+    flagged = vars(model).get("_output_capturing_hooks_installed", False)
+    leaves = (transformers.models.gpt2.modeling_gpt2.GPT2Block,) if leaf else ()
+    p = plan(model, args, budget_gb=1, example_kwargs=kwargs, solver="sqrt_n", leaf_modules=leaves)
+    assert_same_state(before, model_state(model))
+    assert vars(model).get("_output_capturing_hooks_installed", False) == flagged
+    assert p.segments, "the test needs checkpointed segments"
+    assert_equivalent(reference, model, p.module, args, kwargs)
+    model(*args, **kwargs)  # the model itself, as a user evaluates it: installs them
+    assert_equivalent(reference, model, p.module, args, kwargs)
+    assert len(p.module(*args, **kwargs).hidden_states) == 3
+
+
 def test_gradient_checkpointing_enabled_in_transformers_is_refused():
     """A model that checkpoints itself: planner must not drop those checkpoints silently."""
     model, args, kwargs = gpt2()
