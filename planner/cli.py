@@ -239,6 +239,11 @@ def _build(spec: str, kwargs: dict):
         )
     model, inputs, *rest = result
     example_kwargs = rest[0] if rest else None
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise UsageError(
+            f"{spec} returned {type(example_kwargs).__name__} as its third item; it must be "
+            "the example's keyword inputs, a dict"
+        )
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     return model, inputs, example_kwargs
 

@@ -20,6 +20,7 @@ peak, or finds the same plan); only ``peak <= budget`` holds.
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import asdict, dataclass
 
@@ -113,10 +114,19 @@ class Frontier:
         return plot_frontier(self, ax=ax, path=path)
 
 
+def _check_points(points) -> None:
+    """Before any capture: a count of budgets is a whole number from 1 (``2.5`` raised a
+    ``TypeError`` from numpy after the capture and profile)."""
+    try:
+        count = operator.index(points)  # ints and numpy's
+    except TypeError:
+        count = 0
+    if isinstance(points, bool) or count < 1:
+        raise ValueError(f"points must be a whole number of budgets, at least 1, got {points!r}")
+
+
 def _budgets(lowest: int, baseline: int, points: int) -> list[int]:
     """``points`` budgets evenly spaced from ``lowest`` to ``baseline``, both included."""
-    if points < 1:
-        raise ValueError(f"points must be at least 1, got {points}")
     if points == 1 or baseline <= lowest:
         return [baseline]
     return sorted({round(b) for b in np.linspace(lowest, baseline, points)})
@@ -147,6 +157,7 @@ def frontier_of(
     PlanningError
         When the solver's plan does not fit one of ``budgets``.
     """
+    _check_points(points)
     baseline = simulate(problem, ()).peak_bytes
     lowest = lowest_peak(problem).peak_bytes
     if budgets is None:
@@ -237,6 +248,7 @@ def frontier(
     >>> f.points[-1].recompute_seconds, f.points[-1].peak_bytes == f.baseline_peak_bytes
     (0.0, True)
     """
+    _check_points(points)
     _, problem = prepare(
         model,
         example_inputs,

@@ -6,6 +6,7 @@ import importlib
 import sys
 
 import pytest
+import torch
 
 import planner
 from planner.errors import PlanningError
@@ -87,6 +88,14 @@ def test_given_budgets_and_a_budget_nothing_fits(problem):
         frontier_of(problem, budgets=[lowest - 4096, baseline])
     with pytest.raises(ValueError, match="points"):
         frontier_of(problem, points=0)
+
+
+@pytest.mark.parametrize("points", [0, 2.5, True, "4"])
+def test_a_count_of_points_that_is_not_a_whole_number_is_refused_before_capture(points):
+    """Found trying the library: ``points=2.5`` raised numpy's TypeError after the capture."""
+    model = torch.nn.Linear(3, 3)
+    with pytest.raises(ValueError, match=r"points must be a whole number"):
+        frontier(model, (torch.randn(2, 5),), points=points)  # the wrong width: not captured
 
 
 @pytest.mark.parametrize("budget", [float("nan"), -5, 0, "1e9"])
