@@ -89,7 +89,7 @@ class MicroBatch:
             context.__exit__(*exc)
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """``(loss * loss_scale).backward(**kwargs)``.
+        """``(loss * loss_scale).backward(**kwargs)``, exactly.
 
         With a data-parallel ``model`` it must run inside ``with micro:`` (forward included),
         because ``DistributedDataParallel`` decides in forward whether the backward will
@@ -107,7 +107,9 @@ class MicroBatch:
                 f"tensor), got {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
-        (loss * self.loss_scale).backward(**kwargs)
+        # The scale as the gradient of the loss, not a product: the same gradients, and no
+        # scaled copy of the loss held through backward beside the loss (as planned).
+        loss.backward(torch.full_like(loss, self.loss_scale), **kwargs)
 
     def __repr__(self) -> str:
         return (
