@@ -123,8 +123,7 @@ def test_a_factory_that_raises_is_named_with_its_error(tmp_path, capsys):
 def test_a_factory_whose_third_item_is_not_a_dict_is_a_bad_factory_result(tmp_path, capsys):
     """Exit status 2, as cli.md says of a bad factory result (it was 1, from deep in plan)."""
     (tmp_path / "my_models.py").write_text(
-        "import torch\n"
-        "def make():\n    return torch.nn.Linear(3, 3), (torch.randn(2, 3),), [1]\n"
+        "import torch\ndef make():\n    return torch.nn.Linear(3, 3), (torch.randn(2, 3),), [1]\n"
     )
     assert cli.main(["plan", f"{tmp_path / 'my_models.py'}:make", "--budget-gb", "1"]) == 2
     assert "returned list as its third item; it must be" in capsys.readouterr().err
