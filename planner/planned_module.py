@@ -192,7 +192,8 @@ class Snapshot:
     Tracing bakes into the graph the modules it traced through, the plain attributes their
     forward read (``self.scale``, ``self.heads``...) and every module's ``training`` flag. The
     modules the graph calls (``call_module`` nodes) read their own attributes and children when
-    they run, so they are compared only by identity. Parameters and buffers are read through
+    they run, so they are compared by identity, and by the attributes of theirs that their
+    traced parent's code names (``self.drop.p``). Parameters and buffers are read through
     the modules when the graph runs, so they may be replaced (``.double()``, FSDP2's sharding).
     """
 
@@ -222,14 +223,24 @@ class Snapshot:
         self.child_dicts = [c for c in self.children for _ in c]
         self.child_keys = [k for c in self.children for k in c]
         self.child_values = [v for c in self.children for v in c.values()]
+        # The attributes a traced module's code may have read: its own, and those of the
+        # children the graph calls (``dropout_p=self.drop.p`` beside ``self.drop(x)``: the
+        # graph holds the number, where the called child reads its own when it runs).
+        read = [
+            (name, m, _names_read(type(m)))  # type: ignore[arg-type]  # a class is hashable
+            for name, m in traced
+        ]
+        owners = read + [
+            (f"{name}.{child_name}".lstrip("."), child, names)
+            for name, m, names in read
+            for child_name, child in m._modules.items()
+            if child is not None and id(child) in inside_called
+        ]
         self.attributes = [
             (f"{name}.{key}".lstrip("."), m.__dict__, key, value)
-            for name, m in traced
+            for name, m, names in owners
             for key, value in vars(m).items()
-            if not key.startswith("_")
-            and key != "training"
-            and _is_scalar(value)
-            and key in _names_read(type(m))  # type: ignore[arg-type]  # a class is hashable
+            if not key.startswith("_") and key != "training" and _is_scalar(value) and key in names
         ]
         # Hooks on a module the graph traced through would never run (the graph inlined it).
         # Hooks that never act on it (transformers' output recorders) are counted apart.

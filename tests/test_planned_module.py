@@ -757,6 +757,28 @@ def test_what_the_graph_reads_when_it_runs_may_change(change):
     assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
 
 
+class SharedDropout(nn.Module):
+    """Reads its called Dropout's ``p`` for a second use, as timm's attention passes
+    ``attn_drop.p`` to SDPA's ``dropout_p``: the traced graph holds the number."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.drop = nn.Linear(8, 8), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.drop(self.a(nn.functional.dropout(x, self.drop.p, self.training)))
+
+
+def test_an_attribute_of_a_called_module_its_parent_reads_may_not_change():
+    """Found trying the library: the planned module kept the old ``p`` (max difference 0.27
+    after a dropout schedule set it to 0), silently; the model read the new one."""
+    model, x = SharedDropout(), torch.randn(4, 8)
+    p = planner.plan(model, (x,), budget_gb=1)
+    model.drop.p = 0.0
+    with pytest.raises(planner.PlanningError, match=r"drop\.p changed from 0\.1 to 0\.0"):
+        p.module(x)
+
+
 # --------------------------------------------------------------------------------------------
 # torch.compile
 
