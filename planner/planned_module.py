@@ -204,8 +204,11 @@ class Snapshot:
         tensor_arguments,
         dtypes: CallDtypes | None,
         sizes: dict[str, tuple[torch.Size, ...]] | None = None,
+        checkpoints: bool = False,
     ):
         self.model = model
+        self.checkpoints = checkpoints  # whether the graph runs checkpointed segments
+        self.warned_hooks = False
         self.module_names = [name for name, _ in model.named_modules()]
         self.module_dicts = [m.__dict__ for _, m in model.named_modules()]
         self.flags = self.training_flags()
@@ -409,6 +412,27 @@ class Snapshot:
             "(optimizer.zero_grad(set_to_none=True), the default; x.grad = None for an input), "
             "or plan gradient accumulation with planner.plan_batch, which counts them from the "
             "start.",
+            UserWarning,
+            stacklevel=_callers_stacklevel(),
+        )
+
+    def warn_if_saved_tensor_hooks(self) -> None:
+        """Once: saved-tensor hooks around the call (activation compression) see only the
+        tensors saved outside checkpointed segments, as checkpoint installs its own inside and
+        recomputes those. Lossless ones (``save_on_cpu``) leave gradients as the model's;
+        others give other gradients than the model under the same hooks."""
+        if not self.checkpoints or self.warned_hooks or torch.compiler.is_compiling():
+            return
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if hooks is None or hooks[0].__qualname__.startswith("save_on_cpu."):
+            return
+        self.warned_hooks = True
+        warnings.warn(
+            f"the planned {type(self.model).__name__} is called under saved-tensor hooks "
+            f"({getattr(hooks[0], '__qualname__', hooks[0])}): the tensors its checkpointed "
+            "segments save are recomputed in backward and never reach them. Hooks that change "
+            "what they save (compression, quantisation) then give other gradients than the "
+            "model under the same hooks; lossless ones (offloading, save_on_cpu) do not.",
             UserWarning,
             stacklevel=_callers_stacklevel(),
         )
@@ -672,6 +696,7 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         if form is not None:
             return snapshot.run_form(form, args, kwargs)
         snapshot.warn_if_gradients_held(args, kwargs)
+        snapshot.warn_if_saved_tensor_hooks()
         try:
             output = graph_forward(self, *args, **kwargs)
         except RuntimeError as error:
@@ -682,6 +707,13 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
                     "saved-tensor hooks, which these transforms do not support yet. Apply them "
                     "to the model itself (it has the same parameters); torch.func.vmap and "
                     "functional_call work on the planned module."
+                ) from error
+            if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+                raise PlanningError(
+                    "torch.autograd.graph.disable_saved_tensors_hooks is active, and the planned "
+                    f"{type(snapshot.model).__name__}'s checkpointed segments need saved-tensor "
+                    "hooks (torch.utils.checkpoint recomputes through them). Call it outside "
+                    f"that block, or call the model itself there. The block's message: {error}"
                 ) from error
             raise
         snapshot.warn_if_larger(args, kwargs)  # after: export's static graphs refuse other sizes

@@ -493,6 +493,7 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
         ),
         dtypes=captured.meta.get("planner.call_dtypes"),
         sizes=captured.meta.get("planner.call_sizes"),
+        checkpoints=bool(built),
     )
     for segment in built:
         segment.root = planned

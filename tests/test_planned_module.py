@@ -757,6 +757,27 @@ def test_what_the_graph_reads_when_it_runs_may_change(change):
     assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
 
 
+def test_saved_tensor_hooks_around_a_plan_warn_that_its_segments_bypass_them():
+    """Found trying the library: bfloat16 compression by ``saved_tensors_hooks`` packed 17
+    tensors of the model and 7 of the plan (the segments' are recomputed), so gradients
+    differed (0.02) without a word; under ``disable_saved_tensors_hooks`` the plan failed in
+    torch.utils.checkpoint with the block's own message."""
+    model, x = Blocks(), torch.randn(4, 8)
+    p = tight_plan(model, (x,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autograd.graph.save_on_cpu():  # lossless: the model's gradients
+            p.module(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.bfloat16(), lambda t: t.float()):
+        with pytest.warns(UserWarning, match=r"saved-tensor hooks.*never reach them"):
+            p.module(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks in here"):
+        with pytest.raises(planner.PlanningError, match=r"disable_saved_tensors_hooks.*in here"):
+            p.module(x).sum().backward()
+
+
 class SharedDropout(nn.Module):
     """Reads its called Dropout's ``p`` for a second use, as timm's attention passes
     ``attn_drop.p`` to SDPA's ``dropout_p``: the traced graph holds the number."""
