@@ -12,6 +12,7 @@ import argparse
 import ast
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -231,6 +232,12 @@ def _check_image_format(flag: str, path: Path) -> None:
 
 def _build(spec: str, kwargs: dict):
     factory = load_factory(spec)
+    try:  # the --arg values against its signature: a TypeError inside it is the factory's own
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as error:
+        raise UsageError(f"calling the factory {spec}: {error}") from error
+    except ValueError:  # no signature to read (a builtin): the call will tell
+        pass
     result = factory(**kwargs)
     if not isinstance(result, tuple) or len(result) not in (2, 3):
         raise UsageError(
@@ -258,8 +265,6 @@ def _plan(args) -> int:
             model, inputs, example_kwargs = _build(args.model, kwargs)
         except UsageError:
             raise
-        except TypeError as error:
-            raise UsageError(f"calling the factory {args.model}: {error}") from error
         except Exception as error:  # the factory's own code: not a bad budget or solver
             raise FactoryFailed(
                 f"the factory {args.model} raised {type(error).__name__}: {_one_line(error)}"

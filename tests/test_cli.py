@@ -129,6 +129,19 @@ def test_a_factory_whose_third_item_is_not_a_dict_is_a_bad_factory_result(tmp_pa
     assert "returned list as its third item; it must be" in capsys.readouterr().err
 
 
+def test_a_type_error_inside_the_factory_is_the_factorys_not_the_command_lines(tmp_path, capsys):
+    """Found trying the library: any TypeError read as bad --arg values (status 2, or 1 with
+    --traceback). Only arguments its signature refuses are."""
+    (tmp_path / "my_models.py").write_text(
+        "import torch\ndef make(width=4):\n    return torch.nn.Linear(4, 4), torch.randn('8', 4)\n"
+    )
+    spec = f"{tmp_path / 'my_models.py'}:make"
+    assert cli.main(["plan", spec, "--budget-gb", "1"]) == 1
+    assert f"the factory {spec} raised TypeError" in capsys.readouterr().err
+    assert cli.main(["plan", spec, "--budget-gb", "1", "--arg", "depth=2"]) == 2
+    assert "unexpected keyword argument 'depth'" in capsys.readouterr().err
+
+
 def test_main_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["plan", "gpt"])  # no budget
