@@ -148,6 +148,11 @@ def accumulation_problem(problem: Problem, batch_bytes: int = 0) -> Problem:
 def _candidates(per_rank: int, micro_batches) -> list[int]:
     if micro_batches is None:
         return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+    if not isinstance(micro_batches, (list, tuple, range, set, frozenset)):
+        raise TypeError(
+            f"micro_batches must be a list of micro-batch sizes (micro_batches=[{micro_batches!r}]"
+            f" for one), got {type(micro_batches).__name__}"
+        )
     sizes = sorted({positive_int("each of micro_batches", m) for m in micro_batches})
     if not sizes:
         raise ValueError("micro_batches is empty: give at least one micro-batch size")

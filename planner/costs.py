@@ -14,6 +14,7 @@ the model's device
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 import time
 from collections.abc import Mapping
@@ -72,6 +73,17 @@ class CostModel:
                 "give CostModel either measured_seconds (times measured already) or "
                 "measure_repeat (planning measures them), not both"
             )
+        for name in ("flops_per_second", "bytes_per_second"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not float(value) > 0
+            ):
+                raise ValueError(
+                    f"CostModel needs {name} > 0 (inf ignores that side of the roofline), "
+                    f"got {value!r}"
+                )
         for name in ("checkpoint_seconds", "keep_seconds"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):

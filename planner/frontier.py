@@ -157,6 +157,11 @@ def frontier_of(
     PlanningError
         When the solver's plan does not fit one of ``budgets``.
     """
+    if not isinstance(problem, Problem):
+        raise TypeError(
+            "frontier_of takes the Problem that planner.prepare(model, inputs) returns second, "
+            f"got {type(problem).__name__}; for a model, call planner.frontier(model, inputs)"
+        )
     _check_points(points)
     baseline = simulate(problem, ()).peak_bytes
     lowest = lowest_peak(problem).peak_bytes

@@ -54,7 +54,18 @@ def budget_in_bytes(budget_gb, budget_bytes) -> int:
             f"budget_gb={MAX_BUDGET_BYTES / GIB:.3g}); for no limit, give the baseline peak "
             "or any budget larger than it"
         )
-    return int(nbytes)
+    if nbytes < 1:
+        raise ValueError(f"{name}={value!r} is less than one byte")
+    return int(nbytes)  # a fraction of a byte is dropped: the budget is a limit
+
+
+def _check_type(name: str, value, expected: type) -> None:
+    """An option of the wrong kind (``cost_model="roofline"``) is a TypeError saying which."""
+    if value is not None and not isinstance(value, expected):
+        raise TypeError(
+            f"{name} must be a planner.{expected.__name__} or None, got {type(value).__name__} "
+            f"{value!r}"
+        )
 
 
 def _check_model(model: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -175,6 +186,8 @@ def prepare(
     ``capture_options`` (default ``CaptureOptions()``) decide the captured graph; the other
     arguments are as for ``plan``.
     """
+    _check_type("cost_model", cost_model, CostModel)
+    _check_type("capture_options", capture_options, CaptureOptions)
     options = capture_options or CaptureOptions()
     if optimizer_state_bytes is not None:  # a negative one hid memory from the budget
         optimizer_state_bytes = non_negative_int("optimizer_state_bytes", optimizer_state_bytes)

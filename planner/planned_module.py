@@ -708,7 +708,7 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
                     "to the model itself (it has the same parameters); torch.func.vmap and "
                     "functional_call work on the planned module."
                 ) from error
-            if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+            if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
                 raise PlanningError(
                     "torch.autograd.graph.disable_saved_tensors_hooks is active, and the planned "
                     f"{type(snapshot.model).__name__}'s checkpointed segments need saved-tensor "

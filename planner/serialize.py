@@ -392,6 +392,8 @@ def read(path) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise PlanningError(f"no saved plan at {path}") from None
+    except IsADirectoryError:
+        raise PlanningError(f"{path} is a folder, not a saved plan (a .json file)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise PlanningError(f"{path} is not a saved plan (not JSON: {error})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:

@@ -77,6 +77,7 @@ def plan_of(model, args, kwargs, **options):
         {"budget_bytes": True},
         {"budget_gb": 1e300},
         {"budget_bytes": 2**63},
+        {"budget_gb": 1e-300},
     ],
     ids=[
         "none",
@@ -89,6 +90,7 @@ def plan_of(model, args, kwargs, **options):
         "bool",
         "huge gb",
         "huge bytes",
+        "under a byte",
     ],
 )
 def test_invalid_budget_is_a_value_error(budget):
@@ -107,6 +109,54 @@ def test_invalid_optimizer_state_bytes_is_a_value_error(state):
     before = model_state(model)
     with pytest.raises(ValueError, match="optimizer_state_bytes must be a non-negative integer"):
         planner.plan(model, args, budget_gb=1, example_kwargs=kwargs, optimizer_state_bytes=state)
+    assert_same_state(before, model_state(model))
+
+
+OPTIONS_OF_THE_WRONG_KIND = {
+    "cost_model as a string": (
+        lambda m, a, k: planner.plan(m, a, budget_gb=1, cost_model="roofline"),
+        TypeError,
+        r"cost_model must be a planner\.CostModel or None, got str",
+    ),
+    "capture_options as a string": (
+        lambda m, a, k: planner.prepare(m, a, capture_options="x"),
+        TypeError,
+        r"capture_options must be a planner\.CaptureOptions",
+    ),
+    "a CostModel of no speed": (
+        lambda m, a, k: planner.CostModel(flops_per_second=float("nan")),
+        ValueError,
+        r"flops_per_second > 0",
+    ),
+    "a folder to load": (
+        lambda m, a, k: planner.load("/", m),
+        PlanningError,
+        r"is a folder, not a saved plan",
+    ),
+    "frontier_of of a model": (
+        lambda m, a, k: planner.frontier_of(m),
+        TypeError,
+        r"frontier_of takes the Problem",
+    ),
+    "one micro-batch size, not a list": (
+        lambda m, a, k: planner.plan_batch(
+            m, lambda b: (torch.randn(b, 8),), budget_gb=1, global_batch=8, micro_batches=4
+        ),
+        TypeError,
+        r"micro_batches must be a list",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", OPTIONS_OF_THE_WRONG_KIND)
+def test_an_option_of_the_wrong_kind_says_which_and_what_it_takes(case):
+    """Found trying the library: each was a raw AttributeError, IsADirectoryError or numpy
+    TypeError from deep inside, or (a CostModel of NaN FLOP/s) a plan whose overhead was NaN."""
+    call, error, match = OPTIONS_OF_THE_WRONG_KIND[case]
+    model, args, kwargs = small()
+    before = model_state(model)
+    with pytest.raises(error, match=match):
+        call(model, args, kwargs)
     assert_same_state(before, model_state(model))
 
 
