@@ -619,6 +619,11 @@ def _argument(name: str, position: int | None, args: tuple, kwargs: dict):
     return args[position] if position is not None and position < len(args) else kwargs.get(name)
 
 
+def _saved_tensor_hooks_enabled() -> bool:
+    """False inside ``torch.autograd.graph.disable_saved_tensors_hooks``."""
+    return torch._C._autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -708,7 +713,7 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
                     "to the model itself (it has the same parameters); torch.func.vmap and "
                     "functional_call work on the planned module."
                 ) from error
-            if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
+            if not torch.compiler.is_compiling() and not _saved_tensor_hooks_enabled():
                 raise PlanningError(
                     "torch.autograd.graph.disable_saved_tensors_hooks is active, and the planned "
                     f"{type(snapshot.model).__name__}'s checkpointed segments need saved-tensor "
