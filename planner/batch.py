@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -148,7 +149,7 @@ def accumulation_problem(problem: Problem, batch_bytes: int = 0) -> Problem:
 def _candidates(per_rank: int, micro_batches) -> list[int]:
     if micro_batches is None:
         return [m for m in range(1, per_rank + 1) if per_rank % m == 0]
-    if not isinstance(micro_batches, (list, tuple, range, set, frozenset)):
+    if not isinstance(micro_batches, Iterable) or isinstance(micro_batches, (str, bytes)):
         raise TypeError(
             f"micro_batches must be a list of micro-batch sizes (micro_batches=[{micro_batches!r}]"
             f" for one), got {type(micro_batches).__name__}"

@@ -539,7 +539,7 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
         for name, module in model.named_modules()
         for kind in HOOK_TABLES
         if getattr(module, kind, None)
-        and acting_hooks(module, kind)
+        and acting_hooks(getattr(module, kind))
         and (name == "" or name not in kept)
     ]
     if dropped:

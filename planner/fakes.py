@@ -271,7 +271,7 @@ def _col2im(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
     """The CPU kernel (``F.fold``; ``F.unfold``'s backward) makes its result like its input,
     the columns, then resizes it down to the image: a 3 x 3 kernel's result holds 9x its size
     (found trying the library: 200,776 bytes over a budget)."""
-    columns = args[0] if args else kwargs["input"]
+    columns = args[0] if args else kwargs["self"]
     return _on_larger_storage(out, max(columns.numel(), out.numel()) * out.element_size())
 
 

@@ -12,7 +12,8 @@ each appends its layer's output to a collector that exists only during the model
 Capture runs that call, so the graph returns what they recorded; the planned module needs no
 hook, and one installed before or after planning never acts on it. They are not refused, and
 those a capture installs are removed again (``restoring_output_recorders``): planning leaves
-the model as it found it.
+the model as it found it (a call of the same model asking for them from another thread while a
+capture runs may have its recorders removed with them).
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ def acts(hook) -> bool:
     return not (tracks or _records_outputs(hook))
 
 
-def acting_hooks(module: nn.Module, table: str) -> int:
-    """How many hooks of ``module``'s ``table`` may act (``acts``)."""
-    return sum(map(acts, getattr(module, table).values()))
+def acting_hooks(table: dict) -> int:
+    """How many hooks of a module's hook table may act (``acts``)."""
+    return sum(map(acts, table.values()))
 
 
 @contextlib.contextmanager

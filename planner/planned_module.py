@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 from planner.errors import PlanningError, checkpointing_disable_advice
 from planner.hooks import (
     HOOK_TABLES,
-    acts,
+    acting_hooks,
     process_wide_hook_count,
     process_wide_hooks,
     process_wide_hooks_message,
@@ -227,17 +227,18 @@ class Snapshot:
         self.child_keys = [k for c in self.children for k in c]
         self.child_values = [v for c in self.children for v in c.values()]
         # The attributes a traced module's code may have read: its own, and those of the
-        # children the graph calls (``dropout_p=self.drop.p`` beside ``self.drop(x)``: the
-        # graph holds the number, where the called child reads its own when it runs).
+        # modules below it that the graph calls (``dropout_p=self.drop.p`` beside
+        # ``self.drop(x)``: the graph holds the number, where the called module reads its own
+        # when it runs).
         read = [
             (name, m, _names_read(type(m)))  # type: ignore[arg-type]  # a class is hashable
             for name, m in traced
         ]
         owners = read + [
-            (f"{name}.{child_name}".lstrip("."), child, names)
+            (f"{name}.{below}".lstrip("."), sub, names)
             for name, m, names in read
-            for child_name, child in m._modules.items()
-            if child is not None and id(child) in inside_called
+            for below, sub in m.named_modules()
+            if id(sub) in inside_called
         ]
         self.attributes = [
             (f"{name}.{key}".lstrip("."), m.__dict__, key, value)
@@ -250,9 +251,8 @@ class Snapshot:
         hooks = [(name, getattr(m, t)) for name, m in traced for t in HOOK_TABLES if hasattr(m, t)]
         self.hook_owners = [name for name, _ in hooks]
         self.hook_dicts = [table for _, table in hooks]
-        self.hook_counts = list(map(len, self.hook_dicts))
-        self.acting_hook_counts = self._acting_hook_counts()
-        self.process_wide_hooks = process_wide_hook_count()
+        self.hook_counts = list(map(len, self.hook_dicts))  # as last checked: the quick test
+        self.acting_hook_counts = list(map(acting_hooks, self.hook_dicts))
         # Where each parameter is held, read on every call: load_state_dict(assign=True) and
         # assignments (``layer.weight = nn.Parameter(...)``) put new objects there.
         slots = [name.rpartition(".") for name, _ in model.named_parameters()]
@@ -305,11 +305,12 @@ class Snapshot:
         """Raise a PlanningError when a module or attribute the graph was traced from changed."""
         if [p.requires_grad for p in self.parameters()] != self.trainable:
             self._warn_trainable()
-        if process_wide_hook_count() != self.process_wide_hooks and process_wide_hooks():
+        # Planning refused every process-wide hook that acts: any now came after it.
+        if process_wide_hook_count() and process_wide_hooks():
             raise PlanningError(process_wide_hooks_message(f"after planning {planned_name}"))
         if self._unchanged():
             return
-        acting = self._acting_hook_counts()
+        acting = list(map(acting_hooks, self.hook_dicts))
         hooked = sorted(
             {
                 name or "the model"
@@ -368,9 +369,6 @@ class Snapshot:
             and list(map(len, self.hook_dicts)) == self.hook_counts
         )
 
-    def _acting_hook_counts(self) -> list[int]:
-        return [sum(map(acts, table.values())) for table in self.hook_dicts]
-
     def _warn_trainable(self) -> None:
         """Once: the plan was made for other trainable parameters (staged fine-tuning): frozen
         parts save nothing for backward, so its memory no longer holds. Gradients stay exact."""
@@ -423,8 +421,9 @@ class Snapshot:
         others give other gradients than the model under the same hooks."""
         if not self.checkpoints or self.warned_hooks or torch.compiler.is_compiling():
             return
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if hooks is None or hooks[0].__qualname__.startswith("save_on_cpu."):
+        hooks = _top_saved_tensor_hooks()()
+        # torch's own (save_on_cpu, an enclosing torch.utils.checkpoint) change nothing saved
+        if hooks is None or getattr(hooks[0], "__module__", "").startswith("torch."):
             return
         self.warned_hooks = True
         warnings.warn(
@@ -619,9 +618,24 @@ def _argument(name: str, position: int | None, args: tuple, kwargs: dict):
     return args[position] if position is not None and position < len(args) else kwargs.get(name)
 
 
-def _saved_tensor_hooks_enabled() -> bool:
-    """False inside ``torch.autograd.graph.disable_saved_tensors_hooks``."""
-    return torch._C._autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
+def _disabled_hooks_message() -> str | None:
+    """The message of the ``torch.autograd.graph.disable_saved_tensors_hooks`` block the call
+    runs in, if any (None under torch.compile, which cannot call the getter)."""
+    if torch.compiler.is_compiling():
+        return None
+    return torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+
+
+@functools.cache
+def _top_saved_tensor_hooks():
+    """A function that returns the innermost saved-tensor hooks (pack, unpack), or None:
+    torch's getter takes an argument since some version before 2.13, none before."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    try:
+        top(False)
+    except TypeError:
+        return top
+    return functools.partial(top, False)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -713,7 +727,8 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
                     "to the model itself (it has the same parameters); torch.func.vmap and "
                     "functional_call work on the planned module."
                 ) from error
-            if not torch.compiler.is_compiling() and not _saved_tensor_hooks_enabled():
+            disabled = _disabled_hooks_message()
+            if snapshot.checkpoints and disabled is not None and disabled in str(error):
                 raise PlanningError(
                     "torch.autograd.graph.disable_saved_tensors_hooks is active, and the planned "
                     f"{type(snapshot.model).__name__}'s checkpointed segments need saved-tensor "

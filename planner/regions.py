@@ -22,6 +22,8 @@ import torch
 from torch import fx
 from torch.autograd import grad_mode
 
+from planner.errors import PlanningError
+
 # Tracing patches process-wide objects (fx patches ``nn.Module.__call__`` and ``__getattr__``;
 # capture patches ``torch.utils.checkpoint`` and the grad-mode and autocast context managers).
 # One capture at a time; every patch acts only in the capturing thread (``capturing``) and
@@ -43,11 +45,12 @@ def in_capturing_thread() -> bool:
 # functions below, which do at run time what the context manager does: switch the mode, and on
 # exit restore the mode that was current on entry (whatever mode the caller runs in).
 #
-# A region is the pair ``(leave, state)``: ``leave(state)`` restores what was current on entry.
-# Each switch is a call torch.compile traces as the switch it is (``torch.set_grad_enabled``
-# called as a function, ``torch.amp._enter_autocast``, ``_enter_inference_mode``: the forms
-# torch.export records); a context manager's ``__enter__``/``__exit__`` called outside a ``with``
-# statement is not, and left grad mode off after a compiled call.
+# A region is ``(leave, state, autocast)``: ``leave(state)`` restores what was current on entry;
+# ``autocast`` is ``(device_type, enabled)`` for an autocast region, else None. Each switch is a
+# call torch.compile traces as the switch it is (``torch.set_grad_enabled`` called as a
+# function, ``torch.amp._enter_autocast``, ``_enter_inference_mode``: the forms torch.export
+# records); a context manager's ``__enter__``/``__exit__`` called outside a ``with`` statement
+# is not, and left grad mode off after a compiled call.
 
 _open = threading.local()  # .regions: regions entered by those nodes, not yet exited
 
@@ -58,10 +61,10 @@ def _open_regions() -> list:
     return _open.regions
 
 
-def _entered(leave, state) -> tuple:
+def _entered(leave, state, autocast=None) -> tuple:
     """The region; remembered in eager mode only, for ``closing_regions`` (a compiled graph
     recomputes in a graph of its own, and does not trace the thread's list)."""
-    region = leave, state
+    region = leave, state, autocast
     if not torch.compiler.is_compiling():
         _open_regions().append(region)
     return region
@@ -83,18 +86,34 @@ def enter_autocast(
     device_type: str, dtype: torch.dtype, enabled: bool, cache_enabled: bool
 ) -> tuple:
     """Graph node for ``torch.autocast(...)`` (arguments as resolved when it was traced)."""
+    if torch.compiler.is_compiling() and not hasattr(torch.amp.autocast_mode, "_UnmanagedAutocast"):
+        raise PlanningError(_COMPILED_AUTOCAST + "This torch's Dynamo cannot trace the region.")
     mode = torch.amp.autocast_mode._enter_autocast(device_type, dtype, enabled, cache_enabled)
-    return _entered(torch.amp.autocast_mode._exit_autocast, mode)
+    return _entered(torch.amp.autocast_mode._exit_autocast, mode, (device_type, enabled))
+
+
+_COMPILED_AUTOCAST = "torch.compile cannot run this plan's autocast region exactly: "
 
 
 def exit_region(region: tuple) -> None:
     """Graph node for leaving a region entered by one of the ``enter_*`` nodes."""
+    leave, state, autocast = region
     if not torch.compiler.is_compiling():
         regions = _open_regions()
-        if region in regions:
-            regions.remove(region)
-    leave, state = region
+        for i in range(len(regions) - 1, -1, -1):  # by identity: equal regions may be nested
+            if regions[i] is region:
+                del regions[i]
+                break
+    lost = autocast is not None and torch.is_autocast_enabled(autocast[0]) != autocast[1]
     leave(state)
+    if lost:  # torch 2.13's Dynamo resumes after a graph break inside the region without it
+        raise PlanningError(
+            _COMPILED_AUTOCAST + "Dynamo lost it at a graph break inside it (a module or op "
+            "it cannot trace), and computed the rest of the region in full precision. Compile "
+            "with fullgraph=True (and make the region traceable), or run the plan without "
+            "torch.compile. (The compiled part entered the region: autocast counts it as "
+            "still open in this process, so its weight casts are kept until it exits.)"
+        )
 
 
 REGION_ENTRIES = (enter_grad_mode, enter_inference_mode, enter_autocast)
@@ -121,7 +140,7 @@ def closing_regions(*, always: bool):
 def _exit_regions_since(depth: int) -> None:
     regions = _open_regions()
     while len(regions) > depth:
-        leave, state = regions.pop()
+        leave, state, _ = regions.pop()
         leave(state)
 
 

@@ -107,6 +107,11 @@ class MicroBatch:
                 f"tensor), got {type(loss).__name__}"
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
             )
+        if "gradient" in kwargs:
+            raise TypeError(
+                "MicroBatch.backward() passes the loss's gradient itself (the micro-batch's "
+                "loss_scale): give it the loss alone, without gradient="
+            )
         # The scale as the gradient of the loss, not a product: the same gradients, and no
         # scaled copy of the loss held through backward beside the loss (as planned).
         loss.backward(torch.full_like(loss, self.loss_scale), **kwargs)

@@ -138,6 +138,13 @@ OPTIONS_OF_THE_WRONG_KIND = {
         TypeError,
         r"frontier_of takes the Problem",
     ),
+    "a string of micro-batch sizes": (
+        lambda m, a, k: planner.plan_batch(
+            m, lambda b: (torch.randn(b, 8),), budget_gb=1, global_batch=8, micro_batches="24"
+        ),
+        TypeError,
+        r"micro_batches must be a list",
+    ),
     "one micro-batch size, not a list": (
         lambda m, a, k: planner.plan_batch(
             m, lambda b: (torch.randn(b, 8),), budget_gb=1, global_batch=8, micro_batches=4

@@ -225,6 +225,16 @@ def test_backward_needs_a_scalar_loss():
         micro.backward(micro.data * 2)
 
 
+def test_backward_passes_the_scale_itself_and_takes_no_gradient():
+    """It passes ``loss_scale`` as the loss's gradient (no scaled copy of the loss held)."""
+    x = torch.ones(4, 2, requires_grad=True)
+    micro = next(micro_batches(x, 2))
+    micro.backward((micro.data * 3).sum())
+    assert torch.equal(x.grad[:2], torch.full((2, 2), 3 * micro.loss_scale))
+    with pytest.raises(TypeError, match="without gradient="):
+        micro.backward((micro.data * 3).sum(), gradient=torch.tensor(2.0))
+
+
 # --------------------------------------------------------------------------------------------
 # Gradients held when a step starts: plan() counts them from backward on, plan_batch from the
 # start of an accumulation window.
