@@ -538,9 +538,7 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
         f"{name or '<the model itself>'}.{kind}"
         for name, module in model.named_modules()
         for kind in HOOK_TABLES
-        if getattr(module, kind, None)
-        and acting_hooks(getattr(module, kind))
-        and (name == "" or name not in kept)
+        if acting_hooks(getattr(module, kind, {})) and (name == "" or name not in kept)
     ]
     if dropped:
         raise PlanningError(

@@ -673,8 +673,10 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
     exactly, with a warning (once) when gradients are enabled. Otherwise a module replaced,
     added or removed, a plain attribute its code reads (``self.scale = ...``) changed, or a hook
     added or removed, in a part of the model the graph traced through raises a
-    ``PlanningError``; parameters frozen or unfrozen since planning warn (once) that the plan's
-    memory no longer holds. A call that leaves
+    ``PlanningError``, as does a process-wide module hook registered since planning
+    (``planner.hooks``); parameters frozen or unfrozen since planning warn (once) that the plan's
+    memory no longer holds, and saved-tensor hooks around a plan with segments that they bypass
+    them. A call that leaves
     out a tensor argument of the planning call (``attention_mask``) is a call form of its own:
     the first such call plans it (same budget, solver and options; a warning says so) and
     every later one runs that plan; a loaded plan, or a call form no plan fits, runs the model
