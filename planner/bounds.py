@@ -112,7 +112,9 @@ def recompute_lower_bound(
             column = rec + storages[k].producer
             terms[column] = terms.get(column, 0.0) - nbytes[k]
         live = int(nbytes[sorted(own | earlier)].sum())
-        rows.append((terms, peak_bytes - problem.fixed_bytes - int(allocated[j]) - live))
+        # The part of the high point after autograd released what j saved may not see ``own``.
+        high = int(allocated[j] - problem.grad_after_release[j])
+        rows.append((terms, peak_bytes - problem.fixed_bytes - high - live))
         earlier |= own
 
     row_index = [i for i, (terms, _) in enumerate(rows) for _ in terms]

@@ -419,6 +419,7 @@ class _Replay:
         freed_at: list[int] = []
         freed: list[int] = []
         outputs_read_by_loss = 0  # graph outputs freed once the loss has read them
+        graph_held = 0  # what contexts hold: freed with the graph, when backward ends
         transient[:n] = problem.workspace
         alloc[:n] = problem.created_bytes
         for p in range(n):
@@ -428,6 +429,8 @@ class _Replay:
                 freed.append(s.nbytes)
                 if s.is_output and released == n - 1:
                     outputs_read_by_loss += s.nbytes
+                if s.held_by_context and released == self.backward_step[0]:
+                    graph_held += s.nbytes
         saves_own = problem.saves_own.tolist()
         node_seconds, node_flops = problem.seconds.tolist(), problem.flops.tolist()
         seconds = flops = 0.0
@@ -453,6 +456,11 @@ class _Replay:
         transient[ran_at] = problem.workspace[ran]
         np.add.at(alloc, made_at, np.array(made, dtype=np.int64))
         np.add.at(free, freed_at, np.array(freed, dtype=np.int64))
+        # At a backward step, what autograd frees as it releases the node's saved tensors
+        # (what a context holds goes with the graph, after the last step).
+        releasing = free.copy()
+        if n:
+            releasing[self.backward_step[0]] -= graph_held
         self._buffer_copies(alloc, free)
         # A checkpoint call costs Problem.checkpoint_seconds each time it runs: every segment
         # in the forward, and an inner one again inside its parent's recompute.
@@ -473,6 +481,8 @@ class _Replay:
             free[first_backward - 1] += problem.loss_bytes
         after = np.cumsum(alloc - free)
         live = after + free + transient
+        # A backward step's high point may come after the release.
+        live[backward] -= problem.released_before_high(np.arange(n), releasing[backward])
         step_bytes = int(after[-1]) if steps else 0
         step_bytes += problem.optimizer_step_bytes
         peak = max(int(live.max(initial=0)), step_bytes)
@@ -508,10 +518,11 @@ def physical_floor(problem: Problem) -> int:
       creates and its workspace, plus the graph outputs made before it (they live until the loss
       reads them, and checkpointing never drops what a segment returns);
     * the backward of a node: the storages it saves (recomputed or kept, they are there when it
-      runs), what its backward allocates at its high point, and the gradients made by the
-      backward of later nodes and not yet freed (parameter gradients accumulated by then, the
-      gradients of the outputs and of every pending activation): the same in every plan, since
-      recompute changes which activations live, not the gradients;
+      runs) and what its backward allocates while they are, or what it allocates at its high
+      point after autograd released them (``Problem.grad_after_release``), and the gradients
+      made by the backward of later nodes and not yet freed (parameter gradients accumulated
+      by then, the gradients of the outputs and of every pending activation): the same in
+      every plan, since recompute changes which activations live, not the gradients;
     * the optimizer step: the gradients backward leaves, plus the step's temporaries.
 
     The largest of these is the floor: no plan's simulated peak is lower (checked on every
@@ -533,6 +544,7 @@ def physical_floor(problem: Problem) -> int:
     allocated = problem.activation_grad_alloc + problem.grad_bytes_at
     net = allocated - problem.activation_grad_free
     pending = np.concatenate((np.cumsum(net[::-1])[::-1][1:], [0]))  # made after node i's
-    backward = saved + pending + allocated
+    # The saved tensors may be gone by the part of the high point after their release.
+    backward = pending + np.maximum(saved + allocated - problem.grad_after_release, allocated)
     step = int(net.sum()) + problem.optimizer_step_bytes
     return int(problem.fixed_bytes + max(int(forward.max()), int(backward.max()), step))

@@ -138,6 +138,10 @@ class Problem:
     # same as grad_bytes_at but for a parameter several nodes read (tied embeddings), whose
     # gradient is summed from its last reader's backward to its first's.
     grad_complete_at: np.ndarray = None  # type: ignore[assignment]
+    # Of backward step i's high point, the bytes reached only after autograd released the
+    # node's saved tensors (gradients summed into its inputs'): the bytes the plan frees at
+    # that step, up to this many, are gone by then (``planner.simulate``). Left out: none.
+    grad_after_release: np.ndarray = None  # type: ignore[assignment]
 
     def __post_init__(self):
         defaults = {
@@ -145,6 +149,7 @@ class Problem:
             "random": lambda: np.zeros(self.size, dtype=bool),
             "keepable": lambda: self.kept_bytes > 0,
             "grad_complete_at": lambda: self.grad_bytes_at,
+            "grad_after_release": lambda: np.zeros(self.size, dtype=np.int64),
         }
         for name, default in defaults.items():
             if getattr(self, name) is None:
@@ -177,6 +182,12 @@ class Problem:
     @property
     def size(self) -> int:
         return len(self.names)
+
+    def released_before_high(self, nodes: np.ndarray, released: np.ndarray) -> np.ndarray:
+        """Of the bytes the backward steps of ``nodes`` free as autograd releases the nodes'
+        saved tensors (``released``), those their high points do not hold: up to the bytes
+        each reaches only after the release (``grad_after_release``)."""
+        return np.minimum(self.grad_after_release[nodes], released)
 
     def buffer_copy_bytes(self, start: int, stop: int) -> int:
         """Bytes of the copies of buffers that segment ``(start, stop)`` makes: once when its
@@ -435,6 +446,9 @@ def build_problem(
     # Parameter gradients are part of both; they are reported apart in grad_bytes_at.
     high = np.array([require_meta(node, "planner.backward_high") for node in nodes], np.int64)
     net = np.array([require_meta(node, "planner.backward_net") for node in nodes], np.int64)
+    after_release = np.array(
+        [require_meta(node, "planner.backward_after_release") for node in nodes], np.int64
+    )
     grad_alloc = high - grad_bytes_at
     grad_free = high - net
     if n:
@@ -496,6 +510,7 @@ def build_problem(
         grad_complete_at=grad_complete_at,
         activation_grad_alloc=grad_alloc,
         activation_grad_free=grad_free,
+        grad_after_release=after_release,
         checkpointable=~pinned,
         cut_allowed=cut_allowed,
         cut_bytes=cut_bytes,

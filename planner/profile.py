@@ -48,6 +48,11 @@ Keys written into ``node.meta`` (the one place they are documented):
     measured in the fake backward that follows the forward: the most bytes the node's backward
     has allocated at once (input and parameter gradients, temporaries), and what of it is still
     live when the node's backward ends (gradients waiting for their consumers, ``.grad``).
+``planner.backward_after_release``
+    the part of that high point reached only after autograd released the node's saved tensors:
+    once its last backward function has run, the engine frees what it saved, then sums its
+    gradients into those its inputs already have (a skip's gradient and the main path's, added
+    out of place). The saved tensors the plan frees there are gone by then (``simulate``).
 ``planner.made_before_last_save``
     storages among ``planner.created`` that exist when the node's last tensor is saved. A
     checkpoint's recompute stops right there (non-reentrant checkpoint stops once every saved
@@ -123,6 +128,7 @@ META_KEYS = (
     "planner.repeated_effects",
     "planner.backward_high",
     "planner.backward_net",
+    "planner.backward_after_release",
     "planner.cast_cache",
     "planner.made_before_last_save",
     "planner.context_saved",
@@ -406,16 +412,28 @@ class _BackwardMemory(TorchDispatchMode):
         self.current: fx.Node | None = None
         self.start = 0
         self.tracked: dict[int, tuple[int, weakref.ref]] = {}  # _cdata -> (nbytes, reference)
-        self.high: dict[fx.Node, int] = {}
+        # The high point of each node's backward while its saved tensors live, and after the
+        # engine released them (``release``).
+        self.holding: dict[fx.Node, int] = {}
+        self.released: dict[fx.Node, int] = {}
         self.net: dict[fx.Node, int] = {}
+        self.current_released = False
 
     def enter(self, node: fx.Node) -> None:
         self._close()
         # What the loss's backward allocated before the first node (the seed, ``ones_like``
         # of the loss, held by ``backward()`` until it returns) counts as that node's.
         self.current, self.start = node, (0 if self.current is None else self.live)
-        self.high[node] = max(self.high.get(node, 0), self.live - self.start)
+        self.current_released = False
+        self.holding[node] = max(self.holding.get(node, 0), self.live - self.start)
         self.net.setdefault(node, 0)
+
+    def release(self, node: fx.Node) -> None:
+        """The last of ``node``'s backward functions has run: the engine releases what they
+        saved, then sums their gradients into their inputs'. Only while ``node``'s backward is
+        the current one: otherwise its allocations are charged elsewhere, in full."""
+        if node is self.current:
+            self.current_released = True
 
     def _close(self) -> None:
         if self.current is not None:
@@ -424,8 +442,10 @@ class _BackwardMemory(TorchDispatchMode):
     def finish(self) -> None:
         self._close()
         for node in self.nodes:
-            node.meta["planner.backward_high"] = self.high.get(node, 0)
+            holding, released = self.holding.get(node, 0), self.released.get(node, 0)
+            node.meta["planner.backward_high"] = max(holding, released)
             node.meta["planner.backward_net"] = self.net.get(node, 0)
+            node.meta["planner.backward_after_release"] = max(released - holding, 0)
 
     def _free(self, cdata: int, reference: weakref.ref) -> None:  # a weakref callback
         self.live -= self.tracked.pop(cdata)[0]
@@ -448,7 +468,8 @@ class _BackwardMemory(TorchDispatchMode):
             grew = True
         # Only an allocation can raise the high-water mark (enter() starts every node at 0).
         if grew and self.current is not None:
-            self.high[self.current] = max(self.high[self.current], self.live - self.start)
+            high = self.released if self.current_released else self.holding
+            high[self.current] = max(high.get(self.current, 0), self.live - self.start)
         return out
 
 
@@ -502,6 +523,7 @@ class _Recorder(fx.Interpreter):
         nodes = [n for n in module.graph.nodes if n.op in COMPUTE_OPS]
         self.backward = _BackwardMemory(storages, nodes, cost.call)
         self.hooked: set = set()  # grad_fns whose backward is charged to a node already
+        self.owned: set = set()  # the backward functions of the nodes recorded so far
 
     def fetch_attr(self, target: str):
         return self.copies(super().fetch_attr(target))
@@ -595,10 +617,38 @@ class _Recorder(fx.Interpreter):
         # A node that returns a tensor it was given (dropout with p=0, ``to`` to the same dtype)
         # shares its grad_fn: that backward is the maker's, and runs where the maker's does
         # (after the maker's recompute when it is checkpointed), so it is charged to the maker.
-        for grad_fn in {t.grad_fn for t in tensors if t.grad_fn is not None} - self.hooked:
+        outputs = {t.grad_fn for t in tensors if t.grad_fn is not None} - self.hooked
+        for grad_fn in outputs:
             self.hooked.add(grad_fn)
             grad_fn.register_prehook(lambda grads, node=node: self.backward.enter(node))
+        self._hook_release(node, outputs, passed)
         return out
+
+    def _hook_release(self, node: fx.Node, outputs: set, passed) -> None:
+        """Tell ``self.backward`` when the last of ``node``'s own backward functions has run:
+        those reached from its outputs' before the functions of earlier nodes, of the tensors
+        passed in, or of parameters. One that never runs (a gradient nobody needs) leaves the
+        node's backward high point whole, as if nothing were released."""
+        stops = self.owned | {t.grad_fn for t in tree_leaves(passed) if isinstance(t, torch.Tensor)}
+        own, pending = set(), list(outputs)
+        while pending:
+            grad_fn = pending.pop()
+            if grad_fn is None or grad_fn in stops or grad_fn in own:
+                continue
+            if type(grad_fn).__name__ == "AccumulateGrad":
+                continue
+            own.add(grad_fn)
+            pending.extend(next_fn for next_fn, _ in grad_fn.next_functions)
+        self.owned |= own
+        remaining = [len(own)]
+
+        def ran(grad_inputs, grad_outputs) -> None:
+            remaining[0] -= 1
+            if not remaining[0]:
+                self.backward.release(node)
+
+        for grad_fn in own:
+            grad_fn.register_hook(ran)
 
 
 def _context_tensors(outputs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -90,8 +90,9 @@ def _total_at(positions: np.ndarray, nbytes: np.ndarray, n: int) -> np.ndarray:
 
 
 def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept: np.ndarray):
-    """Where each storage is freed: bytes freed after each node's forward and backward, and
-    after each node of a recompute, plus the bytes each recompute node re-creates.
+    """Where each storage is freed: bytes freed after each node's forward and backward (and of
+    the latter, those freed as autograd releases the node's saved tensors), and after each
+    node of a recompute, plus the bytes each recompute node re-creates.
 
     A storage kept for backward is released at its first trigger: a saver outside any segment,
     or the start of another segment that saves or reads it. Recomputed copies are freed by
@@ -141,6 +142,10 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     cached = kept[a.producer] & ~a.cast_cache
     triggered = (release < never) & ~cached
     backward_free = _total_at(release[triggered], a.nbytes[triggered], n)
+    # What a context holds goes with the graph, when backward ends, not as node 0's backward
+    # releases its saved tensors; the rest of backward_free goes there (``released``).
+    by_graph = triggered & a.held_by_context
+    released = backward_free - _total_at(release[by_graph], a.nbytes[by_graph], n)
     # A checkpoint call holds its arguments until it returns (the caller's variable and the
     # call's own), whatever its segment saves.
     returns = np.array([stop - 1 for _, stop in segments] + [-1], dtype=np.int64)
@@ -161,7 +166,9 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     # A recompute's copy of what a context holds goes with the recompute's graph, at its end.
     inner_saver[a.held_by_context] = never
     by_saver = recomputed & (inner_saver < never)
-    backward_free += _total_at(inner_saver[by_saver], a.nbytes[by_saver], n)
+    inner_free = _total_at(inner_saver[by_saver], a.nbytes[by_saver], n)
+    backward_free += inner_free
+    released += inner_free
     # The segment's body is one Python frame: what a node beyond the stop reads, or the segment
     # returns, stays in a variable until the recompute stops. autocast's cache holds a
     # recomputed weight cast until the recompute ends too (problem.py), and so does the graph
@@ -177,6 +184,7 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     return (
         forward_free,
         backward_free,
+        released,
         recompute_alloc,
         recompute_free,
         ends[:-1],
@@ -216,9 +224,8 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     segment_of = np.full(n, -1, dtype=np.int64)
     for k, (start, stop) in enumerate(segments):
         segment_of[start:stop] = k
-    forward_free, backward_free, recompute_alloc, recompute_free, ends, outputs = _releases(
-        problem, segments, segment_of, kept
-    )
+    releases = _releases(problem, segments, segment_of, kept)
+    forward_free, backward_free, released, recompute_alloc, recompute_free, ends, outputs = releases
 
     # The order of steps: forward 0..n-1, then from n-1 down to 0 the backward of each node,
     # preceded by its segment's recompute (start..end) when it is the segment's last saving
@@ -276,6 +283,10 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     _hold_loss_through_first_recompute(problem, phase, alloc, free)
     after = np.cumsum(alloc - free)
     live = after + free + transient  # at each step's high point
+    # A backward step's may come after autograd released the node's saved tensors.
+    backward = np.flatnonzero(phase == 2)
+    nodes = position[backward]
+    live[backward] -= problem.released_before_high(nodes, released[nodes])
     peak = int(live.max(initial=0))
     if n:  # the default loss, summing the outputs after the last node has run
         peak = max(peak, int(after[n - 1]) + outputs + problem.default_loss_high)

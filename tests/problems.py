@@ -10,7 +10,9 @@ from planner.problem import Problem, Storage
 from planner.simulate import simulate
 
 
-def random_problem(seed: int, nodes: int | None = None, *, chain: bool = False) -> Problem:
+def random_problem(
+    seed: int, nodes: int | None = None, *, chain: bool = False, after_release: bool = False
+) -> Problem:
     """A small random graph: node i makes storage i, reads i-1 and maybe an earlier one.
 
     It covers what the formulation must get right: cuts crossed by several tensors (skips),
@@ -18,6 +20,8 @@ def random_problem(seed: int, nodes: int | None = None, *, chain: bool = False) 
     bookkeeping, forbidden cuts and nodes that may not be checkpointed. ``nodes`` fixes the
     size (3 to 7 nodes when not given). ``chain=True`` drops the skips and the extra graph
     output: storage i is read by node i + 1 alone (the same draws otherwise).
+    ``after_release=True`` puts part of some backward high points after the release of the
+    node's saved tensors (``Problem.grad_after_release``; the same draws before it).
     """
     rng = np.random.default_rng(seed)
     n = nodes or int(rng.integers(3, 8))
@@ -55,6 +59,10 @@ def random_problem(seed: int, nodes: int | None = None, *, chain: bool = False) 
     # Per-node keeps: what a kept node's cache holds beyond what it creates, random nodes,
     # nodes that may not be kept.
     held = rng.choice([0, 0, 1, 4], n)
+    if after_release:
+        high = arrays["activation_grad_alloc"] + arrays["grad_bytes_at"]
+        arrays["grad_after_release"] = np.where(rng.random(n) < 0.5, rng.integers(0, 9, n), 0)
+        arrays["grad_after_release"] = np.minimum(arrays["grad_after_release"], high)
     return problem_of(
         storages,
         seconds,

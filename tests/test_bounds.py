@@ -38,10 +38,17 @@ def variants(problem):
     )
     checkpointable = problem.checkpointable.copy()
     checkpointable[n - 1] = False
+    # Backward high points reached after autograd released the node's saved tensors.
+    high = problem.activation_grad_alloc + problem.grad_bytes_at
+    after_release = np.minimum(high, np.arange(n) % 3 * 4)
     return {
         "plain": problem,
         "casts": dataclasses.replace(problem, storages=casts),
         "contexts": dataclasses.replace(problem, storages=contexts),
+        "released": dataclasses.replace(problem, grad_after_release=after_release),
+        "released contexts": dataclasses.replace(
+            problem, storages=contexts, grad_after_release=after_release
+        ),
         "loss": dataclasses.replace(
             problem,
             has_loss=True,
@@ -75,7 +82,9 @@ def least(simulations, peak: int, cost: str) -> float:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("variant", ["plain", "casts", "contexts", "loss"])
+@pytest.mark.parametrize(
+    "variant", ["plain", "casts", "contexts", "released", "released contexts", "loss"]
+)
 def test_never_above_the_least_recompute_of_every_plan_that_fits(seed, variant):
     problem = variants(random_problem(seed, nodes=6))[variant]
     simulations = [simulate(problem, choice) for choice in every_choice(problem)]
