@@ -651,6 +651,31 @@ class _Recorder(fx.Interpreter):
             grad_fn.register_hook(ran)
 
 
+@contextlib.contextmanager
+def _grads_left_alone(loss: torch.Tensor):
+    """Puts back the ``.grad`` of every tensor the backward of ``loss`` accumulates into. A
+    ``loss_fn`` may read the user's own tensors that require grad (an L2 penalty on the model's
+    parameters, a learnable loss weight): the fake backward would leave fake gradients there,
+    or fail adding one to a real gradient they already hold."""
+    leaves, seen, pending = [], set(), [loss.grad_fn]
+    while pending:
+        grad_fn = pending.pop()
+        if grad_fn is None or grad_fn in seen:
+            continue
+        seen.add(grad_fn)
+        if hasattr(grad_fn, "variable"):  # AccumulateGrad
+            leaves.append(grad_fn.variable)
+        pending.extend(next_fn for next_fn, _ in grad_fn.next_functions)
+    grads = [leaf.grad for leaf in leaves]
+    for leaf in leaves:
+        leaf.grad = None
+    try:
+        yield
+    finally:
+        for leaf, grad in zip(leaves, grads):
+            leaf.grad = grad
+
+
 def _context_tensors(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Tensors that a custom autograd function kept as attributes of its context (``ctx.offs =
     offs`` in Hugging Face's grouped matmul of MoE experts) rather than through
@@ -909,9 +934,10 @@ def profile(
         loss_bytes, seed_bytes = loss.untyped_storage().nbytes(), loss.element_size()
         # A loss_fn's labels, saved for backward, are the user's: replaced there as well.
         labels = _StandIns(copies) if loss_fn is not None else contextlib.nullcontext()
-        with recorder.backward, labels:
-            loss.backward()
-        recorder.backward.finish()
+        with _grads_left_alone(loss):
+            with recorder.backward, labels:
+                loss.backward()
+            recorder.backward.finish()
     produced, read = set(), set()
     for node in [*gm.graph.nodes, *([loss_at] if loss_at is not None else [])]:
         if node.op in COMPUTE_OPS:

@@ -192,6 +192,31 @@ def test_a_loss_that_fails_names_loss_fn_and_leaves_the_labels_alone():
     assert type(labels) is torch.Tensor and labels.tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("mid_training", [False, True])
+def test_a_loss_reading_the_models_parameters_leaves_their_gradients_alone(mid_training):
+    """An L2 penalty written in the loss reads the model's own parameters, and a learnable loss
+    weight is the user's tensor too: planning leaves their ``.grad`` as it found them (None,
+    or the gradients of a step in progress), and the planned step trains exactly."""
+    model, args = planner.zoo.mlp_chain(depth=4, width=32, batch=16)
+    reference = copy.deepcopy(model)
+    weight = torch.zeros((), requires_grad=True)
+
+    def loss_fn_of(net):
+        penalty = sum(p.pow(2).sum() for p in net.parameters())
+        return lambda out: out.pow(2).mean() * weight.exp() + 1e-3 * penalty
+
+    if mid_training:
+        for net in (model, reference):
+            loss_fn_of(net)(net(*args)).backward()
+    grads = [p.grad for p in (*model.parameters(), weight)]
+    p = planner.plan(model, args, budget_gb=1, loss_fn=loss_fn_of(model))
+    assert all(a is b for a, b in zip([p.grad for p in (*model.parameters(), weight)], grads))
+    loss_fn_of(model)(p.module(*args)).backward()
+    loss_fn_of(reference)(reference(*args)).backward()
+    for planned, original in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(planned.grad, original.grad)
+
+
 def test_a_saved_plan_is_loaded_with_its_loss(tmp_path):
     model, args, loss_fn = _gpt_with_cross_entropy()
     _, problem = prepare(model, args, loss_fn=loss_fn)
