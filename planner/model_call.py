@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import TreeSpec, tree_leaves, tree_structure
 
 CALL_KEY = "planner.call"  # GraphModule.meta key of a module's ModelCall
 
@@ -58,6 +58,13 @@ class ModelCall:
                 name: value
                 for name, value in passed.items()
                 if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
+            }
+            # The graph takes the tensors of a list or dict argument one by one, as many as
+            # the example had: another structure (a third crop, another key) is refused.
+            self.structures = {
+                name: tree_structure(value)
+                for name, value in passed.items()
+                if name not in self.constants and not isinstance(value, torch.Tensor)
             }
 
     def _passed(self, args: tuple, kwargs: dict) -> dict:
@@ -115,6 +122,8 @@ class ModelCall:
                 )
             if name in self.constants:
                 self._check_constant(name, value)
+            if name in self.structures and value is not None:
+                self._check_structure(name, value)
         graph_args = tuple(values[name] for name in self.positional)
         graph_kwargs = {name: values[name] for name in self.keywords}
         for check in self.checks:
@@ -127,6 +136,17 @@ class ModelCall:
                 f"this plan of {self.model_name} was captured with {name}="
                 f"{self.constants[name]!r} and computes with that value; this call passes "
                 f"{name}={value!r}. Plan again with {name}={value!r} in the example inputs."
+            )
+
+    def _check_structure(self, name: str, value) -> None:
+        expected = self.structures[name]
+        if tree_structure(value) != expected:
+            raise TypeError(
+                f"this plan of {self.model_name} was captured with {name} holding "
+                f"{_described(expected)}; this call passes {_described(tree_structure(value))}. "
+                "Its graph takes exactly the example's tensors, so it would compute something "
+                f"else: plan with an example {name} of the structure you train with (one "
+                "plan per structure)."
             )
 
     def output(self, value):
@@ -146,6 +166,15 @@ class ModelCall:
 
     def _after_forward(self, module, args, output):
         return self.output(output)
+
+
+def _described(spec: TreeSpec) -> str:
+    """A list, tuple or dict argument's structure, in words: its type and keys or length."""
+    if spec.type in (list, tuple):
+        return f"a {spec.type.__name__} of {spec.num_children} items"
+    if spec.type is not None and issubclass(spec.type, Mapping):
+        return f"a {spec.type.__name__} with keys {list(spec.context)}"
+    return str(spec)
 
 
 def _same(value, expected) -> bool:

@@ -390,6 +390,46 @@ def test_exported_plan_on_another_shape_fails_clearly():
         p.module(*args, **dict(kwargs, flag=False))
 
 
+class _SumOverViews(nn.Module):
+    """One body applied to each tensor of a list or dict (multi-crop views, pyramid levels):
+    the loop over the argument is unrolled into the graph at capture (torch.export)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+    def forward(self, views):
+        items = views.values() if isinstance(views, dict) else views
+        return sum(self.body(v) for v in items)
+
+
+@pytest.mark.parametrize(
+    "example, other, message",
+    [
+        ([0, 1], [0, 1, 2], "a list of 2 items; this call passes a list of 3 items"),
+        ({"a": 0, "b": 1}, {"a": 0, "b": 1, "c": 2}, r"keys \['a', 'b'\]; .* \['a', 'b', 'c'\]"),
+        ({"a": 0, "b": 1}, {"a": 0, "c": 1}, r"keys \['a', 'b'\]; .* keys \['a', 'c'\]"),
+    ],
+    ids=["a view more", "a key more", "a key renamed"],
+)
+def test_another_structure_of_a_list_or_dict_argument_is_refused(example, other, message):
+    """The graph takes the example's tensors one by one: a third view would be left out of
+    the sum (0.47 apart, silently, before this check)."""
+    model = _SumOverViews()
+    views = [torch.randn(4, 8) for _ in range(3)]
+
+    def argument(structure):
+        if isinstance(structure, dict):
+            return {key: views[i] for key, i in structure.items()}
+        return [views[i] for i in structure]
+
+    p = planner.plan(model, (argument(example),), budget_gb=1)
+    assert p.capture_method == "export"
+    assert torch.equal(p.module(argument(example)), model(argument(example)))
+    with pytest.raises(TypeError, match=f"captured with views holding .*{message}"):
+        p.module(argument(other))
+
+
 @pytest.mark.parametrize(
     "result",
     [None, "0,2", ((0.0, 2.0),), (0, 2), ((0, 1, 2),), ((True, 2),)],
