@@ -720,6 +720,15 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         snapshot.warn_if_saved_tensor_hooks()
         try:
             output = graph_forward(self, *args, **kwargs)
+        except AssertionError as error:
+            if "Guard failed" not in str(error):
+                raise
+            raise PlanningError(
+                f"{error}: this plan of {type(snapshot.model).__name__} was captured by "
+                "torch.export, whose graph holds the example's sizes. Plan with "
+                "dynamic_shapes=True and example inputs at the largest sizes you train with "
+                "(a last, smaller batch; shorter sequences), or pad to the example's sizes."
+            ) from error
         except RuntimeError as error:
             if "saved tensor hooks" in str(error) and _under_functorch_grad():
                 raise PlanningError(
