@@ -15,6 +15,7 @@ it.
 from __future__ import annotations
 
 import copy
+import dis
 import functools
 import inspect
 import os
@@ -166,11 +167,9 @@ def _is_scalar(value) -> bool:
     )
 
 
-@functools.cache
-def _names_read(cls: type) -> frozenset[str]:
-    """Every name the methods of ``cls`` (those not nn.Module's own) mention: the attributes
-    its traced forward could have read. Others (``model.global_step``) may change freely."""
-    names = set()
+def _codes(cls: type) -> list[types.CodeType]:
+    """The code of the methods of ``cls`` (those not nn.Module's own), nested functions too."""
+    codes = []
     for klass in cls.__mro__:
         if klass in (nn.Module, object):
             continue
@@ -180,10 +179,51 @@ def _names_read(cls: type) -> frozenset[str]:
             stack = [code] if code is not None else []
             while stack:
                 code = stack.pop()
-                names.update(code.co_names)
-                names.update(c for c in code.co_consts if isinstance(c, str))  # getattr(self, "x")
+                codes.append(code)
                 stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return codes
+
+
+@functools.cache
+def _names_read(cls: type) -> frozenset[str]:
+    """Every name the methods of ``cls`` mention: the attributes its traced forward could have
+    read. Others (``model.global_step``) may change freely."""
+    names = set()
+    for code in _codes(cls):
+        names.update(code.co_names)
+        names.update(c for c in code.co_consts if isinstance(c, str))  # getattr(self, "x")
     return frozenset(names)
+
+
+@functools.cache
+def _globals_read(cls: type) -> frozenset[str]:
+    """The names the methods of ``cls`` load as globals (not attributes: a training script's
+    ``step`` counter is no concern of a model whose code reads ``self.step``)."""
+    return frozenset(
+        instruction.argval
+        for code in _codes(cls)
+        for instruction in dis.get_instructions(code)
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    )
+
+
+@functools.cache
+def _read_outside(cls: type) -> tuple[tuple[str, ...], tuple[tuple[dict, str], ...]]:
+    """The plain values (``_SCALARS``) that the methods of ``cls`` name and that live outside
+    its instances, which tracing bakes in just as an instance's own: keys of its classes'
+    bodies (``scale = 1.0``), and ``(globals, key)`` of its classes' modules (``USE_GELU =
+    True``)."""
+    classes = [k for k in cls.__mro__ if k not in (nn.Module, object)]
+    in_body = {k for klass in classes for k, v in vars(klass).items() if _is_scalar(v)}
+    public = sorted(k for k in in_body & _names_read(cls) if not k.startswith("_"))
+    spaces = {id(g): g for g in (vars(sys.modules[klass.__module__]) for klass in classes)}
+    in_globals = [
+        (space, key)
+        for space in spaces.values()
+        for key in sorted(_globals_read(cls))
+        if not key.startswith("__") and _is_scalar(space.get(key, []))
+    ]
+    return tuple(k for k in public if k != "training"), tuple(in_globals)
 
 
 class Snapshot:
@@ -246,6 +286,21 @@ class Snapshot:
             for key, value in vars(m).items()
             if not key.startswith("_") and key != "training" and _is_scalar(value) and key in names
         ]
+        # Values read from classes and module globals: a class's (``B.scale = 2.0``, or one
+        # instance's ``block.scale = 2.0`` over it) compared through getattr, a global's in
+        # its module's dict.
+        outside = [(name, m, _read_outside(type(m))) for name, m, _ in owners]
+        self.class_attributes = [
+            (f"{name}.{key}".lstrip("."), m, key, getattr(m, key))
+            for name, m, (keys, _) in outside
+            for key in keys
+        ]
+        globals_read = {
+            (id(space), key): (f"{space.get('__name__', '?')}.{key}", space, key, space[key])
+            for _, _, (_, pairs) in outside
+            for space, key in pairs
+        }
+        self.attributes += globals_read.values()
         # Hooks on a module the graph traced through would never run (the graph inlined it).
         # Hooks that never act on it (transformers' output recorders) are counted apart.
         hooks = [(name, getattr(m, t)) for name, m in traced for t in HOOK_TABLES if hasattr(m, t)]
@@ -268,6 +323,9 @@ class Snapshot:
         self.attribute_dicts = [a[1] for a in self.attributes]
         self.attribute_keys = [a[2] for a in self.attributes]
         self.attribute_values = [a[3] for a in self.attributes]
+        self.class_owners = [a[1] for a in self.class_attributes]
+        self.class_keys = [a[2] for a in self.class_attributes]
+        self.class_values = [a[3] for a in self.class_attributes]
         self.tensor_arguments = tensor_arguments
         self.state_tables = _state_tables(model)
         if dtypes is None:  # a graph captured elsewhere: the model's dtypes now
@@ -352,6 +410,10 @@ class Snapshot:
             f"{name} changed from {value!r} to {d.get(key)!r}"
             for name, d, key, value in self.attributes
             if d.get(key) != value
+        ] + [
+            f"{name} changed from {value!r} to {getattr(m, key)!r}"
+            for name, m, key, value in self.class_attributes
+            if getattr(m, key) != value
         ]
         raise PlanningError(
             f"{type(self.model).__name__} changed after planning: {'; '.join(changes[:4])}"
@@ -367,6 +429,7 @@ class Snapshot:
             and list(map(dict.get, self.attribute_dicts, self.attribute_keys))
             == self.attribute_values
             and list(map(len, self.hook_dicts)) == self.hook_counts
+            and list(map(getattr, self.class_owners, self.class_keys)) == self.class_values
         )
 
     def _warn_trainable(self) -> None:

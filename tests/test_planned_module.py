@@ -734,6 +734,51 @@ def test_a_change_to_the_model_after_planning_refuses_and_says_re_plan(change, t
         assert_equivalent(reference, model, loaded.module, (x,), {})
 
 
+USE_TANH = True  # a module-level switch that ScaledByClass's forward reads
+step = 0  # a training script's counter: ScaledByClass reads an attribute of that name only
+
+
+class ScaledByClass(nn.Module):
+    """Reads a class attribute (``self.scale``, set in the class body) and a global switch,
+    which tracing bakes into the graph like an instance's own attribute."""
+
+    scale = 0.5
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.step = nn.Linear(8, 8), 1
+
+    def forward(self, x):
+        y = self.linear(x) * self.scale * self.step
+        return torch.tanh(y) if USE_TANH else torch.relu(y)
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (lambda m: setattr(ScaledByClass, "scale", 2.0), "scale changed from 0.5 to 2.0"),
+        (lambda m: setattr(m[1], "scale", 2.0), "1.scale changed from 0.5 to 2.0"),
+        (lambda m: globals().__setitem__("USE_TANH", False), "USE_TANH changed from True to False"),
+    ],
+    ids=["in the class", "on the instance, over the class's", "a global"],
+)
+def test_a_class_attribute_or_global_the_forward_reads_may_not_change(change, named):
+    """Found trying the library: after ``B.scale = 2.0`` or ``USE_GELU = False`` the plan
+    kept computing with the old value (0.80 and 0.16 apart), silently."""
+    global step
+    model, x = nn.Sequential(ScaledByClass(), ScaledByClass()), torch.randn(4, 8)
+    p = planner.plan(model, (x,), budget_gb=1)
+    step += 1  # a global of the same name as an attribute the model reads: no concern
+    assert torch.equal(p.module(x), model(x))
+    try:
+        change(model)
+        with pytest.raises(planner.PlanningError, match=named):
+            p.module(x)
+    finally:
+        ScaledByClass.scale = 0.5
+        globals()["USE_TANH"] = True
+
+
 def test_an_attribute_the_forward_never_reads_may_change():
     """Bookkeeping on the model (a step counter) is not part of what the graph computes."""
     model, x = Blocks(), torch.randn(4, 8)
