@@ -315,6 +315,13 @@ class Snapshot:
         self.parameter_keys = [key for _, _, key in slots]
         self.trainable = [p.requires_grad for p in self.parameters()]
         self.warned_trainable = False
+        # Slots sharing one parameter at planning (tied embeddings): one gradient between them.
+        shared: dict[int, list[tuple[dict, str]]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            path, _, key = name.rpartition(".")
+            shared.setdefault(id(p), []).append((model.get_submodule(path)._parameters, key))
+        self.tied = [slots for slots in shared.values() if len(slots) > 1]
+        self.warned_untied = False
         # Whether the plan counts gradients as held from the start of the step (plan_batch's
         # accumulation windows); a plan that counts them from backward on warns once when a
         # call starts with gradients held.
@@ -363,6 +370,8 @@ class Snapshot:
         """Raise a PlanningError when a module or attribute the graph was traced from changed."""
         if [p.requires_grad for p in self.parameters()] != self.trainable:
             self._warn_trainable()
+        if self.tied and not self.warned_untied:
+            self._warn_untied()
         # Planning refused every process-wide hook that acts: any now came after it.
         if process_wide_hook_count() and process_wide_hooks():
             raise PlanningError(process_wide_hooks_message(f"after planning {planned_name}"))
@@ -402,19 +411,23 @@ class Snapshot:
         before: dict[int, dict] = {}
         for d, k, v in zip(self.child_dicts, self.child_keys, self.child_values):
             before.setdefault(id(d), {})[k] = v
-        changes = [
-            _module_change(name, before.get(id(now), {}), now)
-            for name, now in zip(self.names, self.children)
-            if before.get(id(now), {}) != now
-        ] + [
-            f"{name} changed from {value!r} to {d.get(key)!r}"
-            for name, d, key, value in self.attributes
-            if d.get(key) != value
-        ] + [
-            f"{name} changed from {value!r} to {getattr(m, key)!r}"
-            for name, m, key, value in self.class_attributes
-            if getattr(m, key) != value
-        ]
+        changes = (
+            [
+                _module_change(name, before.get(id(now), {}), now)
+                for name, now in zip(self.names, self.children)
+                if before.get(id(now), {}) != now
+            ]
+            + [
+                f"{name} changed from {value!r} to {d.get(key)!r}"
+                for name, d, key, value in self.attributes
+                if d.get(key) != value
+            ]
+            + [
+                f"{name} changed from {value!r} to {getattr(m, key)!r}"
+                for name, m, key, value in self.class_attributes
+                if getattr(m, key) != value
+            ]
+        )
         raise PlanningError(
             f"{type(self.model).__name__} changed after planning: {'; '.join(changes[:4])}"
             f"{'; ...' if len(changes) > 4 else ''}. {planned_name} runs the graph traced "
@@ -430,6 +443,26 @@ class Snapshot:
             == self.attribute_values
             and list(map(len, self.hook_dicts)) == self.hook_counts
             and list(map(getattr, self.class_owners, self.class_keys)) == self.class_values
+        )
+
+    def _warn_untied(self) -> None:
+        """Once: parameters tied at planning (an embedding and the output head) no longer are,
+        so the step holds one more parameter and its gradient than the plan counts."""
+        now = [
+            {id(p): p for p in (d.get(k) for d, k in slots) if p is not None} for slots in self.tied
+        ]
+        if all(len(distinct) <= 1 for distinct in now):
+            return
+        self.warned_untied = True
+        # Each parameter beyond the first of a group: its bytes, and as many for its gradient.
+        extra = sum(2 * p.nbytes for distinct in now for p in list(distinct.values())[1:])
+        warnings.warn(
+            f"parameters of {type(self.model).__name__} tied at planning are no longer shared "
+            f"(untied since): each now has a gradient of its own, and the step holds about "
+            f"{mib(extra)} more than the plan counts (parameters and gradients), so its "
+            "memory prediction no longer holds (gradients stay exact). Plan again after "
+            "untying.",
+            stacklevel=_callers_stacklevel(),
         )
 
     def _warn_trainable(self) -> None:

@@ -384,7 +384,7 @@ def test_exported_plan_on_another_shape_fails_clearly():
     model, args, kwargs = small(untraceable=True)
     p = plan_of(model, args, kwargs, budget_gb=1, solver="sqrt_n")
     assert p.capture_method == "export"
-    with pytest.raises(PlanningError, match="Guard failed.*Plan with dynamic_shapes=True"):
+    with pytest.raises(PlanningError, match=r"Guard failed.*Plan with dynamic_shapes=True"):
         p.module(torch.randn(7, 8), **dict(kwargs, y=torch.randn(7, 8)))
     with pytest.raises(ValueError, match="captured with flag=True"):
         p.module(*args, **dict(kwargs, flag=False))

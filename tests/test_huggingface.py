@@ -212,5 +212,5 @@ def test_a_static_plan_refuses_other_sizes():
     model, args, kwargs = build("bert", labels=False)
     p = plan(model, args, budget_gb=1, example_kwargs=kwargs)
     _, other_args, other_kwargs = build("bert", labels=False, length=9)
-    with pytest.raises(PlanningError, match="Guard failed.*dynamic_shapes=True"):
+    with pytest.raises(PlanningError, match=r"Guard failed.*dynamic_shapes=True"):
         p.module(*other_args, **other_kwargs)
