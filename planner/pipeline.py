@@ -204,7 +204,9 @@ def prepare(
     # The planned module checks that calls pass these again, with these dtypes (see
     # planner.planned_module.Snapshot.call_form).
     captured.graph_module.meta["planner.tensor_arguments"] = tensor_arguments(model, args, kwargs)
-    captured.graph_module.meta["planner.call_dtypes"] = call_dtypes(model, args, kwargs)
+    captured.graph_module.meta["planner.call_dtypes"] = call_dtypes(
+        model, args, kwargs, layouts=captured.method == "export"
+    )
     captured.graph_module.meta["planner.call_sizes"] = call_sizes(model, args, kwargs)
     _check_loss_fn(loss_fn)
     prof = profile(

@@ -68,15 +68,25 @@ def tensor_arguments(model: nn.Module, args: tuple, kwargs: dict) -> tuple[str, 
     )
 
 
-def call_dtypes(model: nn.Module, args: tuple, kwargs: dict) -> CallDtypes:
+def call_dtypes(
+    model: nn.Module, args: tuple, kwargs: dict, *, layouts: bool = False
+) -> CallDtypes:
     """The dtypes of the call ``model(*args, **kwargs)``, which the planned graph was captured
-    for: a forward may branch on them (``if h.dtype == torch.float16``), and sizes follow them."""
-    arguments = {
-        name: value.dtype
-        for name, value in _named_arguments(model, args, kwargs)
-        if isinstance(value, torch.Tensor)
-    }
-    return CallDtypes(_state_dtypes(_state_tables(model)), arguments, autocast_state())
+    for: a forward may branch on them (``if h.dtype == torch.float16``), and sizes follow them.
+    ``layouts``: the tensor arguments' ``_layout`` too, for a capture that bakes in branches on
+    it (torch.export: ``if x.requires_grad``, ``if not x.is_contiguous()``)."""
+    tensors = [(n, v) for n, v in _named_arguments(model, args, kwargs) if torch.is_tensor(v)]
+    return CallDtypes(
+        _state_dtypes(_state_tables(model)),
+        {name: value.dtype for name, value in tensors},
+        autocast_state(),
+        {name: _layout(value) for name, value in tensors} if layouts else {},
+    )
+
+
+def _layout(tensor: torch.Tensor) -> tuple[bool, bool]:
+    """Whether ``tensor`` requires grad and is contiguous."""
+    return tensor.requires_grad, tensor.is_contiguous()
 
 
 def call_sizes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, tuple[torch.Size, ...]]:
@@ -105,6 +115,7 @@ class CallDtypes(NamedTuple):
     state: tuple[torch.dtype, ...]  # of the parameters and buffers, module by module
     arguments: dict[str, torch.dtype]  # of the arguments that are tensors, by name
     autocast: tuple[tuple[str, torch.dtype], ...]  # autocast_state() around the call
+    layouts: dict[str, tuple[bool, bool]]  # of the tensor arguments where baked (call_dtypes)
 
 
 def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
@@ -336,10 +347,12 @@ class Snapshot:
         self.tensor_arguments = tensor_arguments
         self.state_tables = _state_tables(model)
         if dtypes is None:  # a graph captured elsewhere: the model's dtypes now
-            dtypes = CallDtypes(_state_dtypes(self.state_tables), {}, autocast_state())
+            dtypes = CallDtypes(_state_dtypes(self.state_tables), {}, autocast_state(), {})
         self.state_dtypes = dtypes.state
         self.autocast = dtypes.autocast
         self.argument_dtypes = tuple(dtypes.arguments.get(name) for name, _ in tensor_arguments)
+        self.argument_layouts = tuple(dtypes.layouts.get(name) for name, _ in tensor_arguments)
+        self.layouts_baked = bool(dtypes.layouts)
         # The shapes of each tensor argument's tensors at planning (``call_sizes``).
         self.argument_sizes = [(sizes or {}).get(name, ()) for name, _ in tensor_arguments]
         self.warned_larger = False
@@ -542,8 +555,12 @@ class Snapshot:
         ]
         arguments = tuple([v.dtype if isinstance(v, torch.Tensor) else None for v in values])
         left_out = tuple([n for (n, _), v in zip(self.tensor_arguments, values) if v is None])
-        form = CallForm(left_out, _state_dtypes(self.state_tables), arguments, autocast_state())
-        if not left_out and not self._dtypes_moved(form):
+        layouts = ()
+        if self.layouts_baked:
+            layouts = tuple([_layout(v) if isinstance(v, torch.Tensor) else None for v in values])
+        state = _state_dtypes(self.state_tables)
+        form = CallForm(left_out, state, arguments, autocast_state(), layouts)
+        if not left_out and not self._dtypes_moved(form) and not self._layouts_moved(form):
             return None  # (a value that is no tensor, a tracer's proxy, has no dtype)
         return form
 
@@ -584,6 +601,12 @@ class Snapshot:
             )
         )
 
+    def _layouts_moved(self, form: CallForm) -> bool:
+        return any(
+            a is not None and b is not None and a != b
+            for a, b in zip(form.layouts, self.argument_layouts)
+        )
+
     def describe(self, form: CallForm) -> str:
         """What ``form`` changes, as the rest of a sentence that begins 'the planned Net'."""
         parts, moved = [], []
@@ -604,6 +627,19 @@ class Snapshot:
                 moved.append(f"{label} {', '.join(sorted(moves))}")
         if moved:
             parts.append(f"is called with other dtypes than at planning ({'; '.join(moved)})")
+        layouts = [
+            f"{name}: {_layout_name(before)} then, {_layout_name(now)} now"
+            for (name, _), before, now in zip(
+                self.tensor_arguments, self.argument_layouts, form.layouts
+            )
+            if before is not None and now is not None and before != now
+        ]
+        if layouts:
+            parts.append(
+                "is called with tensor arguments that differ in requires_grad or contiguity "
+                f"from the planning call's ({'; '.join(layouts)}), and torch.export bakes in "
+                "forward's branches on them"
+            )
         if form.autocast != self.autocast:
             parts.append(
                 f"is called under {_autocast_name(form.autocast)} and was planned under "
@@ -694,13 +730,20 @@ def _under_functorch_grad() -> bool:
 
 class CallForm(NamedTuple):
     """A call unlike the planning call: the tensor arguments it leaves out, the dtypes of the
-    model's parameters and buffers and of its tensor arguments (None: not a tensor), and the
-    autocast in force."""
+    model's parameters and buffers and of its tensor arguments (None: not a tensor), the
+    autocast in force, and, for a graph captured by torch.export, the tensor arguments'
+    ``_layout`` (empty otherwise)."""
 
     left_out: tuple[str, ...]
     state: tuple[torch.dtype, ...]
     arguments: tuple[torch.dtype | None, ...]
     autocast: tuple[tuple[str, torch.dtype], ...]
+    layouts: tuple[tuple[bool, bool] | None, ...] = ()
+
+
+def _layout_name(layout: tuple[bool, bool]) -> str:
+    requires_grad, contiguous = layout
+    return f"{'requires' if requires_grad else 'no'} grad, {'' if contiguous else 'not '}contiguous"
 
 
 def _autocast_name(state: tuple[tuple[str, torch.dtype], ...]) -> str:
@@ -809,6 +852,10 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         if snapshot.mode_changed():
             return snapshot.run_model(args, kwargs)
         snapshot.check_unchanged(type(self).__name__)
+        if not torch.is_grad_enabled():
+            # Nothing to checkpoint, and forward may branch on grad mode (the graph holds the
+            # branch it took at planning): the model itself, exactly.
+            return snapshot.model(*args, **kwargs)
         form = snapshot.call_form(args, kwargs)
         if form is not None:
             return snapshot.run_form(form, args, kwargs)

@@ -384,8 +384,10 @@ def test_exported_plan_on_another_shape_fails_clearly():
     model, args, kwargs = small(untraceable=True)
     p = plan_of(model, args, kwargs, budget_gb=1, solver="sqrt_n")
     assert p.capture_method == "export"
+    x, y = torch.randn(7, 8, requires_grad=True), torch.randn(7, 8)  # as at planning, but 7
+    assert (args[0].requires_grad, kwargs["y"].requires_grad) == (True, False)
     with pytest.raises(PlanningError, match=r"Guard failed.*Plan with dynamic_shapes=True"):
-        p.module(torch.randn(7, 8), **dict(kwargs, y=torch.randn(7, 8)))
+        p.module(x, **dict(kwargs, y=y))
     with pytest.raises(ValueError, match="captured with flag=True"):
         p.module(*args, **dict(kwargs, flag=False))
 

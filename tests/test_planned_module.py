@@ -779,6 +779,67 @@ def test_a_class_attribute_or_global_the_forward_reads_may_not_change(change, na
         globals()["USE_TANH"] = True
 
 
+class BranchesOnGradMode(nn.Module):
+    """Skips a costly regulariser when no gradient is wanted, as validation code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.b(torch.tanh(self.a(x)))
+        return y + 0.1 * y.pow(2) if torch.is_grad_enabled() else y
+
+
+def test_under_no_grad_the_model_itself_runs():
+    """Found trying the library: symbolic_trace baked in the branch of grad mode at planning,
+    so a validation loop under ``torch.no_grad()`` computed the training branch (0.43 apart)."""
+    model, x = BranchesOnGradMode(), torch.randn(4, 8)
+    p = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n")
+    assert p.capture_method == "symbolic_trace" and p.segments
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(p.module(x), model(x))
+    with torch.inference_mode():
+        assert torch.equal(p.module(x), model(x))
+    assert torch.equal(p.module(x), model(x))  # and with gradients, the graph
+
+
+class BranchesOnItsInput(nn.Module):
+    """Branches torch.export bakes in: on whether the input requires grad, and on its layout
+    (timm's LayerNorm2d checks ``is_contiguous`` for channels_last)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.requires_grad:
+            x = x * 2
+        if not x.is_contiguous():
+            x = x.contiguous() + 1
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize(
+    "other, described",
+    [
+        (lambda x: x.detach().requires_grad_(), "x: no grad, contiguous then, requires grad"),
+        (lambda x: x.t().contiguous().t(), "x: no grad, contiguous then, no grad, not contig"),
+    ],
+    ids=["requires grad", "not contiguous"],
+)
+def test_an_exported_plan_called_with_another_layout_plans_that_call_form(other, described):
+    """Found trying the library: called with an input that required grad, or a transposed one,
+    the exported graph took the planning call's branches (0.12 and 0.23 apart), silently."""
+    model, x = BranchesOnItsInput(), torch.randn(8, 8)
+    p = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n")
+    assert p.capture_method == "export"
+    with pytest.warns(UserWarning, match=f"differ in requires_grad or contiguity.*{described}"):
+        assert torch.equal(p.module(other(x)), model(other(x)))
+    assert torch.equal(p.module(x), model(x))
+
+
 def test_an_attribute_the_forward_never_reads_may_change():
     """Bookkeeping on the model (a step counter) is not part of what the graph computes."""
     model, x = Blocks(), torch.randn(4, 8)
