@@ -9,6 +9,9 @@ that record, so anything else the forward did happened once, at planning time, a
   forward (``h.register_hook(...)``) is lost the same way;
 * a draw from Python's or numpy's random generators (LayerDrop written with ``random.random()``):
   the trace-time draw is baked into the graph;
+* a call that sets torch's random state (``torch.manual_seed``, ``torch.set_rng_state``,
+  ``torch.random.fork_rng``): it ran once, at capture, and the graph, which records ops, draws on
+  from wherever the generator stands (outputs 0.94 and gradients 17.6 off, with no segment);
 * an attribute the forward sets on a module (an MoE layer's ``self.aux_loss``, a call counter):
   the planned module never sets it, and the value left by capture is a tracing placeholder;
 * an in-place update of a parameter (a momentum encoder): applied once, by planning.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import random
 import re
+import sys
 import threading
 import weakref
 
@@ -85,6 +89,59 @@ def _recording_what_graphs_lose(applied: list[type], hooked: list[bool]):
         torch.Tensor.register_hook = _REGISTER_HOOK  # type: ignore[method-assign]
 
 
+# The functions that set torch's random state, under the names forward calls them by.
+_SEEDING = {
+    torch: "manual_seed seed set_rng_state".split(),
+    torch.random: "manual_seed seed set_rng_state fork_rng".split(),
+    torch.cuda: "manual_seed manual_seed_all seed seed_all set_rng_state set_rng_state_all".split(),
+}
+
+
+@contextlib.contextmanager
+def _refusing_reseeding(model: nn.Module):
+    """Raise a PlanningError when this thread's code, not torch's own (``torch.export`` and
+    ``fork_rng`` set the state themselves), calls one of ``_SEEDING`` meanwhile. It raises
+    before the call runs, so the random state is never changed."""
+    thread = threading.get_ident()
+
+    def refusing(name: str, function):
+        def call(*args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if threading.get_ident() == thread and caller.split(".")[0] != "torch":
+                raise _refusal(model, [_reseeding_reason(name)])
+            return function(*args, **kwargs)
+
+        return call
+
+    originals = [(n, key, getattr(n, key)) for n, keys in _SEEDING.items() for key in keys]
+    for namespace, key, function in originals:
+        setattr(namespace, key, refusing(f"{namespace.__name__}.{key}", function))
+    try:
+        yield
+    finally:
+        for namespace, key, function in originals:
+            setattr(namespace, key, function)
+
+
+def _reseeding_reason(name: str) -> str:
+    return (
+        f"it calls {name}, which sets torch's random state: the graph records ops, not that "
+        "call, so the planned module would draw other dropout masks and noise than the model, "
+        "and leave the generator elsewhere. Seed outside forward (torch.manual_seed before "
+        "each step); make noise that must stay the same once, outside forward (a buffer: "
+        "self.register_buffer('noise', ..., persistent=False)); draw what must not move the "
+        "global generator from a torch.Generator made in __init__ (torch.randn(..., "
+        "generator=self.generator))"
+    )
+
+
+def _refusal(model: nn.Module, reasons: list[str]) -> PlanningError:
+    return PlanningError(
+        f"cannot plan {type(model).__name__}: its forward does more than tensor operations, "
+        "and a captured graph cannot replay the rest: " + "; and ".join(reasons) + "."
+    )
+
+
 def _restore(model: nn.Module, before: dict, changed: list[tuple[str, str]]) -> None:
     for path, key in changed:
         module = model.get_submodule(path)
@@ -106,7 +163,7 @@ def refusing_side_effects(model: nn.Module):
     applied: list[type] = []
     hooked: list[bool] = []
     try:
-        with _recording_what_graphs_lose(applied, hooked):
+        with _recording_what_graphs_lose(applied, hooked), _refusing_reseeding(model):
             yield
     finally:
         after = _attributes(model)
@@ -129,10 +186,7 @@ def refusing_side_effects(model: nn.Module):
     ]
     reasons = _reasons(applied, bool(hooked), drew, set_by_forward, updated)
     if reasons:
-        raise PlanningError(
-            f"cannot plan {type(model).__name__}: its forward does more than tensor operations, "
-            "and a captured graph cannot replay the rest: " + "; and ".join(reasons) + "."
-        )
+        raise _refusal(model, reasons)
 
 
 @contextlib.contextmanager

@@ -82,3 +82,82 @@ def test_a_tensor_of_the_model_read_outside_traced_values_is_read_at_every_call(
         assert torch.equal(model.queue, reference.queue)
         reads = [n.target for n in p.module.graph.find_nodes(op="get_attr")]
         assert any(operator.attrgetter(t)(p.module) is model.queue for t in reads)
+
+
+# -- torch's random state set in forward -----------------------------------------------------
+# Tracing ran the call once, at planning; the graph records ops, so the planned module drew
+# from wherever the generator stood: outputs 0.94 and gradients 17.6 off, with no segment.
+
+
+class Reseeded(nn.Module):
+    """Seeds in forward ("the same dropout masks at every call"), by one of ``how``."""
+
+    def __init__(self, how: str, traceable: bool = True):
+        super().__init__()
+        self.layers, self.how, self.traceable = _layers(), how, traceable
+        self.state = torch.get_rng_state()
+
+    def forward(self, x):
+        if not self.traceable:  # a loop over a size: symbolic_trace fails, export captures
+            for _ in range(x.shape[0] // x.shape[0]):
+                pass
+        if self.how == "manual_seed":
+            torch.manual_seed(1234)
+        elif self.how == "set_rng_state":
+            torch.set_rng_state(self.state)
+        elif self.how == "fork_rng":  # fixed noise, the global generator left where it was
+            with torch.random.fork_rng():
+                torch.manual_seed(7)
+                x = x + torch.randn_like(x)
+        elif self.how == "cuda":
+            torch.cuda.manual_seed_all(1234)
+        for layer in self.layers:
+            x = nn.functional.dropout(torch.tanh(layer(x)), 0.3, self.training)
+        return x.sum()
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: Reseeded("manual_seed"), r"calls torch\.manual_seed, which sets torch's random"),
+        (lambda: Reseeded("set_rng_state"), r"calls torch\.set_rng_state"),
+        (lambda: Reseeded("fork_rng"), r"calls torch\.random\.fork_rng"),
+        (lambda: Reseeded("cuda"), r"calls torch\.cuda\.manual_seed_all"),
+        (lambda: Reseeded("manual_seed", traceable=False), r"calls torch\.manual_seed"),
+    ],
+    ids=["manual_seed", "set_rng_state", "fork_rng", "cuda", "manual_seed, export"],
+)
+def test_setting_the_random_state_in_forward_is_refused_and_leaves_it_as_it_was(make, match):
+    torch.manual_seed(0)
+    model, x = make(), torch.randn(8, 16)
+    state = torch.get_rng_state()
+    with pytest.raises(planner.PlanningError, match=match + ".*Seed outside forward"):
+        planner.plan(model, (x,), budget_gb=1)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_model_with_dropout_and_a_generator_of_its_own_still_plans_exactly():
+    """What the refusal advises; torch's own calls (export, fork_rng inside) are not refused."""
+
+    class OwnNoise(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers, self.generator = _layers(), torch.Generator().manual_seed(7)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + torch.randn(x.shape, generator=self.generator)
+                x = nn.functional.dropout(torch.tanh(layer(x)), 0.3, self.training)
+            return x.sum()
+
+    torch.manual_seed(0)
+    model = OwnNoise()
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (torch.randn(8, 16),), budget_gb=1, solver="sqrt_n")
+    assert p.segments
+    for step in range(2):
+        x = torch.randn(8, 16)
+        torch.manual_seed(step)
+        expected = reference(x)
+        torch.manual_seed(step)
+        assert torch.equal(p.module(x), expected), f"step {step}"
