@@ -97,17 +97,21 @@ _SEEDING = {
 }
 
 
+_OURS = ("torch", __name__.split(".")[0])
+
+
 @contextlib.contextmanager
 def _refusing_reseeding(model: nn.Module):
-    """Raise a PlanningError when this thread's code, not torch's own (``torch.export`` and
-    ``fork_rng`` set the state themselves), calls one of ``_SEEDING`` meanwhile. It raises
-    before the call runs, so the random state is never changed."""
+    """Raise a PlanningError when this thread's code calls one of ``_SEEDING`` meanwhile: the
+    model's code, not torch's (``torch.export``; ``fork_rng``, which sets the state back) nor
+    planner's (forwards run eagerly under ``fork_rng`` while capturing). It raises before the
+    call runs, so the random state is never changed."""
     thread = threading.get_ident()
 
     def refusing(name: str, function):
         def call(*args, **kwargs):
             caller = sys._getframe(1).f_globals.get("__name__", "")
-            if threading.get_ident() == thread and caller.split(".")[0] != "torch":
+            if threading.get_ident() == thread and caller.split(".")[0] not in _OURS:
                 raise _refusal(model, [_reseeding_reason(name)])
             return function(*args, **kwargs)
 
