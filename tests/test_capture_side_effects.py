@@ -5,6 +5,7 @@ refused with what to do, and planning leaves the model as it was."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import operator
 
@@ -161,3 +162,80 @@ def test_a_model_with_dropout_and_a_generator_of_its_own_still_plans_exactly():
         expected = reference(x)
         torch.manual_seed(step)
         assert torch.equal(p.module(x), expected), f"step {step}"
+
+
+# -- values collected in a module's containers -----------------------------------------------
+# Planned, the model's list held tracing placeholders (fx Proxy objects): a loss built from them
+# was a Proxy too, and its backward() did nothing, silently.
+
+
+class Collecting(nn.Module):
+    """Collects a value per layer on the module, as MoE balancing losses and deep supervision
+    do, into ``where``: a list, a dict, a list in a dict, a deque, or a public list of names."""
+
+    def __init__(self, where: str, traceable: bool = True):
+        super().__init__()
+        self.layers, self.where, self.traceable = _layers(), where, traceable
+        self.aux: list = []
+        self.stats: dict = {}
+        self.nested: dict = {"losses": []}
+        self._window = collections.deque(maxlen=8)
+        self.seen: list = []
+
+    def forward(self, x):
+        if not self.traceable:  # a loop over a size: symbolic_trace fails, export captures
+            for _ in range(x.shape[0] // x.shape[0]):
+                pass
+        self.aux.clear()
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            value = x.pow(2).mean()
+            if self.where == "list":
+                self.aux.append(value)
+            elif self.where == "dict":
+                self.stats[f"layer{i}"] = value
+            elif self.where == "nested":
+                self.nested["losses"].append(value)
+            elif self.where == "deque":
+                self._window.append(value)
+            elif self.where == "names":
+                self.seen.append(f"layer{i}")
+        return x.sum()
+
+
+@pytest.mark.parametrize(
+    "where, attribute",
+    [
+        ("list", "aux"),
+        ("dict", "stats"),
+        ("nested", "nested"),
+        ("deque", "_window"),
+        ("names", "seen"),
+    ],
+)
+@pytest.mark.parametrize("traceable", [True, False], ids=["symbolic_trace", "export"])
+def test_values_put_into_a_modules_containers_are_refused_and_the_containers_put_back(
+    where, attribute, traceable
+):
+    torch.manual_seed(0)
+    model, x = Collecting(where, traceable), torch.randn(8, 16)
+    model(x)  # a step before planning: the containers hold real values
+    containers = (model.aux, model.stats, model.nested, model.nested["losses"], model._window)
+    before = [_contents(c) for c in (*containers, model.seen)]
+    with pytest.raises(
+        planner.PlanningError,
+        match=rf"puts values into containers held by module attributes \({attribute}\).*"
+        "Return such values from forward",
+    ):
+        planner.plan(model, (x,), budget_gb=1)
+    now = (model.aux, model.stats, model.nested, model.nested["losses"], model._window)
+    assert all(a is b for a, b in zip(now, containers))
+    for old, new in zip(before, [_contents(c) for c in (*containers, model.seen)]):
+        assert len(old) == len(new) and all(a is b for a, b in zip(old, new))
+
+
+def _contents(container) -> list:
+    """What a container holds (keys and values, for a dict), to compare by identity."""
+    if isinstance(container, dict):
+        return [x for pair in container.items() for x in pair]
+    return list(container)
