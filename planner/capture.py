@@ -239,18 +239,49 @@ class LeafTracer(fx.Tracer):
         return super().create_arg(a)
 
 
-class _RandomDraws(TorchDispatchMode):
-    """Notes the first random op that runs for real (in this thread: dispatch modes are per
-    thread) while ``symbolic_trace`` runs forward; traced ops never dispatch."""
+class _UntracedOps(TorchDispatchMode):
+    """Notes the first op that runs for real while ``symbolic_trace`` runs forward (in this
+    thread: dispatch modes are per thread) and whose result the graph would hold as a constant
+    where the model computes it anew: a random op (traced ops never dispatch), or an op reading
+    a tensor of the model (``self.queue.clone()``: fx gives a get_attr only to parameters, so
+    ops on a buffer or a plain tensor attribute alone run once, and the graph keeps the value
+    they had at planning after forward, or the training loop, has updated the tensor)."""
 
-    def __init__(self):
+    def __init__(self, model: nn.Module):
         super().__init__()
-        self.op = None
+        self.storages = {
+            t.untyped_storage()._cdata: name for name, t in _model_tensors(model) if _strided(t)
+        }
+        self.found: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.op is None and torch.Tag.nondeterministic_seeded in func.tags:
-            self.op = func
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if self.found is None:
+            if torch.Tag.nondeterministic_seeded in func.tags:
+                self.found = f"ran {func} on no traced value: its draw would be baked"
+            for t in tree_leaves((args, kwargs)):
+                name = _strided(t) and self.storages.get(t.untyped_storage()._cdata)
+                if name:
+                    self.found = (
+                        f"ran {func} on {name}, a tensor of the model, outside the traced "
+                        "values: the graph would hold the result as computed at planning"
+                    )
+                    break
+        return func(*args, **kwargs)
+
+
+def _strided(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout is torch.strided
+
+
+def _model_tensors(model: nn.Module):
+    """(name, tensor) for every parameter, buffer and plain tensor attribute of ``model``."""
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
+    for path, module in model.named_modules(remove_duplicate=False):
+        for key, value in vars(module).items():
+            if isinstance(value, torch.Tensor):
+                yield f"{path}.{key}" if path else key, value
 
 
 def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> fx.GraphModule:
@@ -262,7 +293,7 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> 
     grad_enabled = torch.is_grad_enabled()
     capturing.tracer = tracer
     try:
-        with _keeping_buffers(model) as changed, _RandomDraws() as draws:
+        with _keeping_buffers(model) as changed, _UntracedOps(model) as untraced:
             with warnings.catch_warnings():
                 # A value fx cannot assert (a generator, an enum): ModelCall checks it instead.
                 warnings.filterwarnings("ignore", "Was not able to add assertion", UserWarning)
@@ -270,10 +301,9 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> 
     finally:
         capturing.tracer = None
         torch._C._set_grad_enabled(grad_enabled)  # forward may switch it without restoring it
-    if draws.op is not None:
-        # A random op on no traced value (torch.randn(8)) ran for real: its draw would be a
-        # constant of the graph, the same every step. torch.export records the op.
-        raise RuntimeError(f"forward ran {draws.op} on no traced value: its draw would be baked")
+    if untraced.found is not None:
+        # torch.export records the op (a draw anew every step, the tensor's value at the call).
+        raise RuntimeError(f"forward {untraced.found}")
     if changed:
         # A buffer is a plain tensor while tracing: ``self.calls += 1`` ran once, for real, and
         # the graph would never repeat it. torch.export records such updates.

@@ -9,25 +9,36 @@ that record, so anything else the forward did happened once, at planning time, a
   forward (``h.register_hook(...)``) is lost the same way;
 * a draw from Python's or numpy's random generators (LayerDrop written with ``random.random()``):
   the trace-time draw is baked into the graph;
+* a call that sets torch's random state (``torch.manual_seed``, ``torch.set_rng_state``,
+  ``torch.random.fork_rng``): it ran once, at capture, and the graph, which records ops, draws on
+  from wherever the generator stands (outputs 0.94 and gradients 17.6 off, with no segment);
 * an attribute the forward sets on a module (an MoE layer's ``self.aux_loss``, a call counter):
   the planned module never sets it, and the value left by capture is a tracing placeholder;
+* values the forward puts into a container a module attribute holds (``self.aux.append(loss)``:
+  MoE balancing losses, deep supervision): the planned module never puts them there, and
+  capture left tracing placeholders in it, with which a loss built from them computes nothing;
 * an in-place update of a parameter (a momentum encoder): applied once, by planning.
 
-``refusing_side_effects`` watches a capture for them, puts back what it can (module attributes,
-the random generators' states) and raises a ``PlanningError`` that names each and what to do.
+``refusing_side_effects`` watches a capture for them, puts back what it can (module attributes
+and what their containers hold, the random generators' states) and raises a ``PlanningError``
+that names each and what to do.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import random
 import re
+import sys
 import threading
 import weakref
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from planner.errors import PlanningError
 from planner.hooks import HOOK_TABLES, process_wide_hook_count
@@ -52,6 +63,74 @@ def _attributes(model: nn.Module) -> dict[tuple[str, str], object]:
         for key, value in vars(module).items()
         if key not in _MODULE_STATE
     }
+
+
+_CONTAINERS = (list, dict, set, collections.deque)
+# nn.Module's own bookkeeping (children, tensors, hooks), which other checks watch.
+_TORCH_STATE = frozenset(vars(nn.Module()))
+
+
+def _held(container) -> list:
+    """What ``container`` holds, one level deep (keys and values alternating, for a dict)."""
+    if isinstance(container, dict):
+        return [x for pair in container.items() for x in pair]
+    return list(container)
+
+
+def _identities(container, held: list) -> list[int]:
+    """Which objects ``container`` holds, by id, in order (sorted for a set: no order there)."""
+    ids = [id(x) for x in held]
+    return sorted(ids) if isinstance(container, set) else ids
+
+
+def _containers(model: nn.Module) -> list[tuple[str, Any, list]]:
+    """Every list, dict, set and deque a module attribute holds, directly or inside another (or
+    a tuple): (the attribute's name, the container, a copy of what it holds)."""
+    found: list[tuple[str, Any, list]] = []
+    seen: set[int] = set()
+    for path, module in model.named_modules(remove_duplicate=False):
+        for key, value in vars(module).items():
+            stack = [] if key in _TORCH_STATE else [value]
+            while stack:
+                value = stack.pop()
+                if isinstance(value, tuple):
+                    stack.extend(value)
+                elif isinstance(value, _CONTAINERS) and id(value) not in seen:
+                    seen.add(id(value))
+                    found.append((f"{path}.{key}" if path else key, value, _held(value)))
+                    stack.extend(found[-1][2])
+    return found
+
+
+@contextlib.contextmanager
+def _putting_back_containers(model: nn.Module):
+    """Put back what each container of ``_containers`` held when the block ends; yield a list,
+    filled then, naming the attributes whose containers the block filled with what a forward
+    means to carry out through them: a tensor (a tracing placeholder, a fake tensor while
+    capturing) in any, anything in a public one. Other changes to a private one are a
+    module's own scratch or cache (as in ``_set_by_forward``), put back all the same."""
+    kept = _containers(model)
+    filled: list[str] = []
+    try:
+        yield filled
+    finally:
+        for name, container, held in kept:
+            now = _held(container)
+            if _identities(container, now) == _identities(container, held):
+                continue
+            old = {id(x) for x in held}
+            added = tree_leaves([x for x in now if id(x) not in old])
+            public = not name.rsplit(".", 1)[-1].startswith("_")
+            traced = any(isinstance(x, (torch.Tensor, torch.fx.Proxy)) for x in added)
+            if (public or traced) and name not in filled:
+                filled.append(name)
+            container.clear()
+            if isinstance(container, dict):
+                container.update(zip(held[::2], held[1::2]))
+            elif isinstance(container, set):
+                container.update(held)
+            else:
+                container.extend(held)
 
 
 def _is_users(function: type) -> bool:
@@ -85,6 +164,63 @@ def _recording_what_graphs_lose(applied: list[type], hooked: list[bool]):
         torch.Tensor.register_hook = _REGISTER_HOOK  # type: ignore[method-assign]
 
 
+# The functions that set torch's random state, under the names forward calls them by.
+_SEEDING = {
+    torch: "manual_seed seed set_rng_state".split(),
+    torch.random: "manual_seed seed set_rng_state fork_rng".split(),
+    torch.cuda: "manual_seed manual_seed_all seed seed_all set_rng_state set_rng_state_all".split(),
+}
+
+
+_OURS = ("torch", __name__.split(".")[0])
+
+
+@contextlib.contextmanager
+def _refusing_reseeding(model: nn.Module):
+    """Raise a PlanningError when this thread's code calls one of ``_SEEDING`` meanwhile: the
+    model's code, not torch's (``torch.export``; ``fork_rng``, which sets the state back) nor
+    planner's (forwards run eagerly under ``fork_rng`` while capturing). It raises before the
+    call runs, so the random state is never changed."""
+    thread = threading.get_ident()
+
+    def refusing(name: str, function):
+        def call(*args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if threading.get_ident() == thread and caller.split(".")[0] not in _OURS:
+                raise _refusal(model, [_reseeding_reason(name)])
+            return function(*args, **kwargs)
+
+        return call
+
+    originals = [(n, key, getattr(n, key)) for n, keys in _SEEDING.items() for key in keys]
+    for namespace, key, function in originals:
+        setattr(namespace, key, refusing(f"{namespace.__name__}.{key}", function))
+    try:
+        yield
+    finally:
+        for namespace, key, function in originals:
+            setattr(namespace, key, function)
+
+
+def _reseeding_reason(name: str) -> str:
+    return (
+        f"it calls {name}, which sets torch's random state: the graph records ops, not that "
+        "call, so the planned module would draw other dropout masks and noise than the model, "
+        "and leave the generator elsewhere. Seed outside forward (torch.manual_seed before "
+        "each step); make noise that must stay the same once, outside forward (a buffer: "
+        "self.register_buffer('noise', ..., persistent=False)); draw what must not move the "
+        "global generator from a torch.Generator made in __init__ (torch.randn(..., "
+        "generator=self.generator))"
+    )
+
+
+def _refusal(model: nn.Module, reasons: list[str]) -> PlanningError:
+    return PlanningError(
+        f"cannot plan {type(model).__name__}: its forward does more than tensor operations, "
+        "and a captured graph cannot replay the rest: " + "; and ".join(reasons) + "."
+    )
+
+
 def _restore(model: nn.Module, before: dict, changed: list[tuple[str, str]]) -> None:
     for path, key in changed:
         module = model.get_submodule(path)
@@ -106,7 +242,11 @@ def refusing_side_effects(model: nn.Module):
     applied: list[type] = []
     hooked: list[bool] = []
     try:
-        with _recording_what_graphs_lose(applied, hooked):
+        with (
+            _recording_what_graphs_lose(applied, hooked),
+            _refusing_reseeding(model),
+            _putting_back_containers(model) as filled,
+        ):
             yield
     finally:
         after = _attributes(model)
@@ -127,12 +267,9 @@ def refusing_side_effects(model: nn.Module):
         for p, k in changed
         if _set_by_forward(k, before.get((p, k), _MISSING), after.get((p, k), _MISSING), root=not p)
     ]
-    reasons = _reasons(applied, bool(hooked), drew, set_by_forward, updated)
+    reasons = _reasons(applied, bool(hooked), drew, set_by_forward, filled, updated)
     if reasons:
-        raise PlanningError(
-            f"cannot plan {type(model).__name__}: its forward does more than tensor operations, "
-            "and a captured graph cannot replay the rest: " + "; and ".join(reasons) + "."
-        )
+        raise _refusal(model, reasons)
 
 
 @contextlib.contextmanager
@@ -184,7 +321,7 @@ def _torch_modules_only(module: nn.Module) -> bool:
 
 
 def _reasons(
-    applied: list[type], hooked: bool, drew: bool, changed: list, updated: list[str]
+    applied: list[type], hooked: bool, drew: bool, changed: list, filled: list, updated: list[str]
 ) -> list[str]:
     reasons = []
     if hooked:
@@ -214,6 +351,13 @@ def _reasons(
             f"it sets module attributes ({', '.join(names)}): the planned module would never "
             "set them. Return such values from forward instead (e.g. an auxiliary loss as an "
             "output)"
+        )
+    if filled:
+        reasons.append(
+            f"it puts values into containers held by module attributes ({', '.join(filled)}): "
+            "the graph has no way to carry values out through them, so the planned module "
+            "would never put them there. Return such values from forward instead (e.g. the "
+            "auxiliary losses as an output: return out, torch.stack(aux))"
         )
     if updated:
         reasons.append(

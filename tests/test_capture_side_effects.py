@@ -1,0 +1,241 @@
+"""What a forward does to state a captured graph does not carry (found by testers, each planned
+silently wrong): tensors of the model read outside the traced values, the random generator
+seeded in forward, values collected in a module's containers. Each is captured exactly or
+refused with what to do, and planning leaves the model as it was."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import operator
+
+import pytest
+import torch
+from torch import nn
+
+import planner
+
+
+def _layers() -> nn.ModuleList:
+    return nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+
+# -- tensors of the model read outside the traced values -------------------------------------
+# symbolic_trace gives a get_attr to parameters only: an op on a buffer or a plain tensor
+# attribute alone ran once, at planning, and the graph held its result, a frozen copy.
+
+
+class Queue(nn.Module):
+    """A MoCo-style queue updated in place in forward: read through ``clone()``, then written.
+    Planned, the logits read the queue as it was at planning (0.83 off from the second step)."""
+
+    def __init__(self, register: bool):
+        super().__init__()
+        self.layers = _layers()
+        if register:
+            self.register_buffer("queue", torch.zeros(32, 16), persistent=False)
+        else:
+            self.queue = torch.zeros(32, 16)  # a plain attribute, as many repositories keep it
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        logits = x @ self.queue.clone().t()
+        self.queue[:8] = x.detach()
+        return logits.sum() + x.sum()
+
+
+class WeightPenalty(nn.Module):
+    """An L2 penalty over ``self.parameters()`` in forward: real tensors, not traced ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = _layers()
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.sum() + 0.1 * sum(p.pow(2).sum() for p in self.parameters())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: Queue(register=False), lambda: Queue(register=True), WeightPenalty],
+    ids=["plain attribute", "buffer", "parameters"],
+)
+def test_a_tensor_of_the_model_read_outside_traced_values_is_read_at_every_call(make):
+    torch.manual_seed(0)
+    model = make()
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (torch.randn(8, 16),), budget_gb=1, solver="sqrt_n")
+    assert p.segments
+    for step in range(3):
+        x = torch.randn(8, 16)
+        for parameter in (*model.parameters(), *reference.parameters()):
+            parameter.grad = None
+        expected, out = reference(x), p.module(x)
+        expected.backward()
+        out.backward()
+        assert torch.equal(out, expected), f"step {step}"
+        for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad), f"step {step}: {name}"
+    if isinstance(model, Queue):
+        assert torch.equal(model.queue, reference.queue)
+        reads = [n.target for n in p.module.graph.find_nodes(op="get_attr")]
+        assert any(operator.attrgetter(t)(p.module) is model.queue for t in reads)
+
+
+# -- torch's random state set in forward -----------------------------------------------------
+# Tracing ran the call once, at planning; the graph records ops, so the planned module drew
+# from wherever the generator stood: outputs 0.94 and gradients 17.6 off, with no segment.
+
+
+class Reseeded(nn.Module):
+    """Seeds in forward ("the same dropout masks at every call"), by one of ``how``."""
+
+    def __init__(self, how: str, traceable: bool = True):
+        super().__init__()
+        self.layers, self.how, self.traceable = _layers(), how, traceable
+        self.state = torch.get_rng_state()
+
+    def forward(self, x):
+        if not self.traceable:  # a loop over a size: symbolic_trace fails, export captures
+            for _ in range(x.shape[0] // x.shape[0]):
+                pass
+        if self.how == "manual_seed":
+            torch.manual_seed(1234)
+        elif self.how == "set_rng_state":
+            torch.set_rng_state(self.state)
+        elif self.how == "fork_rng":  # fixed noise, the global generator left where it was
+            with torch.random.fork_rng():
+                torch.manual_seed(7)
+                x = x + torch.randn_like(x)
+        elif self.how == "cuda":
+            torch.cuda.manual_seed_all(1234)
+        for layer in self.layers:
+            x = nn.functional.dropout(torch.tanh(layer(x)), 0.3, self.training)
+        return x.sum()
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: Reseeded("manual_seed"), r"calls torch\.manual_seed, which sets torch's random"),
+        (lambda: Reseeded("set_rng_state"), r"calls torch\.set_rng_state"),
+        (lambda: Reseeded("fork_rng"), r"calls torch\.random\.fork_rng"),
+        (lambda: Reseeded("cuda"), r"calls torch\.cuda\.manual_seed_all"),
+        (lambda: Reseeded("manual_seed", traceable=False), r"calls torch\.manual_seed"),
+    ],
+    ids=["manual_seed", "set_rng_state", "fork_rng", "cuda", "manual_seed, export"],
+)
+def test_setting_the_random_state_in_forward_is_refused_and_leaves_it_as_it_was(make, match):
+    torch.manual_seed(0)
+    model, x = make(), torch.randn(8, 16)
+    state = torch.get_rng_state()
+    with pytest.raises(planner.PlanningError, match=match + ".*Seed outside forward"):
+        planner.plan(model, (x,), budget_gb=1)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_model_with_dropout_and_a_generator_of_its_own_still_plans_exactly():
+    """What the refusal advises; torch's own calls (export, fork_rng inside) are not refused."""
+
+    class OwnNoise(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers, self.generator = _layers(), torch.Generator().manual_seed(7)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + torch.randn(x.shape, generator=self.generator)
+                x = nn.functional.dropout(torch.tanh(layer(x)), 0.3, self.training)
+            return x.sum()
+
+    torch.manual_seed(0)
+    model = OwnNoise()
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (torch.randn(8, 16),), budget_gb=1, solver="sqrt_n")
+    assert p.segments
+    for step in range(2):
+        x = torch.randn(8, 16)
+        torch.manual_seed(step)
+        expected = reference(x)
+        torch.manual_seed(step)
+        assert torch.equal(p.module(x), expected), f"step {step}"
+
+
+# -- values collected in a module's containers -----------------------------------------------
+# Planned, the model's list held tracing placeholders (fx Proxy objects): a loss built from them
+# was a Proxy too, and its backward() did nothing, silently.
+
+
+class Collecting(nn.Module):
+    """Collects a value per layer on the module, as MoE balancing losses and deep supervision
+    do, into ``where``: a list, a dict, a list in a dict, a deque, or a public list of names."""
+
+    def __init__(self, where: str, traceable: bool = True):
+        super().__init__()
+        self.layers, self.where, self.traceable = _layers(), where, traceable
+        self.aux: list = []
+        self.stats: dict = {}
+        self.nested: dict = {"losses": []}
+        self._window = collections.deque(maxlen=8)
+        self.seen: list = []
+
+    def forward(self, x):
+        if not self.traceable:  # a loop over a size: symbolic_trace fails, export captures
+            for _ in range(x.shape[0] // x.shape[0]):
+                pass
+        self.aux.clear()
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            value = x.pow(2).mean()
+            if self.where == "list":
+                self.aux.append(value)
+            elif self.where == "dict":
+                self.stats[f"layer{i}"] = value
+            elif self.where == "nested":
+                self.nested["losses"].append(value)
+            elif self.where == "deque":
+                self._window.append(value)
+            elif self.where == "names":
+                self.seen.append(f"layer{i}")
+        return x.sum()
+
+
+@pytest.mark.parametrize(
+    "where, attribute",
+    [
+        ("list", "aux"),
+        ("dict", "stats"),
+        ("nested", "nested"),
+        ("deque", "_window"),
+        ("names", "seen"),
+    ],
+)
+@pytest.mark.parametrize("traceable", [True, False], ids=["symbolic_trace", "export"])
+def test_values_put_into_a_modules_containers_are_refused_and_the_containers_put_back(
+    where, attribute, traceable
+):
+    torch.manual_seed(0)
+    model, x = Collecting(where, traceable), torch.randn(8, 16)
+    model(x)  # a step before planning: the containers hold real values
+    containers = (model.aux, model.stats, model.nested, model.nested["losses"], model._window)
+    before = [_contents(c) for c in (*containers, model.seen)]
+    with pytest.raises(
+        planner.PlanningError,
+        match=rf"puts values into containers held by module attributes \({attribute}\).*"
+        "Return such values from forward",
+    ):
+        planner.plan(model, (x,), budget_gb=1)
+    now = (model.aux, model.stats, model.nested, model.nested["losses"], model._window)
+    assert all(a is b for a, b in zip(now, containers))
+    for old, new in zip(before, [_contents(c) for c in (*containers, model.seen)]):
+        assert len(old) == len(new) and all(a is b for a, b in zip(old, new))
+
+
+def _contents(container) -> list:
+    """What a container holds (keys and values, for a dict), to compare by identity."""
+    if isinstance(container, dict):
+        return [x for pair in container.items() for x in pair]
+    return list(container)
