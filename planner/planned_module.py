@@ -820,7 +820,10 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
     the first such call plans it (same budget, solver and options; a warning says so) and
     every later one runs that plan; a loaded plan, or a call form no plan fits, runs the model
     itself (exact, not planned). So is a call in other dtypes than at planning (``.double()``
-    after planning): the graph bakes in the branches forward took on dtypes. A call with
+    after planning): the graph bakes in the branches forward took on dtypes, and, for a graph
+    torch.export captured, of tensor arguments that differ in requires_grad or contiguity.
+    Under ``no_grad`` the model itself runs (nothing to checkpoint; forward may branch on grad
+    mode). A call with
     gradients and a tensor larger than the example's in some dimension warns once: the budget
     holds up to the example's sizes; so does one that starts while parameters or tensor
     arguments hold gradients, unless the plan counts them (``plan_batch``'s accumulation).
