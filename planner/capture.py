@@ -14,6 +14,7 @@ import logging
 import operator
 import threading
 import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,7 @@ def _non_tensor_arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     except TypeError as error:
         raise PlanningError(
             f"example inputs do not match {type(model).__name__}.forward{signature}: {error}"
+            f"{_binding_hint(signature, args, kwargs)}"
         ) from error
     # Defaults too: a parameter left out (``mask=None``) would otherwise be traced as a tensor
     # placeholder, and the graph would compute with a value the call never passes.
@@ -92,6 +94,29 @@ def _non_tensor_arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict:
         not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
         and not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
     }
+
+
+def _binding_hint(signature: inspect.Signature, args: tuple, kwargs: dict) -> str:
+    """What likely went wrong in a call that does not bind: keywords forward does not take, or
+    the positional arguments given as one list, dict or iterator instead of a tuple."""
+    parameters = signature.parameters.values()
+    if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters):
+        unknown = [key for key in kwargs if key not in signature.parameters]
+        if unknown:
+            return f" (example_kwargs names {', '.join(unknown)}, which forward does not take)"
+    if len(args) == 1 and not isinstance(args[0], torch.Tensor):
+        kind = type(args[0]).__name__
+        if isinstance(args[0], Mapping):
+            return (
+                f" (example_inputs is one {kind}: keyword arguments go in example_kwargs, "
+                "positional ones in the example_inputs tuple)"
+            )
+        if isinstance(args[0], (list, Iterator)):
+            return (
+                f" (example_inputs is one {kind}, taken as forward's first argument: the "
+                "positional arguments go in a tuple, example_inputs=(x, y))"
+            )
+    return ""
 
 
 def _restore_argument_names(gm: fx.GraphModule, concrete: dict) -> None:

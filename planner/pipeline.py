@@ -71,6 +71,18 @@ def _check_type(name: str, value, expected: type) -> None:
 def _check_model(model: nn.Module, args: tuple, kwargs: dict) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    lazy = [
+        name
+        for name, p in [*model.named_parameters(), *model.named_buffers()]
+        if isinstance(p, nn.parameter.UninitializedTensorMixin)
+    ]
+    if lazy:
+        raise PlanningError(
+            f"{type(model).__name__} has lazy parameters not yet initialised "
+            f"({', '.join(lazy[:4])}{', ...' if len(lazy) > 4 else ''}: nn.LazyLinear and "
+            "kin take their sizes from their first call). Call the model once on an example "
+            "input (model(*example_inputs)) before planning."
+        )
     inputs_need_grad = any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))
     )  # a frozen model differentiated for its input: adversarial examples, feature visualisation

@@ -392,6 +392,39 @@ def test_exported_plan_on_another_shape_fails_clearly():
         p.module(*args, **dict(kwargs, flag=False))
 
 
+def test_lazy_modules_not_yet_called_are_refused_with_what_to_do():
+    model = nn.Sequential(nn.LazyLinear(8), nn.LazyBatchNorm1d())
+    with pytest.raises(PlanningError, match=r"lazy parameters not yet initialised \(0\.weight"):
+        planner.plan(model, (torch.randn(4, 3),), budget_gb=1)
+    model(torch.randn(4, 3))  # as the message says
+    assert planner.plan(model, (torch.randn(4, 3),), budget_gb=1).module is not None
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(2))
+
+    def forward(self, x, y):
+        return self.scale * x + y
+
+
+@pytest.mark.parametrize(
+    "example_inputs, example_kwargs, hint",
+    [
+        ([torch.ones(2), torch.ones(2)], None, r"one list, .* in a tuple, example_inputs=\(x, y\)"),
+        ({"x": torch.ones(2), "y": torch.ones(2)}, None, "one dict: keyword arguments go in"),
+        ((torch.ones(2),), {"z": torch.ones(2)}, "example_kwargs names z, which forward does"),
+    ],
+    ids=["a list", "a dict", "an unknown keyword"],
+)
+def test_example_inputs_that_do_not_bind_say_what_was_likely_meant(
+    example_inputs, example_kwargs, hint
+):
+    with pytest.raises(PlanningError, match=f"missing a required argument: 'y' .*{hint}"):
+        planner.plan(_TwoInputs(), example_inputs, budget_gb=1, example_kwargs=example_kwargs)
+
+
 class _SumOverViews(nn.Module):
     """One body applied to each tensor of a list or dict (multi-crop views, pyramid levels):
     the loop over the argument is unrolled into the graph at capture (torch.export)."""
