@@ -524,10 +524,9 @@ def _checkpoint_segment(
     member_set = set(members)
     # Items taken out of a multi-output node before the segment (``split``): handed the tuple,
     # checkpoint would hold it whole, past the saved-tensor hooks of an enclosing checkpoint.
-    unpacked = [m for m in members if _unpacks(m) and m.args[0] not in member_set]
-    for m in unpacked:
-        if m not in env:
-            env[m] = graph.node_copy(m, lambda n: env[n])
+    # Only items that read nothing the segment computes can be taken out before it runs.
+    unpacked = [m for m in members if _unpacks(m) and member_set.isdisjoint(m.all_input_nodes)]
+    _define(graph, env, unpacked)
     member_set -= set(unpacked)
     inputs = list(
         dict.fromkeys(
@@ -565,9 +564,7 @@ def _checkpoint_segment(
     segment = Segment(fx.GraphModule(holder, body), modules, tensors, selective)
     holder.__dict__[name] = segment  # a plain attribute, not a child: state_dict stays the user's
 
-    for a in inputs:
-        if a not in env:  # a get_attr that the graph lists after the segment's first node
-            env[a] = graph.node_copy(a, lambda n: env[n])
+    _define(graph, env, inputs)
     callee = graph.get_attr(name)
     kwargs = {"use_reentrant": False, "preserve_rng_state": True}
     if segment.restores_buffers or selective:
@@ -580,6 +577,21 @@ def _checkpoint_segment(
     for index, m in enumerate(outputs):
         env[m] = graph.create_node("call_function", operator.getitem, (call, index), name=m.name)
     built.append(segment)
+
+
+def _define(graph: fx.Graph, env: dict[fx.Node, fx.Node], used: list[fx.Node]) -> None:
+    """Copy into ``graph`` the nodes of ``used`` it does not hold yet, each after those it reads.
+
+    A segment is emitted where its first compute node stands, but the graph may list a node it
+    reads after that node: a parameter's ``get_attr`` (``self.emb(ids) + self.pos[:n]`` lists
+    ``pos`` after ``emb``), read by the segment or by an item taken out before it. Segments are
+    intervals of the compute nodes, so what is missing is such a ``get_attr``, or an item whose
+    own inputs are all defined by then: copying them early computes nothing twice.
+    """
+    for node in used:
+        if node not in env:
+            _define(graph, env, node.all_input_nodes)
+            env[node] = graph.node_copy(node, lambda n: env[n])
 
 
 def _calls_view(captured: fx.GraphModule, choice):
