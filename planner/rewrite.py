@@ -418,6 +418,44 @@ def _holder(captured: fx.GraphModule, model: nn.Module) -> nn.Module:
     return holder
 
 
+def _constants_on_top(captured: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
+    """``captured``, or a copy of it that reads at its top level the tensors it holds under a
+    submodule of the model that the submodule lacks: constants torch.export made in that
+    submodule's forward (``0.lifted_tensor_0``, from ``torch.tensor(2.0)`` or ``h[h < 0] = 0``).
+
+    The planned module holds the model's own submodules, which planning must not change, so
+    such a constant can only sit beside them, as the graph's top-level constants do
+    (``_holder``); it takes its node's name, unique in the graph.
+    """
+    nested = [
+        node
+        for node in captured.graph.find_nodes(op="get_attr")
+        if hasattr(model, node.target.split(".")[0]) and not _holds(model, node.target)
+    ]
+    if not nested:
+        return captured
+    graph = fx.Graph()
+    graph._codegen = captured.graph._codegen
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in captured.graph.nodes:
+        copies[node] = graph.node_copy(node, copies.__getitem__)
+    lifted = fx.GraphModule(captured, graph)
+    lifted.meta.update(captured.meta)
+    for node in nested:
+        setattr(lifted, node.name, operator.attrgetter(node.target)(captured))
+        copies[node].target = node.name
+    lifted.recompile()
+    return lifted
+
+
+def _holds(module: nn.Module, target: str) -> bool:
+    try:
+        operator.attrgetter(target)(module)
+    except AttributeError:
+        return False
+    return True
+
+
 def _is_buffer(holder: nn.Module, node: fx.Node) -> bool:
     return buffer_read(holder, node) is not None
 
@@ -454,6 +492,7 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
     over ``planner.problem.compute_nodes(captured)``, and positions of kept nodes.
     """
     captured, choice = _calls_view(captured, choice)
+    captured = _constants_on_top(captured, model)
     holder = _holder(captured, model)
     nodes = compute_nodes(captured)
     if isinstance(choice, NestedChoice):  # segments holding segments: see planner.nested

@@ -2,6 +2,8 @@
 
 * A segment is emitted where its first compute node stands; the nodes it reads must exist
   there, even those the graph lists later (a parameter's ``get_attr``).
+* Tensor constants torch.export makes inside a submodule's forward belong to the graph, not to
+  the model: plans read them without adding them to the model or to its ``state_dict``.
 """
 
 from __future__ import annotations
@@ -12,9 +14,33 @@ import pytest
 import torch
 from torch import nn
 
+import planner
 from planner.nested import nested_choice
 from planner.pipeline import prepare
 from planner.rewrite import rewrite
+
+
+def _valid_segments(problem) -> list[tuple[int, int]]:
+    return [
+        (a, b)
+        for a, b in itertools.combinations(range(problem.size + 1), 2)
+        if problem.is_valid_segment(a, b)
+    ]
+
+
+def _step(module, args) -> list[torch.Tensor]:
+    """The output and every parameter's gradient after one forward and backward of ``module``."""
+    for p in module.parameters():
+        p.grad = None
+    output = module(*args)
+    output.square().mean().backward()
+    return [output.detach()] + [p.grad for p in module.parameters()]
+
+
+def _assert_same_step(reference, planned, args) -> None:
+    expected, actual = _step(reference, args), _step(planned, args)
+    assert all(torch.equal(a, b) for a, b in zip(expected, actual, strict=True))
+
 
 # -- a parameter read after the segment's first node ---------------------------------------------
 
@@ -36,20 +62,6 @@ class PositionTable(nn.Module):
         return self.head(torch.tanh(x))
 
 
-def _step(module, args) -> list[torch.Tensor]:
-    """The output and every parameter's gradient after one forward and backward of ``module``."""
-    for p in module.parameters():
-        p.grad = None
-    output = module(*args)
-    output.square().mean().backward()
-    return [output.detach()] + [p.grad for p in module.parameters()]
-
-
-def _assert_same_step(reference, planned, args) -> None:
-    expected, actual = _step(reference, args), _step(planned, args)
-    assert all(torch.equal(a, b) for a, b in zip(expected, actual, strict=True))
-
-
 def _position_table(length_from_input: bool):
     torch.manual_seed(0)
     model = PositionTable(length_from_input).train()
@@ -57,12 +69,7 @@ def _position_table(length_from_input: bool):
     captured, problem = prepare(model, (ids,))
     order = [n.name for n in captured.graph_module.graph.nodes]
     assert order.index("pos") > order.index("emb"), "the layout this test is about"
-    segments = [
-        (a, b)
-        for a, b in itertools.combinations(range(problem.size + 1), 2)
-        if problem.is_valid_segment(a, b)
-    ]
-    return model, (ids,), captured, segments
+    return model, (ids,), captured, _valid_segments(problem)
 
 
 @pytest.mark.parametrize("length_from_input", [True, False], ids=["pos[:len]", "pos[:6]"])
@@ -81,3 +88,54 @@ def test_so_is_it_by_a_segment_inside_another(length_from_input):
         if a <= c < d <= b and (c, d) != (a, b):
             choice = nested_choice([(a, b, [(c, d)])])
             _assert_same_step(model, rewrite(captured.graph_module, model, choice), args)
+
+
+# -- tensor constants made inside a submodule's forward (torch.export) ---------------------------
+
+
+class Masked(nn.Module):
+    """``h[h < 0] = 0``: symbolic_trace cannot trace it, and export lifts the 0 it writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        h[h < 0] = 0
+        return h
+
+
+class Doubled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x) * torch.tensor(2.0)
+
+
+def _with_constants():
+    torch.manual_seed(0)
+    return nn.Sequential(Masked(), Doubled(), Masked()).train(), (torch.randn(5, 8),)
+
+
+def test_constants_made_in_a_submodules_forward_are_read_at_every_segment():
+    model, args = _with_constants()
+    captured, problem = prepare(model, args)
+    assert captured.method == "export"
+    for segment in _valid_segments(problem):
+        _assert_same_step(model, rewrite(captured.graph_module, model, [segment]), args)
+
+
+def _longest_segment(problem, budget_bytes):
+    return [max(_valid_segments(problem), key=lambda segment: segment[1] - segment[0])]
+
+
+def test_a_plan_with_such_constants_leaves_the_model_and_its_state_dict_alone():
+    model, args = _with_constants()
+    keys = list(model.state_dict())
+    plan = planner.plan(model, args, budget_gb=1, solver=_longest_segment)
+    _assert_same_step(model, plan.module, args)
+    assert list(plan.module.state_dict()) == list(model.state_dict()) == keys
+    assert not any("lifted" in name for m in model.modules() for name in vars(m))
