@@ -4,10 +4,14 @@
   there, even those the graph lists later (a parameter's ``get_attr``).
 * Tensor constants torch.export makes inside a submodule's forward belong to the graph, not to
   the model: plans read them without adding them to the model or to its ``state_dict``.
+* A parameter changed in place between a forward and its backward is refused by the planned
+  module as by the model (autograd), never recomputed from into a wrong gradient; buffers the
+  forward itself updates (BatchNorm statistics) and ordinary training steps are not refused.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -139,3 +143,50 @@ def test_a_plan_with_such_constants_leaves_the_model_and_its_state_dict_alone():
     _assert_same_step(model, plan.module, args)
     assert list(plan.module.state_dict()) == list(model.state_dict()) == keys
     assert not any("lifted" in name for m in model.modules() for name in vars(m))
+
+
+# -- parameters changed between the forward and the backward -------------------------------------
+
+
+def _mlp(*norm):
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), *norm, nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)]
+    return nn.Sequential(*layers).train(), (torch.randn(32, 8),)
+
+
+@pytest.mark.parametrize(
+    "segments", [[(0, 5)], [(0, 5, [(2, 3)])]], ids=["one segment", "inside an inner segment"]
+)
+def test_a_parameter_stepped_before_backward_is_refused_as_the_model_refuses_it(segments):
+    model, args = _mlp()
+    captured, problem = prepare(model, args)
+    assert problem.size == 5, "Linear, Tanh, Linear, Tanh, Linear"
+    planned = rewrite(captured.graph_module, model, nested_choice(segments))
+    for module, refusal in (
+        (model, "modified by an inplace operation"),
+        (planned, "parameter '2.weight' was modified in place"),
+    ):
+        model.zero_grad()
+        loss = module(*args).square().mean()
+        with torch.no_grad():
+            model[2].weight.add_(0.1)  # optimizer.step() on the second layer, before backward
+        with pytest.raises(RuntimeError, match=refusal):
+            loss.backward()
+
+
+def test_training_steps_with_batchnorm_stay_exact_and_are_not_refused():
+    """optimizer.step() after backward, BatchNorm updating its statistics in every forward."""
+    model, args = _mlp(nn.BatchNorm1d(16))
+    reference = copy.deepcopy(model)
+    plan = planner.plan(model, args, budget_gb=1, solver=lambda problem, budget: [(0, 6)])
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for _ in range(3):
+        for module, optimizer in zip((reference, plan.module), optimizers):
+            optimizer.zero_grad()
+            module(*args).square().mean().backward()
+            optimizer.step()
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(model.state_dict().values(), reference.state_dict().values())
+        )
+    assert model[1].num_batches_tracked == 3
