@@ -213,9 +213,16 @@ def _recompute_scope(cached: _Cached):
 
 
 @contextlib.contextmanager
-def _nested(outer, inner):
-    with outer, inner:
+def _nested(*contexts):
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
         yield
+
+
+def _together(contexts: list):
+    """One context entering ``contexts`` in order (the one itself, if only one)."""
+    return contexts[0] if len(contexts) == 1 else _Reenterable(_nested, *contexts)
 
 
 def _assign(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -252,6 +259,16 @@ class Segment:
     through ``root`` (the planned module) when the segment runs and when it is recomputed.
     A segment that keeps nodes (``selective``) also caches their ops' results in the forward
     and hands them to the recompute (``_keep_policy``).
+
+    The parameters of the modules it calls (``called``) are not checkpoint inputs, which
+    autograd checks: a parameter changed in place between the forward and the backward (an
+    ``optimizer.step()`` too early) would be recomputed from with its new values, mixed into
+    a gradient of the old ones. The model without the plan keeps what it saved, or refuses.
+    ``contexts`` takes their versions at the forward, and the recompute refuses if one moved
+    (``_checking_versions``); eagerly only (under torch.compile, see ``_context_fn``). Buffers
+    need no such check: their values at the forward are restored for the recompute. The
+    modules are held, as ``body`` holds them (replacing one makes the planned module refuse to
+    run); their parameters are read at every call.
     """
 
     def __init__(
@@ -260,10 +277,12 @@ class Segment:
         modules: tuple[str, ...],
         tensors: tuple[str, ...],
         selective: bool = False,
+        called: tuple[nn.Module, ...] = (),
     ):
         self.body = body
         self.modules = modules  # targets of the called modules that have buffers
         self.tensors = tensors  # targets of the buffers the segment reads directly
+        self.called = called  # every module it calls and their submodules, inner segments' too
         self.root: nn.Module | None = None  # the planned module, set once it is built
         self.selective = selective
         # Only a body that enters regions (autocast, grad mode) can leave one open when the
@@ -318,16 +337,52 @@ class Segment:
         return list(found.values())
 
     def contexts(self):
-        at_forward: list[torch.Tensor] = []
-        remembering = _Reenterable(self._remembering, at_forward)
-        replaying = _Reenterable(self._replaying, at_forward)
-        if not self.selective:
-            return remembering, replaying
-        caching, cached = _selective_contexts()
-        if not self.restores_buffers:  # nothing to remember: the cache alone
-            return caching, cached
-        # buffers copied outside the cache: its op counts must match in forward and recompute
-        return _Reenterable(_nested, remembering, caching), _Reenterable(_nested, replaying, cached)
+        """The contexts of one call: (forward, recompute), as ``checkpoint``'s ``context_fn``."""
+        versions: list[tuple[torch.Tensor, int]] = []
+        forward = [_Reenterable(self._taking_versions, versions)]
+        recompute = [_Reenterable(self._checking_versions, versions)]
+        if self.restores_buffers:
+            at_forward: list[torch.Tensor] = []
+            forward.append(_Reenterable(self._remembering, at_forward))
+            recompute.append(_Reenterable(self._replaying, at_forward))
+        if self.selective:
+            # innermost: the buffer copies stay outside the cache, whose op counts must match
+            caching, cached = _selective_contexts()
+            forward.append(caching)
+            recompute.append(cached)
+        return _together(forward), _together(recompute)
+
+    @contextlib.contextmanager
+    def _taking_versions(self, versions: list):
+        versions.extend(
+            (p, p._version) for m in self.called for p in m._parameters.values() if p is not None
+        )
+        yield
+
+    @contextlib.contextmanager
+    def _checking_versions(self, versions: list):
+        """Refuse to recompute from parameters changed in place since the forward: the gradient
+        would mix the old values (saved outside the segment) with the new (recomputed)."""
+        for p, version in versions:
+            if p._version != version:
+                raise RuntimeError(self._changed_message(p))
+        yield
+
+    def _changed_message(self, parameter: torch.Tensor) -> str:
+        root = self.root
+        assert root is not None, "rewrite sets root before the segment can run"
+        names = (n for n, p in root.named_parameters(remove_duplicate=False) if p is parameter)
+        name = next(names, "a parameter")
+        return (
+            f"parameter {name!r} was modified in place (an optimizer.step(), a copy_ or a "
+            "load_state_dict) between the forward of the planned module and this backward, "
+            "which recomputes a checkpointed segment that reads it: the gradient would mix its "
+            "new values with the old ones the forward used. Without the plan, autograd refuses "
+            "such a change to a tensor it saved (one of the variables needed for gradient "
+            "computation has been modified by an inplace operation). Call backward() before "
+            "changing parameters (optimizer.step() after loss.backward()), or run the forward "
+            "again after the change."
+        )
 
     @contextlib.contextmanager
     def _remembering(self, at_forward: list):
@@ -418,6 +473,44 @@ def _holder(captured: fx.GraphModule, model: nn.Module) -> nn.Module:
     return holder
 
 
+def _constants_on_top(captured: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
+    """``captured``, or a copy of it that reads at its top level the tensors it holds under a
+    submodule of the model that the submodule lacks: constants torch.export made in that
+    submodule's forward (``0.lifted_tensor_0``, from ``torch.tensor(2.0)`` or ``h[h < 0] = 0``).
+
+    The planned module holds the model's own submodules, which planning must not change, so
+    such a constant can only sit beside them, as the graph's top-level constants do
+    (``_holder``); it takes its node's name, unique in the graph.
+    """
+    nested = [
+        node
+        for node in captured.graph.find_nodes(op="get_attr")
+        if hasattr(model, node.target.split(".")[0]) and not _holds(model, node.target)
+    ]
+    if not nested:
+        return captured
+    graph = fx.Graph()
+    graph._codegen = captured.graph._codegen
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in captured.graph.nodes:
+        copies[node] = graph.node_copy(node, copies.__getitem__)
+    lifted = fx.GraphModule(captured, graph)
+    lifted.meta.update(captured.meta)
+    for node in nested:
+        setattr(lifted, node.name, operator.attrgetter(node.target)(captured))
+        copies[node].target = node.name
+    lifted.recompile()
+    return lifted
+
+
+def _holds(module: nn.Module, target: str) -> bool:
+    try:
+        operator.attrgetter(target)(module)
+    except AttributeError:
+        return False
+    return True
+
+
 def _is_buffer(holder: nn.Module, node: fx.Node) -> bool:
     return buffer_read(holder, node) is not None
 
@@ -454,6 +547,7 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
     over ``planner.problem.compute_nodes(captured)``, and positions of kept nodes.
     """
     captured, choice = _calls_view(captured, choice)
+    captured = _constants_on_top(captured, model)
     holder = _holder(captured, model)
     nodes = compute_nodes(captured)
     if isinstance(choice, NestedChoice):  # segments holding segments: see planner.nested
@@ -524,10 +618,9 @@ def _checkpoint_segment(
     member_set = set(members)
     # Items taken out of a multi-output node before the segment (``split``): handed the tuple,
     # checkpoint would hold it whole, past the saved-tensor hooks of an enclosing checkpoint.
-    unpacked = [m for m in members if _unpacks(m) and m.args[0] not in member_set]
-    for m in unpacked:
-        if m not in env:
-            env[m] = graph.node_copy(m, lambda n: env[n])
+    # Only items that read nothing the segment computes can be taken out before it runs.
+    unpacked = [m for m in members if _unpacks(m) and member_set.isdisjoint(m.all_input_nodes)]
+    _define(graph, env, unpacked)
     member_set -= set(unpacked)
     inputs = list(
         dict.fromkeys(
@@ -562,15 +655,15 @@ def _checkpoint_segment(
             body.call_function(_keep_off)
     body.output(tuple(body_env[m] for m in outputs))
     modules, tensors = _segment_buffers(holder, members, inputs, buffered)
-    segment = Segment(fx.GraphModule(holder, body), modules, tensors, selective)
+    targets = dict.fromkeys(str(m.target) for m in members if m.op == "call_module")
+    called = tuple({id(m): m for t in targets for m in holder.get_submodule(t).modules()}.values())
+    segment = Segment(fx.GraphModule(holder, body), modules, tensors, selective, called)
     holder.__dict__[name] = segment  # a plain attribute, not a child: state_dict stays the user's
 
-    for a in inputs:
-        if a not in env:  # a get_attr that the graph lists after the segment's first node
-            env[a] = graph.node_copy(a, lambda n: env[n])
+    _define(graph, env, inputs)
     callee = graph.get_attr(name)
     kwargs = {"use_reentrant": False, "preserve_rng_state": True}
-    if segment.restores_buffers or selective:
+    if segment.restores_buffers or selective or called:
         kwargs["context_fn"] = graph.call_function(_context_fn, (callee,))
     args = (
         callee,
@@ -580,6 +673,21 @@ def _checkpoint_segment(
     for index, m in enumerate(outputs):
         env[m] = graph.create_node("call_function", operator.getitem, (call, index), name=m.name)
     built.append(segment)
+
+
+def _define(graph: fx.Graph, env: dict[fx.Node, fx.Node], used: list[fx.Node]) -> None:
+    """Copy into ``graph`` the nodes of ``used`` it does not hold yet, each after those it reads.
+
+    A segment is emitted where its first compute node stands, but the graph may list a node it
+    reads after that node: a parameter's ``get_attr`` (``self.emb(ids) + self.pos[:n]`` lists
+    ``pos`` after ``emb``), read by the segment or by an item taken out before it. Segments are
+    intervals of the compute nodes, so what is missing is such a ``get_attr``, or an item whose
+    own inputs are all defined by then: copying them early computes nothing twice.
+    """
+    for node in used:
+        if node not in env:
+            _define(graph, env, node.all_input_nodes)
+            env[node] = graph.node_copy(node, lambda n: env[n])
 
 
 def _calls_view(captured: fx.GraphModule, choice):
