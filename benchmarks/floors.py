@@ -152,21 +152,13 @@ def render(results: dict) -> list[str]:
     measured_under = [
         r["model"] for r in results["models"] if r["lowest"]["measured_bytes"] < r["floor_bytes"]
     ]
-    out += [
-        "",
-        "Above 1.5x the floor: "
-        + (", ".join(over) if over else "none")
-        + ". "
-        + (
-            "Measured under the floor: "
-            + ", ".join(measured_under)
-            + " (the floor comes from the same profile as the prediction, and the lowest plan "
-            "peaks where the profile's backward high point reads over: see docs/solvers.md, "
-            "rotor's known limits)."
-            if measured_under
-            else ""
-        ),
-    ]
+    notes = [f"Above 1.5x the floor: {', '.join(over) if over else 'none'}."]
+    if measured_under:
+        notes.append(
+            f"Measured under the floor: {', '.join(measured_under)} (the floor comes from the "
+            "same profile as the prediction: where the profile reads over, so does the floor)."
+        )
+    out += ["", " ".join(notes)]
     out += [
         "",
         f"At parameters + gradients + {results['share']:.0%} of the activations (fixed memory "
