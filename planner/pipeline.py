@@ -74,7 +74,7 @@ def _check_model(model: nn.Module, args: tuple, kwargs: dict) -> None:
     lazy = [
         name
         for name, p in [*model.named_parameters(), *model.named_buffers()]
-        if isinstance(p, nn.parameter.UninitializedTensorMixin)
+        if isinstance(p, (nn.parameter.UninitializedParameter, nn.parameter.UninitializedBuffer))
     ]
     if lazy:
         raise PlanningError(

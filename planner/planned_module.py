@@ -178,19 +178,22 @@ def _is_scalar(value) -> bool:
     )
 
 
-def _codes(cls: type) -> list[types.CodeType]:
-    """The code of the methods of ``cls`` (those not nn.Module's own), nested functions too."""
+def _codes(cls: type) -> list[tuple[types.CodeType, dict]]:
+    """The code of the methods of ``cls`` (those not nn.Module's own), nested functions too,
+    each with the globals it reads them from (its function's, whatever module loaded it)."""
     codes = []
     for klass in cls.__mro__:
         if klass in (nn.Module, object):
             continue
         for value in vars(klass).values():
             value = value.fget if isinstance(value, property) else value
-            code = getattr(getattr(value, "__func__", value), "__code__", None)
+            function = getattr(value, "__func__", value)
+            code = getattr(function, "__code__", None)
+            space = getattr(function, "__globals__", {})
             stack = [code] if code is not None else []
             while stack:
                 code = stack.pop()
-                codes.append(code)
+                codes.append((code, space))
                 stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
     return codes
 
@@ -199,40 +202,35 @@ def _codes(cls: type) -> list[types.CodeType]:
 def _names_read(cls: type) -> frozenset[str]:
     """Every name the methods of ``cls`` mention: the attributes its traced forward could have
     read. Others (``model.global_step``) may change freely."""
-    names = set()
-    for code in _codes(cls):
+    names: set[str] = set()
+    for code, _ in _codes(cls):
         names.update(code.co_names)
         names.update(c for c in code.co_consts if isinstance(c, str))  # getattr(self, "x")
     return frozenset(names)
 
 
 @functools.cache
-def _globals_read(cls: type) -> frozenset[str]:
-    """The names the methods of ``cls`` load as globals (not attributes: a training script's
-    ``step`` counter is no concern of a model whose code reads ``self.step``)."""
-    return frozenset(
-        instruction.argval
-        for code in _codes(cls)
-        for instruction in dis.get_instructions(code)
-        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")
-    )
-
-
-@functools.cache
 def _read_outside(cls: type) -> tuple[tuple[str, ...], tuple[tuple[dict, str], ...]]:
-    """The plain values (``_SCALARS``) that the methods of ``cls`` name and that live outside
-    its instances, which tracing bakes in just as an instance's own: keys of its classes'
-    bodies (``scale = 1.0``), and ``(globals, key)`` of its classes' modules (``USE_GELU =
-    True``)."""
+    """The public plain values (``_SCALARS``) that the methods of ``cls`` read and that live
+    outside its instances, which tracing bakes in just as an instance's own: keys of its
+    classes' bodies (``scale = 1.0``) it names, and ``(globals, key)`` of the public globals
+    it loads as globals (``USE_GELU = True``; not attributes: a training script's ``step``
+    counter is no concern of a model whose code reads ``self.step``). A library's private
+    module state (transformers' ``_is_ds_init_called``) is left out, as private attributes
+    are."""
     classes = [k for k in cls.__mro__ if k not in (nn.Module, object)]
     in_body = {k for klass in classes for k, v in vars(klass).items() if _is_scalar(v)}
     public = sorted(k for k in in_body & _names_read(cls) if not k.startswith("_"))
-    spaces = {id(g): g for g in (vars(sys.modules[klass.__module__]) for klass in classes)}
+    loads = {
+        (id(space), instruction.argval): (space, instruction.argval)
+        for code, space in _codes(cls)
+        for instruction in dis.get_instructions(code)
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    }
     in_globals = [
         (space, key)
-        for space in spaces.values()
-        for key in sorted(_globals_read(cls))
-        if not key.startswith("__") and _is_scalar(space.get(key, []))
+        for space, key in loads.values()
+        if not key.startswith("_") and _is_scalar(space.get(key, []))
     ]
     return tuple(k for k in public if k != "training"), tuple(in_globals)
 
@@ -256,9 +254,11 @@ class Snapshot:
         dtypes: CallDtypes | None,
         sizes: dict[str, tuple[torch.Size, ...]] | None = None,
         checkpoints: bool = False,
+        reads_grad_mode: bool = False,
     ):
         self.model = model
         self.checkpoints = checkpoints  # whether the graph runs checkpointed segments
+        self.reads_grad_mode = reads_grad_mode  # forward called torch.is_grad_enabled()
         self.warned_hooks = False
         self.module_names = [name for name, _ in model.named_modules()]
         self.module_dicts = [m.__dict__ for _, m in model.named_modules()]
@@ -300,7 +300,7 @@ class Snapshot:
         # Values read from classes and module globals: a class's (``B.scale = 2.0``, or one
         # instance's ``block.scale = 2.0`` over it) compared through getattr, a global's in
         # its module's dict.
-        outside = [(name, m, _read_outside(type(m))) for name, m, _ in owners]
+        outside = [(name, m, _read_outside(type(m))) for name, m, _ in owners]  # type: ignore[arg-type]
         self.class_attributes = [
             (f"{name}.{key}".lstrip("."), m, key, getattr(m, key))
             for name, m, (keys, _) in outside
@@ -555,7 +555,7 @@ class Snapshot:
         ]
         arguments = tuple([v.dtype if isinstance(v, torch.Tensor) else None for v in values])
         left_out = tuple([n for (n, _), v in zip(self.tensor_arguments, values) if v is None])
-        layouts = ()
+        layouts: tuple[tuple[bool, bool] | None, ...] = ()
         if self.layouts_baked:
             layouts = tuple([_layout(v) if isinstance(v, torch.Tensor) else None for v in values])
         state = _state_dtypes(self.state_tables)
@@ -822,8 +822,8 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
     itself (exact, not planned). So is a call in other dtypes than at planning (``.double()``
     after planning): the graph bakes in the branches forward took on dtypes, and, for a graph
     torch.export captured, of tensor arguments that differ in requires_grad or contiguity.
-    Under ``no_grad`` the model itself runs (nothing to checkpoint; forward may branch on grad
-    mode). A call with
+    Under ``no_grad`` the model itself runs where forward read grad mode while it was captured
+    (the graph holds the branch it took). A call with
     gradients and a tensor larger than the example's in some dimension warns once: the budget
     holds up to the example's sizes; so does one that starts while parameters or tensor
     arguments hold gradients, unless the plan counts them (``plan_batch``'s accumulation).
@@ -855,9 +855,9 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         if snapshot.mode_changed():
             return snapshot.run_model(args, kwargs)
         snapshot.check_unchanged(type(self).__name__)
-        if not torch.is_grad_enabled():
-            # Nothing to checkpoint, and forward may branch on grad mode (the graph holds the
-            # branch it took at planning): the model itself, exactly.
+        if snapshot.reads_grad_mode and not torch.is_grad_enabled():
+            # The graph holds the branch forward took on grad mode at planning, and there is
+            # nothing to checkpoint: the model itself, exactly.
             return snapshot.model(*args, **kwargs)
         form = snapshot.call_form(args, kwargs)
         if form is not None:

@@ -581,6 +581,7 @@ class _Recorder(fx.Interpreter):
         self.cost.caching_casts = caching_casts()
         self.saved_by_current = set()
         self.made_before_last_save = set()
+        makers = [(t, t.grad_fn) for t in passed if isinstance(t, torch.Tensor)]
         with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
             out = run()
         tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -621,15 +622,18 @@ class _Recorder(fx.Interpreter):
         for grad_fn in outputs:
             self.hooked.add(grad_fn)
             grad_fn.register_prehook(lambda grads, node=node: self.backward.enter(node))
-        self._hook_release(node, outputs, passed)
+        # A tensor passed in and updated in place (``x.mul_(s)``) has a backward function of
+        # this node's that its later readers reach, whenever they run: nothing is released.
+        if all(t.grad_fn is grad_fn for t, grad_fn in makers):
+            self._hook_release(node, outputs, {grad_fn for _, grad_fn in makers})
         return out
 
-    def _hook_release(self, node: fx.Node, outputs: set, passed) -> None:
+    def _hook_release(self, node: fx.Node, outputs: set, given: set) -> None:
         """Tell ``self.backward`` when the last of ``node``'s own backward functions has run:
         those reached from its outputs' before the functions of earlier nodes, of the tensors
-        passed in, or of parameters. One that never runs (a gradient nobody needs) leaves the
-        node's backward high point whole, as if nothing were released."""
-        stops = self.owned | {t.grad_fn for t in tree_leaves(passed) if isinstance(t, torch.Tensor)}
+        passed in (``given``), or of parameters. One that never runs (a gradient nobody needs)
+        leaves the node's backward high point whole, as if nothing were released."""
+        stops = self.owned | given
         own, pending = set(), list(outputs)
         while pending:
             grad_fn = pending.pop()

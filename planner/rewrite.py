@@ -588,6 +588,7 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
         dtypes=captured.meta.get("planner.call_dtypes"),
         sizes=captured.meta.get("planner.call_sizes"),
         checkpoints=bool(built),
+        reads_grad_mode=captured.meta.get("planner.reads_grad_mode", False),
     )
     for segment in built:
         segment.root = planned

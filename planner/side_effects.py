@@ -102,14 +102,45 @@ def _containers(model: nn.Module) -> list[tuple[str, Any, list]]:
     return found
 
 
+def _carries_gradient(value, parameters: set[int]) -> bool:
+    """Whether ``value``, put into a container while capturing, is one that a gradient flows
+    through: a tensor that requires grad (torch.export's fakes), or a tracing placeholder
+    computed from a parameter or a module call (an auxiliary loss). A table computed from
+    sizes alone (a memoised positional encoding) is a cache."""
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if not isinstance(value, torch.fx.Proxy):
+        return False
+    seen, pending = set(), [value.node]
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "call_module":
+            return True
+        if node.op == "get_attr" and id(_attribute(value.tracer.root, node.target)) in parameters:
+            return True
+        pending.extend(node.all_input_nodes)
+    return False
+
+
+def _attribute(root: nn.Module, target: str):
+    value = root
+    for name in target.split("."):
+        value = getattr(value, name, None)
+    return value
+
+
 @contextlib.contextmanager
 def _putting_back_containers(model: nn.Module):
     """Put back what each container of ``_containers`` held when the block ends; yield a list,
     filled then, naming the attributes whose containers the block filled with what a forward
-    means to carry out through them: a tensor (a tracing placeholder, a fake tensor while
-    capturing) in any, anything in a public one. Other changes to a private one are a
+    means to carry out through them: anything in a public one, in a private one a value a
+    gradient flows through (``_carries_gradient``). Other changes to a private one are a
     module's own scratch or cache (as in ``_set_by_forward``), put back all the same."""
     kept = _containers(model)
+    parameters = {id(p) for p in model.parameters()}
     filled: list[str] = []
     try:
         yield filled
@@ -121,7 +152,7 @@ def _putting_back_containers(model: nn.Module):
             old = {id(x) for x in held}
             added = tree_leaves([x for x in now if id(x) not in old])
             public = not name.rsplit(".", 1)[-1].startswith("_")
-            traced = any(isinstance(x, (torch.Tensor, torch.fx.Proxy)) for x in added)
+            traced = any(_carries_gradient(x, parameters) for x in added)
             if (public or traced) and name not in filled:
                 filled.append(name)
             container.clear()

@@ -239,3 +239,35 @@ def _contents(container) -> list:
     if isinstance(container, dict):
         return [x for pair in container.items() for x in pair]
     return list(container)
+
+
+class _MemoisedTable(nn.Module):
+    """A sinusoidal table memoised by sequence length in a private dict, as positional and
+    rotary encodings often are: a cache, which the graph computes anew, exactly."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.width, self._tables = width, {}
+
+    def forward(self, x):
+        n = x.shape[1]
+        if n not in self._tables:
+            position = torch.arange(n, dtype=torch.float32)[:, None]
+            frequency = torch.exp(torch.arange(0, self.width, 2, dtype=torch.float32) * -0.5)
+            angle = position * frequency
+            self._tables[n] = torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1)
+        return x + self._tables[n]
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm cache", "cold cache"])
+def test_a_private_cache_of_values_no_gradient_flows_through_is_put_back_not_refused(warm):
+    """Found in review: every tensor put into any container was refused, a memoised table
+    too; only values a gradient flows through (an auxiliary loss) are."""
+    model = nn.Sequential(_MemoisedTable(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    x = torch.randn(2, 10, 16)
+    if warm:
+        model(x)
+    cache = dict(model[0]._tables)
+    p = planner.plan(model, (x,), budget_gb=1)
+    assert model[0]._tables == cache  # as planning found it
+    assert torch.equal(p.module(x), model(x))

@@ -791,9 +791,11 @@ class BranchesOnGradMode(nn.Module):
         return y + 0.1 * y.pow(2) if torch.is_grad_enabled() else y
 
 
-def test_under_no_grad_the_model_itself_runs():
+def test_under_no_grad_a_forward_that_reads_grad_mode_runs_as_the_model():
     """Found trying the library: symbolic_trace baked in the branch of grad mode at planning,
-    so a validation loop under ``torch.no_grad()`` computed the training branch (0.43 apart)."""
+    so a validation loop under ``torch.no_grad()`` computed the training branch (0.43 apart).
+    Capture notes that forward called ``torch.is_grad_enabled()``; under ``no_grad`` such a
+    plan runs the model itself."""
     model, x = BranchesOnGradMode(), torch.randn(4, 8)
     p = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n")
     assert p.capture_method == "symbolic_trace" and p.segments
@@ -803,6 +805,27 @@ def test_under_no_grad_the_model_itself_runs():
     with torch.inference_mode():
         assert torch.equal(p.module(x), model(x))
     assert torch.equal(p.module(x), model(x))  # and with gradients, the graph
+
+
+class RootWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w, self.a, self.b = nn.Parameter(torch.randn(8, 8)), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x @ self.w)))
+
+
+def test_functional_call_under_no_grad_computes_with_the_parameters_it_is_given():
+    """Found in review: running the model itself under ``no_grad`` for every plan ignored the
+    root parameters ``torch.func.functional_call`` swapped on the planned module (an EMA
+    evaluation computed with the live weights)."""
+    model, x = RootWeight(), torch.randn(4, 8)
+    p = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n")
+    swapped = {"w": torch.zeros(8, 8)}  # a root parameter: the planned module's own entry
+    with torch.no_grad():
+        expected = torch.func.functional_call(model, swapped, (x,))
+        assert torch.equal(torch.func.functional_call(p.module, swapped, (x,)), expected)
 
 
 class BranchesOnItsInput(nn.Module):
@@ -838,6 +861,31 @@ def test_an_exported_plan_called_with_another_layout_plans_that_call_form(other,
     with pytest.warns(UserWarning, match=f"differ in requires_grad or contiguity.*{described}"):
         assert torch.equal(p.module(other(x)), model(other(x)))
     assert torch.equal(p.module(x), model(x))
+
+
+def test_a_model_loaded_from_a_file_outside_sys_modules_is_checked_too(tmp_path):
+    """Found in review: a class whose module is not in ``sys.modules`` (loaded with
+    ``importlib.util.spec_from_file_location``, or through ``torch.package``) made planning
+    fail with a KeyError; the globals are its functions' own."""
+    import importlib.util
+
+    source = tmp_path / "loose_model.py"
+    source.write_text(
+        "import torch\nfrom torch import nn\nUSE_TANH = True\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.a = nn.Linear(8, 8)\n\n"
+        "    def forward(self, x):\n"
+        "        return torch.tanh(self.a(x)) if USE_TANH else self.a(x)\n"
+    )
+    spec = importlib.util.spec_from_file_location("loose_model", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not in sys.modules
+    model, x = module.Net(), torch.randn(4, 8)
+    p = planner.plan(model, (x,), budget_gb=1)
+    assert torch.equal(p.module(x), model(x))
+    module.USE_TANH = False
+    with pytest.raises(planner.PlanningError, match="USE_TANH changed from True to False"):
+        p.module(x)
 
 
 def test_an_attribute_the_forward_never_reads_may_change():
