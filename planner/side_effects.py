@@ -102,11 +102,11 @@ def _containers(model: nn.Module) -> list[tuple[str, Any, list]]:
     return found
 
 
-def _carries_gradient(value, parameters: set[int]) -> bool:
+def _carries_gradient(value, parameters: set[str]) -> bool:
     """Whether ``value``, put into a container while capturing, is one that a gradient flows
     through: a tensor that requires grad (torch.export's fakes), or a tracing placeholder
-    computed from a parameter or a module call (an auxiliary loss). A table computed from
-    sizes alone (a memoised positional encoding) is a cache."""
+    computed from a parameter (named in ``parameters``) or a module call (an auxiliary loss).
+    A table computed from sizes alone (a memoised positional encoding) is a cache."""
     if isinstance(value, torch.Tensor):
         return value.requires_grad
     if not isinstance(value, torch.fx.Proxy):
@@ -117,19 +117,10 @@ def _carries_gradient(value, parameters: set[int]) -> bool:
         if node in seen:
             continue
         seen.add(node)
-        if node.op == "call_module":
-            return True
-        if node.op == "get_attr" and id(_attribute(value.tracer.root, node.target)) in parameters:
+        if node.op == "call_module" or (node.op == "get_attr" and node.target in parameters):
             return True
         pending.extend(node.all_input_nodes)
     return False
-
-
-def _attribute(root: nn.Module, target: str):
-    value = root
-    for name in target.split("."):
-        value = getattr(value, name, None)
-    return value
 
 
 @contextlib.contextmanager
@@ -140,7 +131,7 @@ def _putting_back_containers(model: nn.Module):
     gradient flows through (``_carries_gradient``). Other changes to a private one are a
     module's own scratch or cache (as in ``_set_by_forward``), put back all the same."""
     kept = _containers(model)
-    parameters = {id(p) for p in model.parameters()}
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     filled: list[str] = []
     try:
         yield filled
