@@ -275,8 +275,8 @@ class _UntracedOps(TorchDispatchMode):
 
     def __init__(self, model: nn.Module):
         super().__init__()
-        self.storages = {
-            t.untyped_storage()._cdata: name for name, t in _model_tensors(model) if _strided(t)
+        self.storages: dict[int | None, str] = {
+            key: name for name, t in _model_tensors(model) if (key := _storage_key(t)) is not None
         }
         self.found: str | None = None
 
@@ -286,7 +286,7 @@ class _UntracedOps(TorchDispatchMode):
             if torch.Tag.nondeterministic_seeded in func.tags:
                 self.found = f"ran {func} on no traced value: its draw would be baked"
             for t in tree_leaves((args, kwargs)):
-                name = _strided(t) and self.storages.get(t.untyped_storage()._cdata)
+                name = self.storages.get(_storage_key(t))
                 if name:
                     self.found = (
                         f"ran {func} on {name}, a tensor of the model, outside the traced "
@@ -296,8 +296,15 @@ class _UntracedOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _strided(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.layout is torch.strided
+def _storage_key(t) -> int | None:
+    """The storage ``t`` reads, if a strided tensor with one it can give (a wrapper subclass,
+    DTensor or a quantised weight, may have none)."""
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
+        return None
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _model_tensors(model: nn.Module):
