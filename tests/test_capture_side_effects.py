@@ -58,6 +58,14 @@ class WeightPenalty(nn.Module):
         return x.sum() + 0.1 * sum(p.pow(2).sum() for p in self.parameters())
 
 
+def _planned_beside_a_copy(model: nn.Module):
+    """A copy of ``model`` made before planning, and a plan of ``model`` with segments."""
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (torch.randn(8, 16),), budget_gb=1, solver="sqrt_n")
+    assert p.segments
+    return reference, p
+
+
 @pytest.mark.parametrize(
     "make",
     [lambda: Queue(register=False), lambda: Queue(register=True), WeightPenalty],
@@ -66,9 +74,7 @@ class WeightPenalty(nn.Module):
 def test_a_tensor_of_the_model_read_outside_traced_values_is_read_at_every_call(make):
     torch.manual_seed(0)
     model = make()
-    reference = copy.deepcopy(model)
-    p = planner.plan(model, (torch.randn(8, 16),), budget_gb=1, solver="sqrt_n")
-    assert p.segments
+    reference, p = _planned_beside_a_copy(model)
     for step in range(3):
         x = torch.randn(8, 16)
         for parameter in (*model.parameters(), *reference.parameters()):
@@ -153,9 +159,7 @@ def test_a_model_with_dropout_and_a_generator_of_its_own_still_plans_exactly():
 
     torch.manual_seed(0)
     model = OwnNoise()
-    reference = copy.deepcopy(model)
-    p = planner.plan(model, (torch.randn(8, 16),), budget_gb=1, solver="sqrt_n")
-    assert p.segments
+    reference, p = _planned_beside_a_copy(model)
     for step in range(2):
         x = torch.randn(8, 16)
         torch.manual_seed(step)
