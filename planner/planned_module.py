@@ -871,9 +871,11 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
                 raise
             raise PlanningError(
                 f"{error}: this plan of {type(snapshot.model).__name__} was captured by "
-                "torch.export, whose graph holds the example's sizes. Plan with "
-                "dynamic_shapes=True and example inputs at the largest sizes you train with "
-                "(a last, smaller batch; shorter sequences), or pad to the example's sizes."
+                "torch.export, whose graph holds the example's sizes (with dynamic_shapes=True, "
+                "those the model fixes). Plan with dynamic_shapes=True and example inputs at "
+                "the largest sizes you train with (a last, smaller batch; shorter sequences), "
+                "or pad to the example's sizes; a size the model itself fixes needs a plan of "
+                "its own."
             ) from error
         except RuntimeError as error:
             if "saved tensor hooks" in str(error) and _under_functorch_grad():
