@@ -12,7 +12,6 @@ import functools
 import inspect
 import logging
 import operator
-import sys
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
@@ -52,7 +51,7 @@ from planner.regions import (
     regions_from_export,
     watching_exported_regions,
 )
-from planner.side_effects import refusing_side_effects
+from planner.side_effects import noting_grad_mode_reads, refusing_side_effects
 
 log = logging.getLogger(__name__)
 
@@ -879,30 +878,9 @@ def capture(
         recording_regions(),
         refusing_side_effects(model),
         restoring_output_recorders(model),
-        _noting_grad_mode_reads(grad_mode_read),
+        noting_grad_mode_reads(grad_mode_read),
     ):
         captured = _trace_or_export(model, args, kwargs, fixed, leaf_modules, dynamic_shapes)
     _refuse_dropped_hooks(model, captured)
     captured.graph_module.meta["planner.reads_grad_mode"] = bool(grad_mode_read)
     return captured
-
-
-@contextlib.contextmanager
-def _noting_grad_mode_reads(read: list[bool]):
-    """Note in ``read`` whether the model's code calls ``torch.is_grad_enabled()`` while this
-    thread captures it (torch's and planner's own calls aside): the graph holds the branch
-    forward took on it, so the planned module runs the model itself under ``no_grad``
-    (``planner.planned_module``)."""
-    thread, original = threading.get_ident(), torch.is_grad_enabled
-
-    def noting() -> bool:
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        if threading.get_ident() == thread and caller.split(".")[0] not in ("torch", "planner"):
-            read.append(True)
-        return original()
-
-    torch.is_grad_enabled = noting
-    try:
-        yield
-    finally:
-        torch.is_grad_enabled = original

@@ -595,17 +595,11 @@ class Snapshot:
         return (
             form.state != self.state_dtypes
             or form.autocast != self.autocast
-            or any(
-                a is not None and b is not None and a != b
-                for a, b in zip(form.arguments, self.argument_dtypes)
-            )
+            or any(map(_differs, self.argument_dtypes, form.arguments))
         )
 
     def _layouts_moved(self, form: CallForm) -> bool:
-        return any(
-            a is not None and b is not None and a != b
-            for a, b in zip(form.layouts, self.argument_layouts)
-        )
+        return any(map(_differs, self.argument_layouts, form.layouts))
 
     def describe(self, form: CallForm) -> str:
         """What ``form`` changes, as the rest of a sentence that begins 'the planned Net'."""
@@ -739,6 +733,12 @@ class CallForm(NamedTuple):
     arguments: tuple[torch.dtype | None, ...]
     autocast: tuple[tuple[str, torch.dtype], ...]
     layouts: tuple[tuple[bool, bool] | None, ...] = ()
+
+
+def _differs(then, now) -> bool:
+    """Whether an argument's dtype or layout at planning (``then``) and in a call (``now``)
+    differ, both known (None: not a tensor there)."""
+    return then is not None and now is not None and then != now
 
 
 def _layout_name(layout: tuple[bool, bool]) -> str:

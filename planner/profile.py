@@ -633,16 +633,8 @@ class _Recorder(fx.Interpreter):
         those reached from its outputs' before the functions of earlier nodes, of the tensors
         passed in (``given``), or of parameters. One that never runs (a gradient nobody needs)
         leaves the node's backward high point whole, as if nothing were released."""
-        stops = self.owned | given
-        own, pending = set(), list(outputs)
-        while pending:
-            grad_fn = pending.pop()
-            if grad_fn is None or grad_fn in stops or grad_fn in own:
-                continue
-            if type(grad_fn).__name__ == "AccumulateGrad":
-                continue
-            own.add(grad_fn)
-            pending.extend(next_fn for next_fn, _ in grad_fn.next_functions)
+        reached = _backward_functions(outputs, stops=self.owned | given)
+        own = {grad_fn for grad_fn in reached if not _accumulates(grad_fn)}
         self.owned |= own
         remaining = [len(own)]
 
@@ -655,21 +647,32 @@ class _Recorder(fx.Interpreter):
             grad_fn.register_hook(ran)
 
 
+def _backward_functions(starts, stops: set) -> set:
+    """The backward functions reached from ``starts`` through ``next_functions``, without
+    entering those of ``stops``."""
+    reached, pending = set(), list(starts)
+    while pending:
+        grad_fn = pending.pop()
+        if grad_fn is None or grad_fn in stops or grad_fn in reached:
+            continue
+        reached.add(grad_fn)
+        pending.extend(next_fn for next_fn, _ in grad_fn.next_functions)
+    return reached
+
+
+def _accumulates(grad_fn) -> bool:
+    """Whether ``grad_fn`` is an ``AccumulateGrad``: it adds into a leaf's ``.grad``."""
+    return hasattr(grad_fn, "variable")
+
+
 @contextlib.contextmanager
 def _grads_left_alone(loss: torch.Tensor):
     """Puts back the ``.grad`` of every tensor the backward of ``loss`` accumulates into. A
     ``loss_fn`` may read the user's own tensors that require grad (an L2 penalty on the model's
     parameters, a learnable loss weight): the fake backward would leave fake gradients there,
     or fail adding one to a real gradient they already hold."""
-    leaves, seen, pending = [], set(), [loss.grad_fn]
-    while pending:
-        grad_fn = pending.pop()
-        if grad_fn is None or grad_fn in seen:
-            continue
-        seen.add(grad_fn)
-        if hasattr(grad_fn, "variable"):  # AccumulateGrad
-            leaves.append(grad_fn.variable)
-        pending.extend(next_fn for next_fn, _ in grad_fn.next_functions)
+    reached = _backward_functions([loss.grad_fn], stops=set())
+    leaves = [grad_fn.variable for grad_fn in reached if _accumulates(grad_fn)]
     grads = [leaf.grad for leaf in leaves]
     for leaf in leaves:
         leaf.grad = None

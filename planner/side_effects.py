@@ -197,18 +197,24 @@ _SEEDING = {
 _OURS = ("torch", __name__.split(".")[0])
 
 
+def _models_code(thread: int, frame) -> bool:
+    """Whether ``frame`` runs in ``thread`` and in the model's code: not torch's
+    (``torch.export``; ``fork_rng``, which sets the state back) nor planner's (forwards run
+    eagerly under ``fork_rng`` while capturing)."""
+    caller = frame.f_globals.get("__name__", "")
+    return threading.get_ident() == thread and caller.split(".")[0] not in _OURS
+
+
 @contextlib.contextmanager
 def _refusing_reseeding(model: nn.Module):
-    """Raise a PlanningError when this thread's code calls one of ``_SEEDING`` meanwhile: the
-    model's code, not torch's (``torch.export``; ``fork_rng``, which sets the state back) nor
-    planner's (forwards run eagerly under ``fork_rng`` while capturing). It raises before the
-    call runs, so the random state is never changed."""
+    """Raise a PlanningError when the model's code in this thread calls one of ``_SEEDING``
+    meanwhile (``_models_code``). It raises before the call runs, so the random state is never
+    changed."""
     thread = threading.get_ident()
 
     def refusing(name: str, function):
         def call(*args, **kwargs):
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if threading.get_ident() == thread and caller.split(".")[0] not in _OURS:
+            if _models_code(thread, sys._getframe(1)):
                 raise _refusal(model, [_reseeding_reason(name)])
             return function(*args, **kwargs)
 
@@ -222,6 +228,26 @@ def _refusing_reseeding(model: nn.Module):
     finally:
         for namespace, key, function in originals:
             setattr(namespace, key, function)
+
+
+@contextlib.contextmanager
+def noting_grad_mode_reads(read: list[bool]):
+    """Note in ``read`` whether the model's code in this thread calls
+    ``torch.is_grad_enabled()`` meanwhile (``_models_code``): the graph holds the branch
+    forward took on it, so the planned module runs the model itself under ``no_grad``
+    (``planner.planned_module``)."""
+    thread, original = threading.get_ident(), torch.is_grad_enabled
+
+    def noting() -> bool:
+        if _models_code(thread, sys._getframe(1)):
+            read.append(True)
+        return original()
+
+    torch.is_grad_enabled = noting
+    try:
+        yield
+    finally:
+        torch.is_grad_enabled = original
 
 
 def _reseeding_reason(name: str) -> str:
