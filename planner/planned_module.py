@@ -15,13 +15,11 @@ it.
 from __future__ import annotations
 
 import copy
-import dis
 import functools
 import inspect
 import os
 import sys
 import threading
-import types
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple, cast
@@ -38,6 +36,7 @@ from planner.hooks import (
     process_wide_hooks,
     process_wide_hooks_message,
 )
+from planner.model_code import codes, global_loads
 from planner.model_state import ModelStateDict
 from planner.units import mib
 
@@ -178,32 +177,12 @@ def _is_scalar(value) -> bool:
     )
 
 
-def _codes(cls: type) -> list[tuple[types.CodeType, dict]]:
-    """The code of the methods of ``cls`` (those not nn.Module's own), nested functions too,
-    each with the globals it reads them from (its function's, whatever module loaded it)."""
-    codes = []
-    for klass in cls.__mro__:
-        if klass in (nn.Module, object):
-            continue
-        for value in vars(klass).values():
-            value = value.fget if isinstance(value, property) else value
-            function = getattr(value, "__func__", value)
-            code = getattr(function, "__code__", None)
-            space = getattr(function, "__globals__", {})
-            stack = [code] if code is not None else []
-            while stack:
-                code = stack.pop()
-                codes.append((code, space))
-                stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return codes
-
-
 @functools.cache
 def _names_read(cls: type) -> frozenset[str]:
     """Every name the methods of ``cls`` mention: the attributes its traced forward could have
     read. Others (``model.global_step``) may change freely."""
     names: set[str] = set()
-    for code, _ in _codes(cls):
+    for code, _ in codes(cls):
         names.update(code.co_names)
         names.update(c for c in code.co_consts if isinstance(c, str))  # getattr(self, "x")
     return frozenset(names)
@@ -221,15 +200,9 @@ def _read_outside(cls: type) -> tuple[tuple[str, ...], tuple[tuple[dict, str], .
     classes = [k for k in cls.__mro__ if k not in (nn.Module, object)]
     in_body = {k for klass in classes for k, v in vars(klass).items() if _is_scalar(v)}
     public = sorted(k for k in in_body & _names_read(cls) if not k.startswith("_"))
-    loads = {
-        (id(space), instruction.argval): (space, instruction.argval)
-        for code, space in _codes(cls)
-        for instruction in dis.get_instructions(code)
-        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")
-    }
     in_globals = [
         (space, key)
-        for space, key in loads.values()
+        for space, key in global_loads(cls)
         if not key.startswith("_") and _is_scalar(space.get(key, []))
     ]
     return tuple(k for k in public if k != "training"), tuple(in_globals)

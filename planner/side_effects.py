@@ -14,9 +14,10 @@ that record, so anything else the forward did happened once, at planning time, a
   from wherever the generator stands (outputs 0.94 and gradients 17.6 off, with no segment);
 * an attribute the forward sets on a module (an MoE layer's ``self.aux_loss``, a call counter):
   the planned module never sets it, and the value left by capture is a tracing placeholder;
-* values the forward puts into a container a module attribute holds (``self.aux.append(loss)``:
-  MoE balancing losses, deep supervision): the planned module never puts them there, and
-  capture left tracing placeholders in it, with which a loss built from them computes nothing;
+* values the forward puts into a container a module attribute or a global holds
+  (``self.aux.append(loss)``, ``AUX_LOSSES.append(loss)``: MoE balancing losses, deep
+  supervision): the planned module never puts them there, and capture left tracing
+  placeholders in it, with which a loss built from them computes nothing;
 * an in-place update of a parameter (a momentum encoder): applied once, by planning.
 
 ``refusing_side_effects`` watches a capture for them, puts back what it can (module attributes
@@ -42,6 +43,7 @@ from torch.utils._pytree import tree_leaves
 
 from planner.errors import PlanningError
 from planner.hooks import HOOK_TABLES, process_wide_hook_count
+from planner.model_code import global_loads
 
 __all__ = ["refusing_side_effects", "repeated_effects"]
 
@@ -84,21 +86,35 @@ def _identities(container, held: list) -> list[int]:
 
 
 def _containers(model: nn.Module) -> list[tuple[str, Any, list]]:
-    """Every list, dict, set and deque a module attribute holds, directly or inside another (or
-    a tuple): (the attribute's name, the container, a copy of what it holds)."""
+    """Every list, dict, set and deque a module attribute holds, or a global that the model's
+    code loads (``planner.model_code``: a module-level list of auxiliary losses), directly or
+    inside another (or a tuple): (the attribute's or global's name, the container, a copy of
+    what it holds)."""
     found: list[tuple[str, Any, list]] = []
     seen: set[int] = set()
-    for path, module in model.named_modules(remove_duplicate=False):
-        for key, value in vars(module).items():
-            stack = [] if key in _TORCH_STATE else [value]
-            while stack:
-                value = stack.pop()
-                if isinstance(value, tuple):
-                    stack.extend(value)
-                elif isinstance(value, _CONTAINERS) and id(value) not in seen:
-                    seen.add(id(value))
-                    found.append((f"{path}.{key}" if path else key, value, _held(value)))
-                    stack.extend(found[-1][2])
+    roots = [
+        (f"{path}.{key}" if path else key, value)
+        for path, module in model.named_modules(remove_duplicate=False)
+        for key, value in vars(module).items()
+        if key not in _TORCH_STATE
+    ]
+    classes = {type(m) for m in model.modules() if type(m).__module__.split(".")[0] != "torch"}
+    roots += [
+        (f"{space.get('__name__', '')}.{key}", space[key])
+        for cls in classes
+        for space, key in global_loads(cls)  # type: ignore[arg-type]  # a class is hashable
+        if isinstance(space.get(key), _CONTAINERS)
+    ]
+    for name, value in roots:
+        stack = [value]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, tuple):
+                stack.extend(value)
+            elif isinstance(value, _CONTAINERS) and id(value) not in seen:
+                seen.add(id(value))
+                found.append((name, value, _held(value)))
+                stack.extend(found[-1][2])
     return found
 
 
@@ -402,7 +418,8 @@ def _reasons(
         )
     if filled:
         reasons.append(
-            f"it puts values into containers held by module attributes ({', '.join(filled)}): "
+            f"it puts values into containers held by module attributes or globals "
+            f"({', '.join(filled)}): "
             "the graph has no way to carry values out through them, so the planned module "
             "would never put them there. Return such values from forward instead (e.g. the "
             "auxiliary losses as an output: return out, torch.stack(aux))"

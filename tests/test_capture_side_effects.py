@@ -228,7 +228,7 @@ def test_values_put_into_a_modules_containers_are_refused_and_the_containers_put
     before = [_contents(c) for c in (*containers, model.seen)]
     with pytest.raises(
         planner.PlanningError,
-        match=rf"puts values into containers held by module attributes \({attribute}\).*"
+        match=rf"puts values into containers held by module attributes or globals \({attribute}\).*"
         "Return such values from forward",
     ):
         planner.plan(model, (x,), budget_gb=1)
@@ -236,6 +236,57 @@ def test_values_put_into_a_modules_containers_are_refused_and_the_containers_put
     assert all(a is b for a, b in zip(now, containers))
     for old, new in zip(before, [_contents(c) for c in (*containers, model.seen)]):
         assert len(old) == len(new) and all(a is b for a, b in zip(old, new))
+
+
+AUXILIARY_LOSSES: list = []  # filled by forward, as some MoE codebases collect them
+_PER_LAYER: list = []
+
+
+def _collect(value) -> None:
+    """A helper beside the model, called by its forward, that fills a global list."""
+    _PER_LAYER.append(value)
+
+
+class CollectingGlobally(nn.Module):
+    def __init__(self, through_helper: bool, traceable: bool):
+        super().__init__()
+        self.layers, self.through_helper, self.traceable = _layers(), through_helper, traceable
+
+    def forward(self, x):
+        if not self.traceable:  # a loop over a size: symbolic_trace fails, export captures
+            for _ in range(x.shape[0] // x.shape[0]):
+                pass
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+            if self.through_helper:
+                _collect(x.pow(2).mean())
+            else:
+                AUXILIARY_LOSSES.append(x.pow(2).mean())
+        return x.sum()
+
+
+@pytest.mark.parametrize(
+    "through_helper, name",
+    [(False, "AUXILIARY_LOSSES"), (True, "_PER_LAYER")],
+    ids=["in forward", "by a helper"],
+)
+@pytest.mark.parametrize("traceable", [True, False], ids=["symbolic_trace", "export"])
+def test_values_put_into_a_global_list_are_refused_and_the_list_put_back(
+    through_helper, name, traceable
+):
+    """Found by trying: planned, the list held a tracing placeholder, and the planned module
+    never filled it again, so the loss silently lost its auxiliary terms."""
+    torch.manual_seed(0)
+    model, x = CollectingGlobally(through_helper, traceable), torch.randn(8, 16)
+    collected = AUXILIARY_LOSSES if name == "AUXILIARY_LOSSES" else _PER_LAYER
+    collected[:] = ["from the step before"]
+    with pytest.raises(
+        planner.PlanningError,
+        match=rf"containers held by module attributes or globals \(.*{name}\)",
+    ):
+        planner.plan(model, (x,), budget_gb=1)
+    assert collected == ["from the step before"]
+    collected.clear()
 
 
 def _contents(container) -> list:

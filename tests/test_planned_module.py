@@ -735,7 +735,12 @@ def test_a_change_to_the_model_after_planning_refuses_and_says_re_plan(change, t
 
 
 USE_TANH = True  # a module-level switch that ScaledByClass's forward reads
+GAIN = 1.0  # a module-level value that a helper ScaledByClass's forward calls reads
 step = 0  # a training script's counter: ScaledByClass reads an attribute of that name only
+
+
+def _with_gain(y):
+    return y * GAIN
 
 
 class ScaledByClass(nn.Module):
@@ -749,7 +754,7 @@ class ScaledByClass(nn.Module):
         self.linear, self.step = nn.Linear(8, 8), 1
 
     def forward(self, x):
-        y = self.linear(x) * self.scale * self.step
+        y = _with_gain(self.linear(x)) * self.scale * self.step
         return torch.tanh(y) if USE_TANH else torch.relu(y)
 
 
@@ -759,8 +764,9 @@ class ScaledByClass(nn.Module):
         (lambda m: setattr(ScaledByClass, "scale", 2.0), "scale changed from 0.5 to 2.0"),
         (lambda m: setattr(m[1], "scale", 2.0), "1.scale changed from 0.5 to 2.0"),
         (lambda m: globals().__setitem__("USE_TANH", False), "USE_TANH changed from True to False"),
+        (lambda m: globals().__setitem__("GAIN", 3.0), "GAIN changed from 1.0 to 3.0"),
     ],
-    ids=["in the class", "on the instance, over the class's", "a global"],
+    ids=["in the class", "on the instance, over the class's", "a global", "a helper's global"],
 )
 def test_a_class_attribute_or_global_the_forward_reads_may_not_change(change, named):
     """Found trying the library: after ``B.scale = 2.0`` or ``USE_GELU = False`` the plan
@@ -776,7 +782,7 @@ def test_a_class_attribute_or_global_the_forward_reads_may_not_change(change, na
             p.module(x)
     finally:
         ScaledByClass.scale = 0.5
-        globals()["USE_TANH"] = True
+        globals().update(USE_TANH=True, GAIN=1.0)
 
 
 class BranchesOnGradMode(nn.Module):
