@@ -340,10 +340,12 @@ def refusing_side_effects(model: nn.Module):
 def repeated_effects(module: nn.Module):
     """Run ``module``'s forward (one kept whole, a leaf of the captured graph, which runs
     again in every recompute); yield a list that then names what that run did which running it
-    again would repeat: attributes it set (a call counter) and draws from Python's or numpy's
-    random generators (which ``torch.utils.checkpoint`` does not restore). Both are put back,
-    so that planning leaves them as they were. Modules made only of torch's own, without
-    hooks (``nn.Linear``...), are not watched: their forward does neither."""
+    again would repeat: attributes it set (a call counter), values it put into containers
+    (``_putting_back_containers``: a list of auxiliary losses would get them twice) and draws
+    from Python's or numpy's random generators (which ``torch.utils.checkpoint`` does not
+    restore). All are put back, so that planning leaves them as they were. Modules made only
+    of torch's own, without hooks (``nn.Linear``...), are not watched: their forward does
+    none of these."""
     found: list[str] = []
     if _torch_modules_only(module):
         yield found
@@ -351,7 +353,8 @@ def repeated_effects(module: nn.Module):
     python_state, numpy_state = random.getstate(), np.random.get_state()
     before = _attributes(module)
     try:
-        yield found
+        with _putting_back_containers(module) as filled:
+            yield found
     finally:
         after = _attributes(module)
         changed = [
@@ -364,6 +367,7 @@ def repeated_effects(module: nn.Module):
         random.setstate(python_state)
         np.random.set_state(numpy_state)
         _restore(module, before, changed)
+    found += [f"values put into {name}" for name in filled]
     found += sorted(
         f"{path + '.' if path else ''}{key}"
         for path, key in changed

@@ -966,6 +966,19 @@ class OwnGenerator(nn.Module):
         return self.linear(x) * (torch.rand(x.shape, generator=self.generator) > 0.1)
 
 
+class Collects(nn.Module):
+    """Appends a penalty to a list of its own, which the training loop adds to the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.penalties = nn.Linear(8, 8), []
+
+    def forward(self, x):
+        y = self.linear(x)
+        self.penalties.append(y.pow(2).mean())
+        return y
+
+
 class KeptWhole(nn.Module):
     def __init__(self, block: type):
         super().__init__()
@@ -978,14 +991,17 @@ class KeptWhole(nn.Module):
 
 
 def _assert_same_effects(model: nn.Module, reference: nn.Module) -> None:
-    """What the blocks' forwards leave behind: call counts and generator states."""
+    """What the blocks' forwards leave behind: call counts, generator states and penalties."""
     for block, expected in zip(model.blocks, reference.blocks):
         assert getattr(block, "calls", None) == getattr(expected, "calls", None)
+        if hasattr(block, "penalties"):
+            assert len(block.penalties) == len(expected.penalties)
+            assert all(map(torch.equal, block.penalties, expected.penalties))
         if hasattr(block, "generator"):
             assert torch.equal(block.generator.get_state(), expected.generator.get_state())
 
 
-@pytest.mark.parametrize("block", [Counted, Jittered, OwnGenerator])
+@pytest.mark.parametrize("block", [Counted, Jittered, OwnGenerator, Collects])
 @settings(max_examples=max(3, EXAMPLES // 5), deadline=None)
 @given(data=st.data())
 def test_a_module_kept_whole_whose_forward_does_more_than_tensor_operations_is_never_recomputed(
@@ -993,7 +1009,8 @@ def test_a_module_kept_whole_whose_forward_does_more_than_tensor_operations_is_n
 ):
     """Found trying the library: a module kept whole (``leaf_modules``) ran its forward again in
     every recompute, so a call counter advanced twice, a Python draw was made again and a
-    generator of its own drew twice: gradients differed silently from the first step. Such
+    generator of its own drew twice, and a penalty appended to a list was appended again in
+    backward: gradients differed silently from the first step. Such
     modules run once, in forward, outside every segment; every plan of the rest trains like the
     model, step after step, and planning draws nothing from Python's generator."""
     torch.manual_seed(0)
