@@ -51,7 +51,7 @@ from planner.regions import (
     regions_from_export,
     watching_exported_regions,
 )
-from planner.side_effects import noting_grad_mode_reads, refusing_side_effects
+from planner.side_effects import generators, noting_grad_mode_reads, refusing_side_effects
 
 log = logging.getLogger(__name__)
 
@@ -648,12 +648,15 @@ def _trace_or_export(
     leaf_modules: tuple,
     dynamic_shapes: bool,
 ) -> Captured:
+    streams = [(g, g.get_state()) for g in generators(model).values()]
     try:
         return Captured(_trace(model, args, {**kwargs, **fixed}, leaf_modules), "symbolic_trace")
     except PlanningError:
         raise
     except Exception as trace_error:  # any tracing failure means: try export
         log.info("symbolic_trace failed (%s); trying torch.export", trace_error)
+        for generator, state in streams:  # a draw the trace made for real (then refused)
+            generator.set_state(state)
         try:
             with _keeping_buffers(model), watching_exported_regions() as regions:
                 gm = _export(model, args, kwargs, fixed, leaf_modules, dynamic_shapes)
@@ -693,6 +696,30 @@ def _trace_or_export(
                 "use torch.no_grad() for that region, or move it out of the autocast block",
             ) from trace_error
         return captured
+
+
+def _refuse_generators_made_in_forward(
+    model: nn.Module, gm: fx.GraphModule, own: list[torch.Generator]
+) -> None:
+    """Refuse a generator the graph draws from that the forward created: its seed ran once,
+    at capture. ``symbolic_trace`` holds the model's own generators themselves; ``torch.export``
+    lifts one of each (``lifted_custom_0``) that draws the model's stream and is in its state
+    (export draws nothing), where a created one is in the state its seed set. ``own``: the
+    model's generators before capture."""
+    for module in gm.modules():
+        for value in vars(module).values():
+            if not isinstance(value, torch.Generator) or any(value is g for g in own):
+                continue
+            state = value.get_state()
+            if not any(torch.equal(g.get_state(), state) for g in own):
+                raise PlanningError(
+                    f"cannot plan {type(model).__name__}: its forward creates a "
+                    "torch.Generator, whose seed the graph would not repeat: the planned "
+                    "module would draw on from the one made while planning, other numbers "
+                    "on every call than the model's. Make the generator once, in __init__ "
+                    "(self.generator = torch.Generator().manual_seed(0)), or keep noise that "
+                    "must stay the same in a buffer made once"
+                )
 
 
 def _inexact(model: nn.Module, trace_error: Exception, why: str, advice: str) -> PlanningError:
@@ -871,6 +898,7 @@ def capture(
     _refuse_layerdrop(model)
     fixed = _without_cache(model, args, kwargs)
     grad_mode_read: list[bool] = []
+    own = list(generators(model).values())  # before fx stows the graph's constants on it
     with (
         CAPTURE_LOCK,
         _capturing_thread(),
@@ -881,6 +909,7 @@ def capture(
         noting_grad_mode_reads(grad_mode_read),
     ):
         captured = _trace_or_export(model, args, kwargs, fixed, leaf_modules, dynamic_shapes)
+        _refuse_generators_made_in_forward(model, captured.graph_module, own)
     _refuse_dropped_hooks(model, captured)
     captured.graph_module.meta["planner.reads_grad_mode"] = bool(grad_mode_read)
     return captured

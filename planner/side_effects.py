@@ -10,8 +10,9 @@ that record, so anything else the forward did happened once, at planning time, a
 * a draw from Python's or numpy's random generators (LayerDrop written with ``random.random()``):
   the trace-time draw is baked into the graph;
 * a call that sets torch's random state (``torch.manual_seed``, ``torch.set_rng_state``,
-  ``torch.random.fork_rng``): it ran once, at capture, and the graph, which records ops, draws on
-  from wherever the generator stands (outputs 0.94 and gradients 17.6 off, with no segment);
+  ``torch.random.fork_rng``) or that of a generator a module holds (``self.g.manual_seed(0)``):
+  it ran once, at capture, and the graph, which records ops, draws on from wherever the
+  generator stands (outputs 0.94 and gradients 17.6 off, with no segment);
 * an attribute the forward sets on a module (an MoE layer's ``self.aux_loss``, a call counter):
   the planned module never sets it, and the value left by capture is a tracing placeholder;
 * values the forward puts into a container a module attribute or a global holds
@@ -21,7 +22,8 @@ that record, so anything else the forward did happened once, at planning time, a
 * an in-place update of a parameter (a momentum encoder): applied once, by planning.
 
 ``refusing_side_effects`` watches a capture for them, puts back what it can (module attributes
-and what their containers hold, the random generators' states) and raises a ``PlanningError``
+and what their containers hold, the random generators' states, the model's own generators')
+and raises a ``PlanningError``
 that names each and what to do.
 """
 
@@ -45,7 +47,7 @@ from planner.errors import PlanningError
 from planner.hooks import HOOK_TABLES, process_wide_hook_count
 from planner.model_code import global_loads
 
-__all__ = ["refusing_side_effects", "repeated_effects"]
+__all__ = ["generators", "refusing_side_effects", "repeated_effects"]
 
 _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules"})
 # Where torch.fx's tracer stows a constant the graph reads (``Tracer.create_arg``): on the
@@ -70,6 +72,16 @@ def _attributes(model: nn.Module) -> dict[tuple[str, str], object]:
 _CONTAINERS = (list, dict, set, collections.deque)
 # nn.Module's own bookkeeping (children, tensors, hooks), which other checks watch.
 _TORCH_STATE = frozenset(vars(nn.Module()))
+
+
+def generators(model: nn.Module) -> dict[str, torch.Generator]:
+    """Every ``torch.Generator`` a module attribute holds, by name: the model's own streams."""
+    return {
+        f"{path}.{key}" if path else key: value
+        for path, module in model.named_modules(remove_duplicate=False)
+        for key, value in vars(module).items()
+        if isinstance(value, torch.Generator)
+    }
 
 
 def _held(container) -> list:
@@ -278,6 +290,16 @@ def _reseeding_reason(name: str) -> str:
     )
 
 
+def _own_reseeding_reason(name: str) -> str:
+    return (
+        f"it seeds {name}, a generator of its own (manual_seed, seed or set_state): the graph "
+        "records ops, not that call, so the planned module would draw on from where the "
+        "generator stands, other noise than the model's. Seed it outside forward (before each "
+        "step), or make noise that must stay the same once, outside forward (a buffer: "
+        "self.register_buffer('noise', ..., persistent=False))"
+    )
+
+
 def _refusal(model: nn.Module, reasons: list[str]) -> PlanningError:
     return PlanningError(
         f"cannot plan {type(model).__name__}: its forward does more than tensor operations, "
@@ -302,6 +324,7 @@ def refusing_side_effects(model: nn.Module):
     ``planner.regions.CAPTURE_LOCK``: the random states are process-wide."""
     python_state, numpy_state = random.getstate(), np.random.get_state()
     before = _attributes(model)
+    streams = {name: (g, g.get_state()) for name, g in generators(model).items()}
     versions = {n: p._version for n, p in model.named_parameters(remove_duplicate=False)}
     applied: list[type] = []
     hooked: list[bool] = []
@@ -323,6 +346,9 @@ def refusing_side_effects(model: nn.Module):
         random.setstate(python_state)
         np.random.set_state(numpy_state)
         _restore(model, before, changed)
+        reseeded = [n for n, (g, state) in streams.items() if not torch.equal(g.get_state(), state)]
+        for g, state in streams.values():
+            g.set_state(state)
     updated = [
         n for n, p in model.named_parameters(remove_duplicate=False) if p._version != versions[n]
     ]
@@ -332,6 +358,7 @@ def refusing_side_effects(model: nn.Module):
         if _set_by_forward(k, before.get((p, k), _MISSING), after.get((p, k), _MISSING), root=not p)
     ]
     reasons = _reasons(applied, bool(hooked), drew, set_by_forward, filled, updated)
+    reasons += [_own_reseeding_reason(name) for name in reseeded]
     if reasons:
         raise _refusal(model, reasons)
 
