@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import fx, nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,6 +42,7 @@ from planner.hooks import (
     restoring_output_recorders,
 )
 from planner.model_call import CALL_KEY, ModelCall, container_types
+from planner.model_code import global_loads
 from planner.planned_module import PlannedModule
 from planner.regions import (
     CAPTURE_LOCK,
@@ -342,6 +344,10 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> 
         raise RuntimeError(
             f"forward updates buffer {changed[0]!r} as a plain tensor, which symbolic_trace "
             "cannot record"
+        )
+    for node in graph.nodes:  # fx would write np.float64(...) into code that has no np
+        node.args, node.kwargs = tree_map_only(
+            np.generic, lambda v: v.item(), (node.args, node.kwargs)
         )
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _restore_argument_names(gm, concrete)
@@ -698,6 +704,21 @@ def _trace_or_export(
         return captured
 
 
+def _known_generators(model: nn.Module, arguments) -> list[torch.Generator]:
+    """The generators that exist before a call: those passed in ``arguments``, the model's
+    modules' (``generators``), those its code loads as globals (``planner.model_code``) and
+    torch's default one."""
+    classes = {type(m) for m in model.modules() if type(m).__module__.split(".")[0] != "torch"}
+    loaded = [
+        space[key]
+        for cls in classes
+        for space, key in global_loads(cls)  # type: ignore[arg-type]  # a class is hashable
+        if isinstance(space.get(key), torch.Generator)
+    ]
+    passed = [g for g in tree_leaves(arguments) if isinstance(g, torch.Generator)]
+    return [*passed, *generators(model).values(), *loaded, torch.default_generator]
+
+
 def _refuse_generators_made_in_forward(
     model: nn.Module, gm: fx.GraphModule, own: list[torch.Generator]
 ) -> None:
@@ -705,7 +726,7 @@ def _refuse_generators_made_in_forward(
     at capture. ``symbolic_trace`` holds the model's own generators themselves; ``torch.export``
     lifts one of each (``lifted_custom_0``) that draws the model's stream and is in its state
     (export draws nothing), where a created one is in the state its seed set. ``own``: the
-    model's generators before capture."""
+    generators known before capture (``_known_generators``)."""
     for module in gm.modules():
         for value in vars(module).values():
             if not isinstance(value, torch.Generator) or any(value is g for g in own):
@@ -898,7 +919,7 @@ def capture(
     _refuse_layerdrop(model)
     fixed = _without_cache(model, args, kwargs)
     grad_mode_read: list[bool] = []
-    own = list(generators(model).values())  # before fx stows the graph's constants on it
+    own = _known_generators(model, (args, kwargs))  # before fx stows constants on the model
     with (
         CAPTURE_LOCK,
         _capturing_thread(),

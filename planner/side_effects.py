@@ -84,6 +84,44 @@ def generators(model: nn.Module) -> dict[str, torch.Generator]:
     }
 
 
+_DRAWN_FROM = (random.Random, np.random.Generator, np.random.RandomState)
+
+
+class _RandomStates:
+    """Python's and numpy's generators that a forward may draw from, with their states now: the
+    global ones (``random.random()``, ``np.random.rand()``) and those a module attribute holds
+    (``self.rng = np.random.default_rng(0)``). A draw from any is baked into a captured graph,
+    and a recompute would make it again; ``torch.utils.checkpoint`` restores none of them."""
+
+    def __init__(self, model: nn.Module):
+        held = {
+            id(v): v
+            for m in model.modules()
+            for v in vars(m).values()
+            if isinstance(v, _DRAWN_FROM)
+        }
+        self.generators = [random, np.random, *held.values()]
+        self.states = [_state(g) for g in self.generators]
+
+    def drew(self) -> bool:
+        return not all(map(_same_state, self.states, map(_state, self.generators)))
+
+    def restore(self) -> None:
+        for generator, state in zip(self.generators, self.states):
+            if isinstance(generator, np.random.Generator):
+                generator.bit_generator.state = state
+            elif hasattr(generator, "setstate"):  # Python's
+                generator.setstate(state)
+            else:  # numpy's global generator or a RandomState
+                generator.set_state(state)
+
+
+def _state(generator):
+    if isinstance(generator, np.random.Generator):
+        return generator.bit_generator.state
+    return generator.getstate() if hasattr(generator, "getstate") else generator.get_state()
+
+
 def _held(container) -> list:
     """What ``container`` holds, one level deep (keys and values alternating, for a dict)."""
     if isinstance(container, dict):
@@ -322,7 +360,7 @@ def refusing_side_effects(model: nn.Module):
     operations (see the module's docstring). Module attributes and the random generators'
     states are put back whether the capture succeeds or not. Callers hold
     ``planner.regions.CAPTURE_LOCK``: the random states are process-wide."""
-    python_state, numpy_state = random.getstate(), np.random.get_state()
+    draws = _RandomStates(model)
     before = _attributes(model)
     streams = {name: (g, g.get_state()) for name, g in generators(model).items()}
     versions = {n: p._version for n, p in model.named_parameters(remove_duplicate=False)}
@@ -342,9 +380,8 @@ def refusing_side_effects(model: nn.Module):
             for k in before.keys() | after.keys()
             if before.get(k, _MISSING) is not after.get(k, _MISSING)
         )
-        drew = random.getstate() != python_state or not _same_numpy_state(numpy_state)
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
+        drew = draws.drew()
+        draws.restore()
         _restore(model, before, changed)
         reseeded = [n for n, (g, state) in streams.items() if not torch.equal(g.get_state(), state)]
         for g, state in streams.values():
@@ -377,7 +414,7 @@ def repeated_effects(module: nn.Module):
     if _torch_modules_only(module):
         yield found
         return
-    python_state, numpy_state = random.getstate(), np.random.get_state()
+    draws = _RandomStates(module)
     before = _attributes(module)
     try:
         with _putting_back_containers(module) as filled:
@@ -389,10 +426,9 @@ def repeated_effects(module: nn.Module):
             for k in before.keys() | after.keys()
             if before.get(k, _MISSING) is not after.get(k, _MISSING)
         ]
-        if random.getstate() != python_state or not _same_numpy_state(numpy_state):
+        if draws.drew():
             found.append("random draws")
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
+        draws.restore()
         _restore(module, before, changed)
     found += [f"values put into {name}" for name in filled]
     found += sorted(
@@ -436,8 +472,10 @@ def _reasons(
         )
     if drew:
         reasons.append(
-            "it draws from Python's or numpy's random generator (e.g. LayerDrop written with "
-            "random.random()): the draw made while capturing would be baked into the graph. "
+            "it draws from Python's or numpy's random generator, the global one or one a "
+            "module holds (e.g. LayerDrop written with random.random(), a span mask drawn "
+            "with self.rng = np.random.default_rng()): the draw made while capturing would be "
+            "baked into the graph. "
             "Draw with torch (torch.rand) and use the result as a tensor, or turn it off to plan"
         )
     if changed:
@@ -504,8 +542,14 @@ def _equal(old, new) -> bool:
         return False
 
 
-def _same_numpy_state(state) -> bool:
-    now = np.random.get_state()
-    return all(
-        np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(state, now)
-    )
+def _same_state(a, b) -> bool:
+    """Whether two states of a Python or numpy generator are equal (numpy's hold arrays)."""
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (tuple, list)):
+        return isinstance(b, (tuple, list)) and len(a) == len(b) and all(map(_same_state, a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    return a == b

@@ -421,3 +421,24 @@ def test_torch_transformer_modules_are_traced_through_and_planned_inside_exactly
     assert p.segments
     assert peak_memory(p.module, (x,)).peak_bytes <= p.budget_bytes
     assert_equivalent(reference, model, p.module, (x,), {})
+
+
+class NumpyScaled(nn.Module):
+    """Scales attention-style by ``np.sqrt(width)``: a numpy scalar, not a Python float."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.linear, self.scale = nn.Linear(16, 16), kind(np.sqrt(16.0))
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x) / self.scale)
+
+
+@pytest.mark.parametrize("kind", [np.float64, np.float32, np.int64])
+def test_a_numpy_scalar_the_forward_reads_is_written_into_the_graph_as_a_python_one(kind):
+    """Found by trying: fx wrote ``np.float64(4.0)`` into the graph's code, which has no
+    ``np``; planning succeeded and the first call raised ``NameError``."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(NumpyScaled(kind), NumpyScaled(kind)), torch.randn(4, 16)
+    p = planner.plan(model, (x,), budget_gb=1)
+    assert torch.equal(p.module(x), model(x))

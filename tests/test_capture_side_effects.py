@@ -209,6 +209,36 @@ def test_a_generator_seeded_or_made_in_forward_is_refused_and_left_as_it_was(how
     assert torch.equal(model.generator.get_state(), state)
 
 
+NOISE = torch.Generator().manual_seed(5)  # a module-level generator a forward draws from
+
+
+class DrawsFrom(nn.Module):
+    """Adds noise drawn from a generator that exists before the call: a global or an argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = _layers()
+
+    def forward(self, x, generator=None):
+        for layer in self.layers:
+            noise = torch.randn(x.shape, generator=generator or NOISE)
+            x = torch.tanh(layer(x + noise))
+        return x.sum()
+
+
+@pytest.mark.parametrize("passed", [False, True], ids=["a global", "an argument"])
+def test_a_generator_made_outside_forward_is_not_taken_for_one_made_in_it(passed):
+    torch.manual_seed(0)
+    model, x, generator = DrawsFrom(), torch.randn(8, 16), torch.Generator().manual_seed(3)
+    kwargs = {"generator": generator} if passed else {}
+    p = planner.plan(model, (x,), example_kwargs=kwargs, budget_gb=1)
+    drawn = generator if passed else NOISE
+    state = drawn.get_state()
+    expected = model(x, **kwargs)
+    drawn.set_state(state)
+    assert torch.equal(p.module(x, **kwargs), expected)
+
+
 @pytest.mark.parametrize("traceable", [True, False], ids=["symbolic_trace", "export"])
 def test_the_plan_draws_from_the_models_own_generator(traceable):
     """On both capture paths (torch.export lifts the generator into its graph), the plan draws

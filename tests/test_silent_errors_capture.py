@@ -648,6 +648,21 @@ class LayerDrop(nn.Module):
         return x
 
 
+class OwnLayerDrop(LayerDrop):
+    """LayerDrop drawing from a generator the module holds, Python's or numpy's."""
+
+    def __init__(self, rng):
+        super().__init__()
+        self.rng = rng
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.rng.random() < 0.5:
+                continue
+            x = torch.tanh(layer(x))
+        return x
+
+
 class AuxiliaryLoss(nn.Module):
     """An MoE-style auxiliary loss kept as an attribute: a tracing placeholder after planning."""
 
@@ -700,6 +715,8 @@ class HalvedGradient(nn.Module):
         (HalvedGradient, r"registers tensor hooks"),
         (lambda: ReversedGradient(traceable=False), "custom autograd functions .*_Reverse"),
         (LayerDrop, "Python's or numpy's random generator"),
+        (lambda: OwnLayerDrop(random.Random(0)), "random generator, the global one or one a"),
+        (lambda: OwnLayerDrop(np.random.default_rng(0)), "random generator, the global one"),
         (AuxiliaryLoss, r"sets module attributes \(aux_loss, calls\)"),
         (MomentumEncoder, r"updates parameters in place \(key.weight, key.bias\)"),
     ],
@@ -715,6 +732,9 @@ def test_a_forward_doing_more_than_tensor_operations_is_refused(make, match):
             planner.plan(model, (x,), budget_gb=1)
     assert {k: v for k, v in vars(model).items() if k != "_modules"} == attributes
     assert not hasattr(model, "aux_loss")
+    if isinstance(model, OwnLayerDrop):  # put back: its next draw is a fresh one's first
+        fresh = random.Random(0) if isinstance(model.rng, random.Random) else None
+        assert model.rng.random() == (fresh or np.random.default_rng(0)).random()
     assert random.getstate() == python_state
     assert np.random.get_state()[1].tolist() == numpy_state[1].tolist()
 
@@ -979,6 +999,20 @@ class Collects(nn.Module):
         return y
 
 
+class SpanMasked(nn.Module):
+    """Masks a span of its input drawn from a numpy generator of its own (Wav2Vec2-style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.rng = nn.Linear(8, 8), np.random.default_rng(0)
+
+    def forward(self, x):
+        start = int(self.rng.integers(0, x.shape[1] - 2))
+        mask = torch.ones_like(x)
+        mask[:, start : start + 2] = 0
+        return self.linear(x * mask)
+
+
 class KeptWhole(nn.Module):
     def __init__(self, block: type):
         super().__init__()
@@ -999,9 +1033,11 @@ def _assert_same_effects(model: nn.Module, reference: nn.Module) -> None:
             assert all(map(torch.equal, block.penalties, expected.penalties))
         if hasattr(block, "generator"):
             assert torch.equal(block.generator.get_state(), expected.generator.get_state())
+        if hasattr(block, "rng"):
+            assert block.rng.bit_generator.state == expected.rng.bit_generator.state
 
 
-@pytest.mark.parametrize("block", [Counted, Jittered, OwnGenerator, Collects])
+@pytest.mark.parametrize("block", [Counted, Jittered, OwnGenerator, Collects, SpanMasked])
 @settings(max_examples=max(3, EXAMPLES // 5), deadline=None)
 @given(data=st.data())
 def test_a_module_kept_whole_whose_forward_does_more_than_tensor_operations_is_never_recomputed(
