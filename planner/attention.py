@@ -25,6 +25,7 @@ new shape a call brings (once per shape) and raises where it is not the causal o
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from dataclasses import dataclass
@@ -351,6 +352,15 @@ def erase_unused(gm: fx.GraphModule, candidates: set[fx.Node]) -> None:
             gm.graph.erase_node(node)
 
 
+def _bound(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """The names of the tensor arguments of ``model(*args, **kwargs)``."""
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        bound = dict(kwargs)
+    return [name for name, value in bound.items() if isinstance(value, torch.Tensor)]
+
+
 def exact_attention(
     gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict
 ) -> CausalMaskCheck | None:
@@ -374,13 +384,18 @@ def exact_attention(
         call.without_mask and isinstance(_mask_argument(node), fx.Node)
         for node, call in zip(nodes, calls)
     ):
+        passed = [name for name in _bound(model, args, kwargs) if "mask" in name]
+        advice = (
+            f"Leave an attention mask that masks nothing ({', '.join(passed)}) out of the "
+            "example and the calls to get eager's exact form."
+            if passed
+            else "No argument of the call gives that mask: the model computes it itself."
+        )
         warnings.warn(
             f"{type(model).__name__} in eager mode calls attention without a mask at these "
             "example values (an attention mask that masks nothing is skipped), while the "
             "captured graph applies the mask it computes from them: the planned module's "
-            "results differ from the model's in the last bits (and it holds the mask). Leave "
-            "an attention mask that masks nothing out of the example and the calls to get "
-            "eager's exact form.",
+            f"results differ from the model's in the last bits (and it holds the mask). {advice}",
             UserWarning,
             stacklevel=5,
         )

@@ -678,12 +678,22 @@ def _trace_or_export(
                 "torch.set_grad_enabled(...) instead",
             ) from inexact
         except Exception as export_error:
+            labels = [k for k in kwargs if k == "labels" or k.endswith("_labels")]
             raise PlanningError(
                 f"cannot capture {type(model).__name__} as a graph.\n"
                 f"  torch.fx.symbolic_trace: {type(trace_error).__name__}: {trace_error}\n"
                 f"  torch.export (strict=False): {type(export_error).__name__}: "
                 f"{export_error}\n"
-                "What to try: for a model that returns a cache object (Hugging Face "
+                "What to try: "
+                + (
+                    f"the loss the model computes from {', '.join(labels)} may be what cannot "
+                    "be captured: plan without it and pass the loss as loss_fn= (a function "
+                    "of the output, e.g. lambda out: F.cross_entropy(out.logits.flatten(0, 1), "
+                    "labels.flatten()); docs/pipeline.md); "
+                    if labels
+                    else ""
+                )
+                + "for a model that returns a cache object (Hugging Face "
                 "use_cache=True), pass use_cache=False in example_kwargs; pass flags and "
                 "sizes as plain Python values in "
                 "example_inputs or example_kwargs, so that tracing specialises on them; make "

@@ -943,7 +943,17 @@ def profile(
         labels = _StandIns(copies) if loss_fn is not None else contextlib.nullcontext()
         with _grads_left_alone(loss):
             with recorder.backward, labels:
-                loss.backward()
+                try:
+                    loss.backward()
+                except (DynamicOutputShapeException, DataDependentOutputException) as error:
+                    raise PlanningError(
+                        f"the model's backward cannot be profiled: it calls {error.func}, "
+                        "whose result's sizes torch's fake tensors cannot give (they depend on "
+                        "the values in its inputs), and planner's profile runs on fake tensors. "
+                        "A boolean-mask assignment in forward (h[mask] = v) does this; "
+                        "torch.where(mask[..., None], v, h) computes the same values without "
+                        "it. Or keep that computation out of the planned forward."
+                    ) from error
             recorder.backward.finish()
     produced, read = set(), set()
     for node in [*gm.graph.nodes, *([loss_at] if loss_at is not None else [])]:

@@ -395,6 +395,12 @@ def refusing_side_effects(model: nn.Module):
         if _set_by_forward(k, before.get((p, k), _MISSING), after.get((p, k), _MISSING), root=not p)
     ]
     reasons = _reasons(applied, bool(hooked), drew, set_by_forward, filled, updated)
+    if drew and (augment := _spec_augment(model)):
+        reasons.append(
+            f"here that is likely SpecAugment ({augment}), whose time and feature masks "
+            "Hugging Face's audio models draw with numpy in training: plan and train with "
+            "config.apply_spec_augment = False (or mask_time_prob and mask_feature_prob 0.0)"
+        )
     reasons += [_own_reseeding_reason(name) for name in reseeded]
     if reasons:
         raise _refusal(model, reasons)
@@ -449,6 +455,19 @@ def _torch_modules_only(module: nn.Module) -> bool:
         and not any(getattr(sub, table, None) for table in HOOK_TABLES)
         for sub in module.modules()
     )
+
+
+def _spec_augment(model: nn.Module) -> str:
+    """The Hugging Face SpecAugment settings ``model``'s config turns on, named; empty if none."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "apply_spec_augment", False):
+        return ""
+    on = [
+        f"config.{key}={value}"
+        for key in ("mask_time_prob", "mask_feature_prob")
+        if isinstance(value := getattr(config, key, 0), (int, float)) and value > 0
+    ]
+    return ", ".join(on)
 
 
 def _reasons(

@@ -647,6 +647,30 @@ def test_an_op_whose_result_sizes_fakes_cannot_give_is_named_without_blaming_the
     assert_same_state(before, model_state(model))
 
 
+class MaskedTokens(nn.Module):
+    """Replaces masked positions by a learned embedding, ``h[mask] = self.embedding`` (MAE,
+    data2vec, Wav2Vec2 given ``mask_time_indices``): its backward gathers by the mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding, self.body = nn.Parameter(torch.randn(16)), nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        h = x * 1.0
+        h[mask] = self.embedding
+        return self.body(h)
+
+
+def test_a_backward_whose_sizes_fakes_cannot_give_is_named_with_what_computes_the_same():
+    """Found trying the library: a raw ``DynamicOutputShapeException`` from the profile's
+    backward, not a ``PlanningError``."""
+    model, x, mask = MaskedTokens(), torch.randn(4, 10, 16), torch.rand(4, 10) < 0.3
+    before = model_state(model)
+    with pytest.raises(PlanningError, match=r"backward cannot be profiled.*torch\.where"):
+        planner.plan(model, (x, mask), budget_gb=1)
+    assert_same_state(before, model_state(model))
+
+
 class LayerDrop(nn.Module):
     """Skips each layer in training when a random draw falls below ``layerdrop`` (drawing only
     when it is on, as Hugging Face's encoders do)."""

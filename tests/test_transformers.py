@@ -156,3 +156,65 @@ def test_gradient_checkpointing_enabled_after_planning_says_so_and_how_to_go_bac
     model.activation_checkpointing_disable()
     model.disable_input_require_grads()
     assert_equivalent(reference, model, p.module, args, kwargs)
+
+
+def _wav2vec2(**options):
+    return transformers.Wav2Vec2Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2,
+        mask_time_length=2,
+        layerdrop=0.0,
+        **options,
+    )
+
+
+def test_spec_augment_is_refused_with_the_settings_that_turn_it_off():
+    """Found trying the library: Wav2Vec2's default SpecAugment (its masks drawn with numpy in
+    training) was refused as a numpy draw to "turn off", without naming what turns it off."""
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2Model(_wav2vec2()).train()
+    before = model_state(model)
+    with pytest.raises(
+        PlanningError,
+        match=r"SpecAugment \(config.mask_time_prob=0.05\).*"
+        r"config.apply_spec_augment = False",
+    ):
+        plan(model, (torch.randn(2, 1600),), budget_gb=1)
+    assert_same_state(before, model_state(model))
+
+
+def test_a_loss_inside_forward_that_cannot_be_captured_is_named_with_loss_fn_as_the_way_out():
+    """Found trying the library: DeBERTa-v2 with ``labels=`` (``(labels >= 0).nonzero()`` in
+    its loss) failed export with advice about caches and Python ``if``s only."""
+    config = transformers.DebertaV2Config(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=100,
+        max_position_embeddings=64,
+        num_labels=3,
+    )
+    torch.manual_seed(0)
+    model = transformers.DebertaV2ForSequenceClassification(config).train()
+    ids, labels = torch.randint(0, 100, (2, 8)), torch.tensor([0, 2])
+    with pytest.raises(PlanningError, match=r"the loss the model computes from labels.*loss_fn="):
+        plan(model, (ids,), example_kwargs={"labels": labels}, budget_gb=1)
+    plan(model, (ids,), budget_gb=1)  # the way out: the loss outside the plan
+
+
+def test_a_mask_the_model_makes_itself_is_reported_without_advice_about_an_argument():
+    """Found trying the library: Wav2Vec2 called without ``attention_mask`` was told to leave
+    "an attention mask that masks nothing" out of the example."""
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2Model(_wav2vec2(apply_spec_augment=False)).train()
+    with pytest.warns(UserWarning, match="No argument of the call gives that mask") as caught:
+        prepare(model, (torch.randn(2, 1600),))
+    assert not any("Leave an attention mask" in str(w.message) for w in caught)
