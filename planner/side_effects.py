@@ -395,6 +395,15 @@ def refusing_side_effects(model: nn.Module):
         if _set_by_forward(k, before.get((p, k), _MISSING), after.get((p, k), _MISSING), root=not p)
     ]
     reasons = _reasons(applied, bool(hooked), drew, set_by_forward, filled, updated)
+    installed = sorted(
+        {_installed_package(type(model.get_submodule(p))) for p, _ in set_by_forward}
+    )
+    if set_by_forward and all(installed):
+        reasons.append(
+            f"those modules are code of an installed package ({', '.join(installed)}), not "
+            "yours to change: this model cannot be planned as it is (plan the parts of it "
+            "that do not set attributes)"
+        )
     if drew and (augment := _spec_augment(model)):
         reasons.append(
             f"here that is likely SpecAugment ({augment}), whose time and feature masks "
@@ -455,6 +464,13 @@ def _torch_modules_only(module: nn.Module) -> bool:
         and not any(getattr(sub, table, None) for table in HOOK_TABLES)
         for sub in module.modules()
     )
+
+
+def _installed_package(cls: type) -> str:
+    """The installed package (``transformers``) that defines ``cls``; empty for other code."""
+    package = cls.__module__.split(".")[0]
+    where = getattr(sys.modules.get(package), "__file__", None) or ""
+    return package if "site-packages" in where or "dist-packages" in where else ""
 
 
 def _spec_augment(model: nn.Module) -> str:

@@ -218,3 +218,15 @@ def test_a_mask_the_model_makes_itself_is_reported_without_advice_about_an_argum
     with pytest.warns(UserWarning, match="No argument of the call gives that mask") as caught:
         prepare(model, (torch.randn(2, 1600),))
     assert not any("Leave an attention mask" in str(w.message) for w in caught)
+
+
+def test_attributes_a_librarys_own_modules_set_in_forward_are_refused_as_not_plannable():
+    """Found trying the library: Funnel (its attention structure keeps ``seq_len`` on a module)
+    was told to "return such values from forward", advice for code the user does not own."""
+    config = transformers.FunnelConfig(
+        vocab_size=100, d_model=64, n_head=4, d_head=16, d_inner=128, block_sizes=[1, 1]
+    )
+    torch.manual_seed(0)
+    model = transformers.FunnelForMaskedLM(config).train()
+    with pytest.raises(PlanningError, match=r"installed package \(transformers\).*cannot be"):
+        plan(model, (torch.randint(0, 100, (2, 8)),), budget_gb=1)
