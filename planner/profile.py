@@ -110,7 +110,7 @@ from planner.fakes import (
 )
 from planner.gcpause import paused_collection
 from planner.regions import closing_regions, enter_autocast
-from planner.side_effects import repeated_effects
+from planner.side_effects import keeping_random_states, repeated_effects
 from planner.step import nothing_to_differentiate, training_loss
 
 META_KEYS = (
@@ -877,6 +877,7 @@ def profile(
     call: Callable[[Any, tuple, dict], Any]
     with contextlib.ExitStack() as stack:
         stack.enter_context(quiet_fake_failures())
+        stack.enter_context(keeping_random_states(gm))
         on_meta, autocast_device = all_on_meta(gm, args, kwargs), _autocast_device(gm)
         if on_meta and autocast_device is None:
             copies, call = Copies(MetaCopies()), MetaKernels()

@@ -47,7 +47,7 @@ from planner.errors import PlanningError
 from planner.hooks import HOOK_TABLES, process_wide_hook_count
 from planner.model_code import global_loads
 
-__all__ = ["generators", "refusing_side_effects", "repeated_effects"]
+__all__ = ["generators", "keeping_random_states", "refusing_side_effects", "repeated_effects"]
 
 _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules"})
 # Where torch.fx's tracer stows a constant the graph reads (``Tracer.create_arg``): on the
@@ -416,15 +416,27 @@ def refusing_side_effects(model: nn.Module):
 
 
 @contextlib.contextmanager
+def keeping_random_states(module: nn.Module):
+    """Put Python's and numpy's generators, the global ones and those ``module``'s modules
+    hold, back as they were when the block ends."""
+    draws = _RandomStates(module)
+    try:
+        yield
+    finally:
+        draws.restore()
+
+
+@contextlib.contextmanager
 def repeated_effects(module: nn.Module):
     """Run ``module``'s forward (one kept whole, a leaf of the captured graph, which runs
     again in every recompute); yield a list that then names what that run did which running it
     again would repeat: attributes it set (a call counter), values it put into containers
     (``_putting_back_containers``: a list of auxiliary losses would get them twice) and draws
     from Python's or numpy's random generators (which ``torch.utils.checkpoint`` does not
-    restore). All are put back, so that planning leaves them as they were. Modules made only
-    of torch's own, without hooks (``nn.Linear``...), are not watched: their forward does
-    none of these."""
+    restore). Attributes and containers are put back; the generators are left drawn from, so
+    that each module kept whole draws on from the last, as in the model's forward (callers put
+    them back once, ``keeping_random_states``). Modules made only of torch's own, without
+    hooks (``nn.Linear``...), are not watched: their forward does none of these."""
     found: list[str] = []
     if _torch_modules_only(module):
         yield found
@@ -443,7 +455,6 @@ def repeated_effects(module: nn.Module):
         ]
         if draws.drew():
             found.append("random draws")
-        draws.restore()
         _restore(module, before, changed)
     found += [f"values put into {name}" for name in filled]
     found += sorted(
