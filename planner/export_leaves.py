@@ -30,6 +30,7 @@ module gives both), so calls behave as for any exported plan.
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable
 
 import torch
@@ -76,10 +77,31 @@ def export_keeping(
     flat = program.module()  # the exported module's calling convention and guards
     renamed = _rename_clashing_inputs(program, paths)
     unflat = torch.export.unflatten(program)
+    called_again = [p for p in paths if _called_again(unflat, p)]
+    if called_again:
+        raise PlanningError(
+            f"cannot keep {', '.join(called_again)} of {type(model).__name__} whole under "
+            f"torch.export: forward calls {'each' if len(called_again) > 1 else 'it'} more "
+            "than once (shared weights), and torch.export "
+            "then keeps one module per call. Plan without leaf_modules (export traces through "
+            "them, exactly), or make the model one symbolic_trace captures, which keeps such "
+            "modules whole."
+        )
     return (
         _graph_module(model, flat, *inline_unflattened(unflat, set(paths), renamed, True)),
         _graph_module(model, flat, *inline_unflattened(unflat, set(paths), renamed)),
     )
+
+
+def _called_again(unflat: nn.Module, path: str) -> bool:
+    """Whether ``torch.export.unflatten`` made the module at ``path`` one dispatching among
+    several calls (the module is called more than once)."""
+    module = sys.modules.get("torch.export.unflatten")  # torch.export.unflatten: the function
+    dispatcher = getattr(module, "InterpreterModuleDispatcher", ())
+    try:
+        return isinstance(unflat.get_submodule(path), dispatcher)
+    except AttributeError:
+        return False
 
 
 def _leaves(value) -> list:

@@ -442,3 +442,38 @@ def test_a_numpy_scalar_the_forward_reads_is_written_into_the_graph_as_a_python_
     model, x = nn.Sequential(NumpyScaled(kind), NumpyScaled(kind)), torch.randn(4, 16)
     p = planner.plan(model, (x,), budget_gb=1)
     assert torch.equal(p.module(x), model(x))
+
+
+class SharedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x))
+
+
+class CallsItsBlockThrice(nn.Module):
+    """ALBERT-style: one block of shared weights called three times; ``if`` on a size sends it to
+    torch.export."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = SharedBlock()
+
+    def forward(self, x):
+        if x.shape[0] > 0:
+            x = x * 1.0
+        for _ in range(3):
+            x = self.block(x)
+        return x
+
+
+def test_a_module_kept_whole_under_export_that_is_called_again_is_refused_with_what_to_do():
+    """Found by trying: torch.export keeps one module per call, and capture failed with
+    "'InterpreterModuleDispatcher' object has no attribute 'graph'"."""
+    model, x = CallsItsBlockThrice(), torch.randn(4, 16)
+    with pytest.raises(planner.PlanningError, match=r"cannot keep block .*Plan without leaf"):
+        planner.plan(model, (x,), budget_gb=1, leaf_modules=(SharedBlock,))
+    p = planner.plan(model, (x,), budget_gb=1)  # the way out
+    assert torch.equal(p.module(x), model(x))
