@@ -232,7 +232,9 @@ class LeafTracer(fx.Tracer):
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         if isinstance(module, self.leaf_modules):
             return True
-        if isinstance(module, TRACED_TORCH_MODULES):
+        if isinstance(module, TRACED_TORCH_MODULES) or "forward" in vars(module):
+            # A forward set on the instance (LoRA, accelerate's hooks) is the model's code:
+            # traced through, not run on the profile's stand-ins of another module.
             return False
         return super().is_leaf_module(module, qualified_name)
 

@@ -6,6 +6,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import types
 from typing import NamedTuple
 
 import numpy as np
@@ -477,3 +478,29 @@ def test_a_module_kept_whole_under_export_that_is_called_again_is_refused_with_w
         planner.plan(model, (x,), budget_gb=1, leaf_modules=(SharedBlock,))
     p = planner.plan(model, (x,), budget_gb=1)  # the way out
     assert torch.equal(p.module(x), model(x))
+
+
+def _with_low_rank_update(linear: nn.Linear) -> None:
+    """LoRA as loralib-style code adds it: two parameters and a forward set on the instance."""
+    linear.lora_a = nn.Parameter(torch.randn(2, linear.in_features) * 0.1)
+    linear.lora_b = nn.Parameter(torch.randn(linear.out_features, 2))
+
+    def forward(self, x):
+        update = x @ self.lora_a.t() @ self.lora_b.t()
+        return nn.functional.linear(x, self.weight, self.bias) + update
+
+    linear.forward = types.MethodType(forward, linear)
+
+
+def test_a_torch_module_whose_instance_has_its_own_forward_is_traced_through():
+    """Found by trying: fx kept such an ``nn.Linear`` whole, and the profile ran the instance's
+    forward, bound to the real module, on the stand-ins of another: "the model's forward failed
+    on the example inputs ... Please convert all Tensors to FakeTensors"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)))
+    for block in model:
+        _with_low_rank_update(block[0])
+    reference, x = copy.deepcopy(model), torch.randn(4, 16)
+    p = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n")
+    assert p.segments
+    assert_equivalent(reference, model, p.module, (x,), {})
