@@ -529,7 +529,9 @@ def _reasons(
         reasons.append(
             f"it sets module attributes ({', '.join(names)}): the planned module would never "
             "set them. Return such values from forward instead (e.g. an auxiliary loss as an "
-            "output)"
+            "output); keep a counter in a buffer updated in place, which the graph records "
+            "(self.register_buffer('calls', torch.zeros((), dtype=torch.long)), then "
+            "self.calls += 1)"
         )
     if filled:
         reasons.append(
