@@ -26,6 +26,9 @@ from planner.simulate import simulate  # noqa: E402
 from planner.solvers.auto import choose, lowest_peak  # noqa: E402
 from strategies import assert_equivalent, assert_same_state, model_state  # noqa: E402
 
+# The sizes of the small BERT-like configs below.
+SMALL = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64)
+
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 CUDA = pytest.param(
@@ -49,10 +52,7 @@ def gpt2(device="cpu"):
 
 def bert(device="cpu"):
     config = transformers.BertConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=2,
-        intermediate_size=64,
+        **SMALL,
         vocab_size=64,
         max_position_embeddings=32,
     )
@@ -160,10 +160,7 @@ def test_gradient_checkpointing_enabled_after_planning_says_so_and_how_to_go_bac
 
 def _wav2vec2(**options):
     return transformers.Wav2Vec2Config(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
+        **SMALL,
         conv_dim=(16, 16),
         conv_stride=(5, 2),
         conv_kernel=(10, 3),
@@ -194,10 +191,7 @@ def test_a_loss_inside_forward_that_cannot_be_captured_is_named_with_loss_fn_as_
     """Found trying the library: DeBERTa-v2 with ``labels=`` (``(labels >= 0).nonzero()`` in
     its loss) failed export with advice about caches and Python ``if``s only."""
     config = transformers.DebertaV2Config(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
+        **SMALL,
         vocab_size=100,
         max_position_embeddings=64,
         num_labels=3,
