@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Callable
 from typing import NamedTuple, cast
 
+import numpy as np
 import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
@@ -169,12 +170,82 @@ def argument_positions(planned: fx.GraphModule, names) -> tuple[tuple[str, int |
 
 
 _SCALARS = (bool, int, float, str, type(None))
+# numpy's scalars (``np.float32(0.5)``, a schedule's ``np.cos(...)``): tracing bakes them in as
+# it does Python's, and they are compared by value and type (``_Typed``).
+_NUMPY_SCALARS = (np.bool_, np.number)
+# What every module holds privately for torch itself (``_is_full_backward_hook``...): never the
+# model's own values, whatever its code names.
+_TORCH_BOOKKEEPING = frozenset(vars(nn.Module()))
 
 
 def _is_scalar(value) -> bool:
-    return type(value) in _SCALARS or (
-        type(value) is tuple and all(type(v) in _SCALARS for v in value)
+    return _is_plain(value) or (type(value) is tuple and all(map(_is_plain, value)))
+
+
+def _is_plain(value) -> bool:
+    return type(value) in _SCALARS or isinstance(value, _NUMPY_SCALARS)
+
+
+def _holds_numpy(value) -> bool:
+    return isinstance(value, _NUMPY_SCALARS) or (
+        type(value) is tuple and any(isinstance(v, _NUMPY_SCALARS) for v in value)
     )
+
+
+def _same(then, now) -> bool:
+    """Whether ``now`` is the value ``then`` was, of the same type: ``np.float32(0.5)`` is not
+    ``0.5``, nor ``np.float64(0.5)`` (arithmetic with them promotes differently)."""
+    if then is now:
+        return True
+    if type(then) is not type(now):
+        return False
+    if type(then) is tuple:
+        return len(then) == len(now) and all(map(_same, then, now))
+    return bool(then == now)
+
+
+class _Typed:
+    """A value compared by ``_same`` where the per-call check compares with ``==`` (numpy's
+    scalars equal Python's numbers of the same value). It stands on the left of the
+    comparison, so that its ``__eq__`` is the one called."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other) -> bool:
+        return _same(self.value, other)
+
+    def __ne__(self, other) -> bool:
+        return not _same(self.value, other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def _reference(value):
+    """What the per-call check compares ``value`` with: itself, or ``_Typed`` for numpy's."""
+    return _Typed(value) if _holds_numpy(value) else value
+
+
+def _compared(module: nn.Module, key: str, value, names: frozenset[str]) -> bool:
+    """Whether the attribute ``key`` of ``module`` is compared on every call: one that the code
+    of its traced module names (``names``), a scalar or a ``torch.Generator`` (by identity:
+    ``self.g = torch.Generator()`` replaced; reseeding it in place changes nothing traced),
+    private ones (``self._tau`` behind a property) included but for torch's own (what every
+    module holds for torch, and what torch's modules hold)."""
+    if key not in names or key == "training":
+        return False
+    if key.startswith("_") and (key in _TORCH_BOOKKEEPING or _torch_own(type(module))):
+        return False
+    return _is_scalar(value) or isinstance(value, torch.Generator)
+
+
+def _torch_own(cls: type) -> bool:
+    return cls.__module__.split(".")[0] == "torch"
 
 
 @functools.cache
@@ -190,22 +261,38 @@ def _names_read(cls: type) -> frozenset[str]:
 
 @functools.cache
 def _read_outside(cls: type) -> tuple[tuple[str, ...], tuple[tuple[dict, str], ...]]:
-    """The public plain values (``_SCALARS``) that the methods of ``cls`` read and that live
+    """The plain values (``_SCALARS``, numpy's) that the methods of ``cls`` read and that live
     outside its instances, which tracing bakes in just as an instance's own: keys of its
-    classes' bodies (``scale = 1.0``) it names, and ``(globals, key)`` of the public globals
-    it loads as globals (``USE_GELU = True``; not attributes: a training script's ``step``
-    counter is no concern of a model whose code reads ``self.step``). A library's private
-    module state (transformers' ``_is_ds_init_called``) is left out, as private attributes
-    are."""
+    classes' bodies (``scale = 1.0``, a private default ``_tau = 1.0`` that a property reads;
+    torch's own classes' private ones left out) it names, and ``(globals, key)`` of the public
+    globals it loads as globals (``USE_GELU = True``; not attributes: a training script's
+    ``step`` counter is no concern of a model whose code reads ``self.step``). A library's
+    private module state (transformers' ``_is_ds_init_called``) is left out."""
     classes = [k for k in cls.__mro__ if k not in (nn.Module, object)]
-    in_body = {k for klass in classes for k, v in vars(klass).items() if _is_scalar(v)}
-    public = sorted(k for k in in_body & _names_read(cls) if not k.startswith("_"))
+    in_body = {
+        k
+        for klass in classes
+        for k, v in vars(klass).items()
+        if _is_scalar(v) and not (k.startswith("_") and (_torch_own(klass) or k.startswith("__")))
+    }
+    read = sorted(k for k in in_body & _names_read(cls) if k not in _TORCH_BOOKKEEPING)
     in_globals = [
         (space, key)
         for space, key in global_loads(cls)
         if not key.startswith("_") and _is_scalar(space.get(key, []))
     ]
-    return tuple(k for k in public if k != "training"), tuple(in_globals)
+    return tuple(k for k in read if k != "training"), tuple(in_globals)
+
+
+def _attribute_change(name: str, then, now) -> str:
+    if isinstance(then, torch.Generator) and isinstance(now, torch.Generator):
+        return (
+            f"{name} was replaced by another torch.Generator (the graph draws from the one "
+            "held at planning; reseeding that one in place is fine)"
+        )
+    if isinstance(then, torch.Generator):
+        return f"{name} changed from a torch.Generator to {now!r}"
+    return f"{name} changed from {then!r} to {now!r}"
 
 
 class Snapshot:
@@ -265,26 +352,41 @@ class Snapshot:
             if id(sub) in inside_called
         ]
         self.attributes = [
-            (f"{name}.{key}".lstrip("."), m.__dict__, key, value)
+            (f"{name}.{key}".lstrip("."), m.__dict__, key, _reference(value))
             for name, m, names in owners
             for key, value in vars(m).items()
-            if not key.startswith("_") and key != "training" and _is_scalar(value) and key in names
+            if _compared(m, key, value, names)
         ]
         # Values read from classes and module globals: a class's (``B.scale = 2.0``, or one
         # instance's ``block.scale = 2.0`` over it) compared through getattr, a global's in
         # its module's dict.
         outside = [(name, m, _read_outside(type(m))) for name, m, _ in owners]  # type: ignore[arg-type]
         self.class_attributes = [
-            (f"{name}.{key}".lstrip("."), m, key, getattr(m, key))
+            (f"{name}.{key}".lstrip("."), m, key, _reference(getattr(m, key)))
             for name, m, (keys, _) in outside
             for key in keys
         ]
         globals_read = {
-            (id(space), key): (f"{space.get('__name__', '?')}.{key}", space, key, space[key])
+            (id(space), key): (
+                f"{space.get('__name__', '?')}.{key}",
+                space,
+                key,
+                _reference(space[key]),
+            )
             for _, _, (_, pairs) in outside
             for space, key in pairs
         }
         self.attributes += globals_read.values()
+        # The forward a call of each traced module would run, by identity: its own
+        # (``block.forward = ...`` on the instance: a patch, an adapter), else its class's
+        # (``Block.forward = ...``, or another class). The graph holds the one traced. Read as
+        # entries of dicts and attributes of classes: torch.compile traces that, and no bound
+        # method is made on every call.
+        self.forward_owners = [m for _, m in traced]
+        self.forward_dicts = [m.__dict__ for _, m in traced]
+        self.forward_keys = ["forward"] * len(traced)
+        self.own_forwards = [m.__dict__.get("forward") for _, m in traced]
+        self.class_forwards = [type(m).forward for _, m in traced]
         # Hooks on a module the graph traced through would never run (the graph inlined it).
         # Hooks that never act on it (transformers' output recorders) are counted apart.
         hooks = [(name, getattr(m, t)) for name, m in traced for t in HOOK_TABLES if hasattr(m, t)]
@@ -404,14 +506,21 @@ class Snapshot:
                 if before.get(id(now), {}) != now
             ]
             + [
-                f"{name} changed from {value!r} to {d.get(key)!r}"
-                for name, d, key, value in self.attributes
-                if d.get(key) != value
+                f"the forward of {name or 'the model'} was replaced"
+                for name, m, own, of_class in zip(
+                    self.names, self.forward_owners, self.own_forwards, self.class_forwards
+                )
+                if vars(m).get("forward") != own or type(m).forward != of_class
             ]
             + [
-                f"{name} changed from {value!r} to {getattr(m, key)!r}"
+                _attribute_change(name, value, d.get(key))
+                for name, d, key, value in self.attributes
+                if value != d.get(key)
+            ]
+            + [
+                _attribute_change(name, value, getattr(m, key))
                 for name, m, key, value in self.class_attributes
-                if getattr(m, key) != value
+                if value != getattr(m, key)
             ]
         )
         raise PlanningError(
@@ -425,10 +534,14 @@ class Snapshot:
         return (
             list(map(len, self.children)) == self.sizes
             and list(map(dict.get, self.child_dicts, self.child_keys)) == self.child_values
-            and list(map(dict.get, self.attribute_dicts, self.attribute_keys))
-            == self.attribute_values
+            # The values at planning on the left: their ``__eq__`` decides (``_Typed``).
+            and self.attribute_values
+            == list(map(dict.get, self.attribute_dicts, self.attribute_keys))
             and list(map(len, self.hook_dicts)) == self.hook_counts
-            and list(map(getattr, self.class_owners, self.class_keys)) == self.class_values
+            and self.class_values == list(map(getattr, self.class_owners, self.class_keys))
+            and list(map(dict.get, self.forward_dicts, self.forward_keys)) == self.own_forwards
+            and list(map(getattr, map(type, self.forward_owners), self.forward_keys))
+            == self.class_forwards
         )
 
     def _warn_untied(self) -> None:

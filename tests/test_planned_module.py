@@ -20,6 +20,7 @@ import types
 import warnings
 import weakref
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -783,6 +784,173 @@ def test_a_class_attribute_or_global_the_forward_reads_may_not_change(change, na
     finally:
         ScaledByClass.scale = 0.5
         globals().update(USE_TANH=True, GAIN=1.0)
+
+
+class TemperatureBehindAProperty(nn.Module):
+    """Reads its temperature through a public property backed by a private attribute, and a
+    second one whose private default lives in the class body."""
+
+    _floor = 1.0  # a private default, set on the instance through ``floor``
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self._tau = nn.Linear(8, 8), 1.0
+
+    @property
+    def temperature(self):
+        return self._tau
+
+    @temperature.setter
+    def temperature(self, value):
+        self._tau = value
+
+    @property
+    def floor(self):
+        return self._floor
+
+    @floor.setter
+    def floor(self, value):
+        self._floor = value
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x) / self.temperature) * self.floor
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (lambda m: setattr(m[1], "temperature", 0.25), r"1\._tau changed from 1\.0 to 0\.25"),
+        (lambda m: setattr(m[0], "floor", 3.0), r"0\._floor changed from 1\.0 to 3\.0"),
+    ],
+    ids=["on the instance", "over the class body's default"],
+)
+def test_a_private_attribute_behind_a_property_the_forward_reads_may_not_change(change, named):
+    """Found trying the library: after ``block.temperature = 0.25`` (a property setting
+    ``self._tau``) the plan kept dividing by 1.0, silently: private attributes were never
+    compared. Those the class's own code names are, as public ones are (on the instance, or
+    as a default in the class body)."""
+    model, x = (
+        nn.Sequential(TemperatureBehindAProperty(), TemperatureBehindAProperty()),
+        torch.randn(4, 8),
+    )
+    p = planner.plan(model, (x,), budget_gb=1)
+    assert torch.equal(p.module(x), model(x))
+    change(model)
+    with pytest.raises(planner.PlanningError, match=named):
+        p.module(x)
+
+
+class ScaledByNumpy(nn.Module):
+    """A temperature from a numpy schedule (``np.cos(...)`` gives ``np.float64``, a float32
+    schedule array ``np.float32``), a numpy integer and a numpy bool."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.tau, self.scale = np.float64(1.0), np.float32(0.5)
+        self.repeats, self.use_tanh = np.int64(1), np.bool_(True)
+
+    def forward(self, x):
+        y = self.linear(x) * self.scale / self.tau
+        for _ in range(self.repeats):
+            y = torch.tanh(y) if self.use_tanh else torch.relu(y)
+        return y
+
+
+@pytest.mark.parametrize(
+    "key, value, named",
+    [
+        ("tau", np.float64(0.25), r"tau changed from np\.float64\(1\.0\) to np\.float64\(0\.25\)"),
+        ("scale", np.float32(2.0), r"scale changed from np\.float32\(0\.5\)"),
+        ("scale", 0.5, r"scale changed from np\.float32\(0\.5\) to 0\.5"),
+        ("repeats", np.int64(2), r"repeats changed from np\.int64\(1\) to np\.int64\(2\)"),
+        ("use_tanh", np.bool_(False), r"use_tanh changed from np\.(bool|True_)"),
+    ],
+    ids=["np.float64", "np.float32", "np.float32 to an equal float", "np.int64", "np.bool_"],
+)
+def test_a_numpy_scalar_attribute_the_forward_reads_may_not_change(key, value, named):
+    """Found trying the library: a temperature schedule computed with numpy, set on the model
+    after planning (``model.tau = schedule[epoch]``), was ignored: the plan kept the value it
+    was traced with. numpy's scalars are compared as Python's are, by value and by type (an
+    equal value of another type may promote differently)."""
+    model, x = ScaledByNumpy(), torch.randn(4, 8)
+    p = planner.plan(model, (x,), budget_gb=1)
+    model.tau = np.float64(1.0)  # an equal value of the same type: no change
+    assert torch.equal(p.module(x), model(x))
+    setattr(model, key, value)
+    with pytest.raises(planner.PlanningError, match=named):
+        p.module(x)
+
+
+class Adapted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+def _relu_forward(self, x):
+    return x + self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        lambda m: setattr(m[1], "forward", types.MethodType(_relu_forward, m[1])),
+        lambda m: setattr(Adapted, "forward", _relu_forward),
+    ],
+    ids=["on the instance", "on the class"],
+)
+def test_a_forward_replaced_after_planning_is_refused(patch):
+    """Found trying the library: ``block.forward = types.MethodType(f, block)`` (an adapter, a
+    swapped activation) or ``Block.forward = f`` after planning was ignored: the graph kept
+    running the forward it traced. The forward a call of each traced module would run is
+    compared by identity."""
+    model, x = nn.Sequential(Adapted(), Adapted()), torch.randn(4, 8)
+    p = planner.plan(model, (x,), budget_gb=1)
+    original = Adapted.forward
+    assert torch.equal(p.module(x), model(x))
+    try:
+        patch(model)
+        with pytest.raises(planner.PlanningError, match=r"the forward of 1 was replaced"):
+            p.module(x)
+    finally:
+        Adapted.forward = original
+        vars(model[1]).pop("forward", None)
+    assert torch.equal(p.module(x), model(x))  # put back: the plan runs again
+
+
+class NoisyWithItsGenerator(nn.Module):
+    """Adds noise drawn from a generator it holds, reseeded or replaced once per epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.noise = torch.Generator().manual_seed(0)
+
+    def forward(self, x):
+        x = x + 0.3 * torch.randn(x.shape, generator=self.noise)
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_a_generator_attribute_replaced_after_planning_is_refused_and_reseeding_it_is_not():
+    """Found trying the library: ``model.noise = torch.Generator().manual_seed(epoch)`` after
+    planning was ignored: the graph kept drawing from the generator it was traced with.
+    A generator the model holds is compared by identity; reseeding it in place changes nothing
+    the graph holds, and computes exactly what the model computes."""
+    model, x = NoisyWithItsGenerator(), torch.randn(4, 8)
+    p = planner.plan(model, (x,), budget_gb=1)
+    reference = copy.deepcopy(model)
+    model.noise.manual_seed(3)
+    reference.noise.manual_seed(3)
+    assert torch.equal(p.module(x), reference(x))
+    model.noise = torch.Generator().manual_seed(4)
+    with pytest.raises(
+        planner.PlanningError, match=r"noise was replaced by another torch.Generator"
+    ):
+        p.module(x)
 
 
 class BranchesOnGradMode(nn.Module):
