@@ -747,14 +747,19 @@ class Snapshot:
 
     def _planned_form(self, form: CallForm, args: tuple, kwargs: dict):
         """The planned module of the calls of ``form``, planned once with the planning call's
-        budget, solver and options; None where no plan fits (the model runs)."""
+        budget, solver and options, at the planning example's sizes (``at_planned_sizes``):
+        planned at the first call's, a smaller first call (a shorter batch) left every later,
+        larger call of the form over the budget, and a size 1 there, which torch.export
+        specialises, made every later call of another size fail its guard. None where no plan
+        fits (the model runs)."""
         assert self.plan_call is not None
         with _PLANNING_CALL_FORM:
             if form in self.call_forms:
                 return self.call_forms[form]
             name, difference = type(self.model).__name__, self.describe(form)
+            example_args, example_kwargs = self.at_planned_sizes(args, kwargs)
             try:
-                planned = self.plan_call(args, example_kwargs=kwargs).module
+                planned = self.plan_call(example_args, example_kwargs=example_kwargs).module
             except PlanningError as error:
                 planned = None
                 message = (
@@ -765,8 +770,10 @@ class Snapshot:
             else:
                 message = (
                     f"the planned {name} {difference}: planner planned this call form once, "
-                    "with the same budget, solver and options, and runs its plan for every "
-                    "such call."
+                    "with the same budget, solver and options, at the planning example's "
+                    "sizes (this call's arguments, cut or repeated to them), and runs its plan "
+                    "for every such call: its budget holds up to those sizes, as the plan's "
+                    "does."
                 )
             if self._dtypes_moved(form):
                 message += (
@@ -776,6 +783,44 @@ class Snapshot:
             warnings.warn(message, UserWarning, stacklevel=_callers_stacklevel())
             self.call_forms[form] = planned
             return planned
+
+    def at_planned_sizes(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call ``(args, kwargs)`` with each tensor of its tensor arguments at the size it
+        had in the planning example: cut, or repeated along a dimension where smaller (values
+        the call holds: ids stay in the vocabulary), in the call's dtype, device,
+        requires_grad and contiguity (``_like_call``), tensors passed twice made once. The call
+        itself where a tensor cannot be (another number of dimensions or of tensors than at
+        planning, an empty dimension to grow, sizes not recorded)."""
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        new_args, new_kwargs = list(args), dict(kwargs)
+        made: dict[tuple[int, torch.Size], torch.Tensor] = {}
+        for (name, position), planned in zip(self.tensor_arguments, self.argument_sizes):
+            positional = position is not None and position < len(args)
+            value = args[position] if positional else kwargs.get(name)
+            leaves, spec = tree_flatten(value)
+            tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+            if not tensors:  # left out: the form's
+                continue
+            if len(tensors) != len(planned):
+                return args, kwargs
+            shapes = iter(planned)
+            for i, leaf in enumerate(leaves):
+                if not isinstance(leaf, torch.Tensor):
+                    continue
+                key = (id(leaf), next(shapes))
+                if key not in made:
+                    resized = _at_size(leaf, key[1])
+                    if resized is None:
+                        return args, kwargs
+                    made[key] = resized
+                leaves[i] = made[key]
+            value = tree_unflatten(leaves, spec)
+            if positional:
+                new_args[cast(int, position)] = value
+            else:
+                new_kwargs[name] = value
+        return tuple(new_args), new_kwargs
 
     def run_model(self, args: tuple, kwargs: dict):
         """The model itself, for a mode the plan was not made in."""
@@ -819,6 +864,48 @@ class CallForm(NamedTuple):
     arguments: tuple[torch.dtype | None, ...]
     autocast: tuple[tuple[str, torch.dtype], ...]
     layouts: tuple[tuple[bool, bool] | None, ...] = ()
+
+
+def _at_size(tensor: torch.Tensor, size: torch.Size) -> torch.Tensor | None:
+    """``tensor`` at ``size``, the planning example's: its values cut, or repeated along a
+    dimension where it is smaller, with its dtype, device, requires_grad and contiguity;
+    ``tensor`` itself at that size already; None where it cannot be (another number of
+    dimensions, an empty dimension to grow)."""
+    if tensor.shape == size:
+        return tensor
+    if tensor.dim() != len(size) or any(n and not m for n, m in zip(size, tensor.shape)):
+        return None
+    value = tensor.detach()
+    for dim, (n, m) in enumerate(zip(size, value.shape)):
+        if n != m:
+            value = value.index_select(dim, torch.arange(n, device=value.device) % m)
+    if not tensor.is_contiguous():
+        value = _strided_like(value, tensor)
+    return value.requires_grad_(tensor.requires_grad)
+
+
+def _strided_like(value: torch.Tensor, call: torch.Tensor) -> torch.Tensor:
+    """A copy of the contiguous ``value`` laid out as the non-contiguous ``call`` (of another
+    size): its dimensions in the same order of strides, with the same gaps between them (a
+    slice ``ids[:, :n]`` of a longer batch), stride 0 where ``call`` is expanded; torch.export
+    bakes in branches on contiguity, so the form's capture must see the call's."""
+    expanded = {d for d in range(call.dim()) if call.stride(d) == 0 and call.size(d) > 1}
+    base = value
+    for d in expanded:
+        base = base.narrow(d, 0, 1)
+    strides = [0] * call.dim()
+    made_extent, call_extent = 1, 1
+    for d in sorted(range(call.dim()), key=lambda d: (call.stride(d), -d)):  # innermost first
+        if d in expanded:
+            continue
+        strides[d] = made_extent + max(call.stride(d) - call_extent, 0)
+        made_extent = strides[d] * base.size(d)
+        call_extent = call.stride(d) * call.size(d)
+    made = torch.empty_strided(base.shape, strides, dtype=value.dtype, device=value.device)
+    made = made.copy_(base).expand(value.shape)
+    if made.is_contiguous():  # the call's pattern is dense at this size: another gap
+        made = value.new_empty((*value.shape, 2))[..., 0].copy_(value)
+    return made
 
 
 def _differs(then, now) -> bool:

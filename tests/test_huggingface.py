@@ -214,3 +214,66 @@ def test_a_static_plan_refuses_other_sizes():
     _, other_args, other_kwargs = build("bert", labels=False, length=9)
     with pytest.raises(PlanningError, match=r"Guard failed.*dynamic_shapes=True"):
         p.module(*other_args, **other_kwargs)
+
+
+def _cut(ids, mask, length):
+    """A batch cut to ``length`` from longer rows, as a collator or training loop cuts it: views
+    that are not contiguous (a call form of their own, torch.export baking in contiguity)."""
+    cut = ids[:, :length]
+    return (cut,), {"attention_mask": mask[:, :length], "labels": cut, "use_cache": False}
+
+
+def _same_step(reference, model, planned, args, kwargs):
+    """One step of ``planned`` gives the loss and gradients of one of ``reference``, called with
+    the very tensors given (``assert_equivalent`` copies them, contiguous: another call form)."""
+    results = []
+    for module, owner in ((reference, reference), (planned, model)):
+        owner.zero_grad(set_to_none=True)
+        loss = seeded(module, *args, **kwargs).loss
+        loss.backward()
+        results.append([loss.detach()] + [p.grad for p in owner.parameters()])
+    assert all(map(torch.equal, *results))
+
+
+@pytest.mark.slow
+def test_a_call_form_is_planned_at_the_examples_sizes_and_holds_the_budget_of_larger_calls():
+    """Found trying the library: the first non-contiguous call (a short batch) planned that
+    call form at its own sizes, without checkpointing, and every later call of the form ran
+    that plan: the full-size batch of the example measured 31% over the budget (Qwen3)."""
+    model, args, kwargs = build("llama", labels=True, batch=4, length=24)
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        _, problem = prepare(model, args, kwargs)
+        budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
+        p = plan(model, args, budget_bytes=budget, example_kwargs=kwargs, dynamic_shapes=True)
+    assert p.segments
+    ids, mask = torch.randint(3, 128, (4, 30)), torch.ones(4, 30, dtype=torch.long)
+    mask[-1, 4:] = 0
+    short_args, short_kwargs = _cut(ids, mask, 6)
+    assert not short_args[0].is_contiguous()
+    with pytest.warns(UserWarning, match="planned this call form once"):
+        p.module(*short_args, **short_kwargs)
+    [form] = p.module._planner.call_forms.values()
+    full_args, full_kwargs = _cut(ids, mask, 24)
+    assert peak_memory(p.module, full_args, full_kwargs).peak_bytes <= budget
+    assert form is not None and form._planner.argument_sizes == p.module._planner.argument_sizes
+    _same_step(reference, model, p.module, full_args, full_kwargs)
+    _same_step(reference, model, p.module, short_args, short_kwargs)
+
+
+@pytest.mark.slow
+def test_a_call_form_first_called_at_length_one_takes_other_lengths():
+    """Found trying the library: a first non-contiguous call of length 1 planned the call form
+    at that length, which torch.export specialises, and every later call of the form (length
+    2, 16) failed its guard, advising dynamic_shapes=True, which the plan had."""
+    model, args, kwargs = build("llama", labels=True, batch=3, length=16)
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        p = plan(model, args, budget_gb=1, example_kwargs=kwargs, dynamic_shapes=True)
+        ids, mask = torch.randint(3, 128, (3, 20)), torch.ones(3, 20, dtype=torch.long)
+        mask[-1, 1:] = 0
+        p.module(*_cut(ids, mask, 1)[0], **_cut(ids, mask, 1)[1])
+    for length in (2, 16):
+        _same_step(reference, model, p.module, *_cut(ids, mask, length))
