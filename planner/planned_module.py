@@ -27,7 +27,7 @@ from typing import NamedTuple, cast
 import numpy as np
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from planner.errors import PlanningError, checkpointing_disable_advice
 from planner.hooks import (
@@ -788,11 +788,9 @@ class Snapshot:
         """The call ``(args, kwargs)`` with each tensor of its tensor arguments at the size it
         had in the planning example: cut, or repeated along a dimension where smaller (values
         the call holds: ids stay in the vocabulary), in the call's dtype, device,
-        requires_grad and contiguity (``_like_call``), tensors passed twice made once. The call
+        requires_grad and contiguity (``_at_size``), tensors passed twice made once. The call
         itself where a tensor cannot be (another number of dimensions or of tensors than at
         planning, an empty dimension to grow, sizes not recorded)."""
-        from torch.utils._pytree import tree_flatten, tree_unflatten
-
         new_args, new_kwargs = list(args), dict(kwargs)
         made: dict[tuple[int, torch.Size], torch.Tensor] = {}
         for (name, position), planned in zip(self.tensor_arguments, self.argument_sizes):
@@ -880,32 +878,15 @@ def _at_size(tensor: torch.Tensor, size: torch.Size) -> torch.Tensor | None:
         if n != m:
             value = value.index_select(dim, torch.arange(n, device=value.device) % m)
     if not tensor.is_contiguous():
-        value = _strided_like(value, tensor)
+        value = _not_contiguous(value)
     return value.requires_grad_(tensor.requires_grad)
 
 
-def _strided_like(value: torch.Tensor, call: torch.Tensor) -> torch.Tensor:
-    """A copy of the contiguous ``value`` laid out as the non-contiguous ``call`` (of another
-    size): its dimensions in the same order of strides, with the same gaps between them (a
-    slice ``ids[:, :n]`` of a longer batch), stride 0 where ``call`` is expanded; torch.export
-    bakes in branches on contiguity, so the form's capture must see the call's."""
-    expanded = {d for d in range(call.dim()) if call.stride(d) == 0 and call.size(d) > 1}
-    base = value
-    for d in expanded:
-        base = base.narrow(d, 0, 1)
-    strides = [0] * call.dim()
-    made_extent, call_extent = 1, 1
-    for d in sorted(range(call.dim()), key=lambda d: (call.stride(d), -d)):  # innermost first
-        if d in expanded:
-            continue
-        strides[d] = made_extent + max(call.stride(d) - call_extent, 0)
-        made_extent = strides[d] * base.size(d)
-        call_extent = call.stride(d) * call.size(d)
-    made = torch.empty_strided(base.shape, strides, dtype=value.dtype, device=value.device)
-    made = made.copy_(base).expand(value.shape)
-    if made.is_contiguous():  # the call's pattern is dense at this size: another gap
-        made = value.new_empty((*value.shape, 2))[..., 0].copy_(value)
-    return made
+def _not_contiguous(value: torch.Tensor) -> torch.Tensor:
+    """A copy of ``value`` that is not contiguous (every other element of a buffer twice its
+    size): a call form is keyed by contiguity alone (``_layout``), which torch.export bakes in
+    branches on, so any such layout stands for the form's calls."""
+    return value.new_empty((*value.shape, 2))[..., 0].copy_(value)
 
 
 def _differs(then, now) -> bool:
@@ -990,8 +971,8 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
     memory no longer holds, and saved-tensor hooks around a plan with segments that they bypass
     them. A call that leaves
     out a tensor argument of the planning call (``attention_mask``) is a call form of its own:
-    the first such call plans it (same budget, solver and options; a warning says so) and
-    every later one runs that plan; a loaded plan, or a call form no plan fits, runs the model
+    the first such call plans it (same budget, solver and options, at the planning example's
+    sizes; a warning says so) and every later one runs that plan; a loaded plan, or a call form no plan fits, runs the model
     itself (exact, not planned). So is a call in other dtypes than at planning (``.double()``
     after planning): the graph bakes in the branches forward took on dtypes, and, for a graph
     torch.export captured, of tensor arguments that differ in requires_grad or contiguity.
