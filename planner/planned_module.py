@@ -226,22 +226,48 @@ class _Typed:
         return repr(self.value)
 
 
+class _Identical:
+    """A tensor compared by identity where the per-call check compares with ``==`` (a tensor's
+    would compare elements)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other) -> bool:
+        return other is self.value
+
+    def __ne__(self, other) -> bool:
+        return other is not self.value
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return "a tensor"
+
+
 def _reference(value):
-    """What the per-call check compares ``value`` with: itself, or ``_Typed`` for numpy's."""
+    """What the per-call check compares ``value`` with: itself, ``_Typed`` for numpy's scalars,
+    ``_Identical`` for a tensor."""
+    if isinstance(value, torch.Tensor):
+        return _Identical(value)
     return _Typed(value) if _holds_numpy(value) else value
 
 
 def _compared(module: nn.Module, key: str, value, names: frozenset[str]) -> bool:
     """Whether the attribute ``key`` of ``module`` is compared on every call: one that the code
-    of its traced module names (``names``), a scalar or a ``torch.Generator`` (by identity:
-    ``self.g = torch.Generator()`` replaced; reseeding it in place changes nothing traced),
+    of its traced module names (``names``), a scalar, or a ``torch.Generator`` or a tensor
+    that is neither a parameter nor a buffer (by identity: ``self.g = torch.Generator()`` or
+    ``self.tau = torch.tensor(0.5)`` replaced; the graph holds the old one, and reseeding or
+    updating it in place is followed),
     private ones (``self._tau`` behind a property) included but for torch's own (what every
     module holds for torch, and what torch's modules hold)."""
     if key not in names or key == "training":
         return False
     if key.startswith("_") and (key in _TORCH_BOOKKEEPING or _torch_own(type(module))):
         return False
-    return _is_scalar(value) or isinstance(value, torch.Generator)
+    return _is_scalar(value) or isinstance(value, (torch.Generator, torch.Tensor))
 
 
 def _torch_own(cls: type) -> bool:
@@ -285,6 +311,12 @@ def _read_outside(cls: type) -> tuple[tuple[str, ...], tuple[tuple[dict, str], .
 
 
 def _attribute_change(name: str, then, now) -> str:
+    if isinstance(then, _Identical):
+        return (
+            f"{name}, a tensor that is neither a parameter nor a buffer, was replaced (the "
+            "graph reads the one held at planning: update it in place, or register it as a "
+            "buffer, which the graph reads through the module)"
+        )
     if isinstance(then, torch.Generator) and isinstance(now, torch.Generator):
         return (
             f"{name} was replaced by another torch.Generator (the graph draws from the one "
@@ -969,18 +1001,18 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
     ``PlanningError``, as does a process-wide module hook registered since planning
     (``planner.hooks``); parameters frozen or unfrozen since planning warn (once) that the plan's
     memory no longer holds, and saved-tensor hooks around a plan with segments that they bypass
-    them. A call that leaves
-    out a tensor argument of the planning call (``attention_mask``) is a call form of its own:
-    the first such call plans it (same budget, solver and options, at the planning example's
-    sizes; a warning says so) and every later one runs that plan; a loaded plan, or a call form no plan fits, runs the model
-    itself (exact, not planned). So is a call in other dtypes than at planning (``.double()``
-    after planning): the graph bakes in the branches forward took on dtypes, and, for a graph
-    torch.export captured, of tensor arguments that differ in requires_grad or contiguity.
-    Under ``no_grad`` the model itself runs where forward read grad mode while it was captured
-    (the graph holds the branch it took). A call with
-    gradients and a tensor larger than the example's in some dimension warns once: the budget
-    holds up to the example's sizes; so does one that starts while parameters or tensor
-    arguments hold gradients, unless the plan counts them (``plan_batch``'s accumulation).
+    them. A call that leaves out a tensor argument of the planning call (``attention_mask``)
+    is a call form of its own: the first such call plans it (same budget, solver and options,
+    at the planning example's sizes; a warning says so) and every later one runs that plan; a
+    loaded plan, or a call form no plan fits, runs the model itself (exact, not planned). So
+    is a call in other dtypes than at planning (``.double()`` after planning): the graph bakes
+    in the branches forward took on dtypes, and, for a graph torch.export captured, of tensor
+    arguments that differ in requires_grad or contiguity. Under ``no_grad`` the model itself
+    runs where forward read grad mode while it was captured (the graph holds the branch it
+    took). A call with gradients and a tensor larger than the example's in some dimension
+    warns once: the budget holds up to the example's sizes; so does one that starts while
+    parameters or tensor arguments hold gradients, unless the plan counts them
+    (``plan_batch``'s accumulation).
     ``state_dict`` and ``load_state_dict`` save and load the root's own state through the
     model (``planner.model_state``).
     ``train()`` sets the model's mode (through the model's own ``train``); ``.to()``,

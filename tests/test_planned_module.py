@@ -935,6 +935,35 @@ class NoisyWithItsGenerator(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
+class Tempered(nn.Module):
+    """Divides by a temperature kept as a plain tensor attribute (neither a parameter nor a
+    buffer), as annealing code does; ``if`` on a size sends it to torch.export."""
+
+    def __init__(self, traceable: bool):
+        super().__init__()
+        self.linear, self.tau, self.traceable = nn.Linear(8, 8), torch.tensor(2.0), traceable
+
+    def forward(self, x):
+        if not self.traceable and x.shape[0] > 0:
+            x = x * 1.0
+        return torch.tanh(self.linear(x) / self.tau)
+
+
+@pytest.mark.parametrize("traceable", [True, False], ids=["symbolic_trace", "export"])
+def test_a_plain_tensor_attribute_replaced_after_planning_is_refused_and_updating_it_is_not(
+    traceable,
+):
+    """Found in review: ``model.tau = torch.tensor(0.5)`` after planning left the graph with the
+    old tensor (0.55 apart), on both capture paths; updating it in place is followed."""
+    model, x = Tempered(traceable), torch.randn(4, 8)
+    p = planner.plan(model, (x,), budget_gb=1)
+    model.tau.fill_(0.5)
+    assert torch.equal(p.module(x), model(x))
+    model.tau = torch.tensor(0.25)
+    with pytest.raises(planner.PlanningError, match="tau, a tensor that is neither"):
+        p.module(x)
+
+
 def test_a_generator_attribute_replaced_after_planning_is_refused_and_reseeding_it_is_not():
     """Found trying the library: ``model.noise = torch.Generator().manual_seed(epoch)`` after
     planning was ignored: the graph kept drawing from the generator it was traced with.
