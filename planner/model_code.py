@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["codes", "global_loads"]
+__all__ = ["codes", "global_loads", "loaded_attributes", "method_codes"]
 
 _ENTRIES = ("forward", "__call__")
 
@@ -78,3 +78,37 @@ def global_loads(cls: type) -> tuple[tuple[dict, str], ...]:
         for key in _loaded_globals(code)
     }
     return tuple(loads.values())
+
+
+@functools.cache
+def method_codes(cls: type) -> tuple[types.CodeType, ...]:
+    """The code of every method and property of ``cls`` (not nn.Module's own), nested functions
+    too, whether a call runs it or not: where its attributes are named (``__init__`` sets
+    those that a library's function, handed the module, reads)."""
+    found = []
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            continue
+        for value in vars(klass).values():
+            value = value.fget if isinstance(value, property) else value
+            code = getattr(getattr(value, "__func__", value), "__code__", None)
+            stack = [code] if isinstance(code, types.CodeType) else []
+            while stack:
+                code = stack.pop()
+                found.append(code)
+                stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return tuple(found)
+
+
+_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
+
+
+@functools.cache
+def loaded_attributes(cls: type) -> frozenset[str]:
+    """The attribute names the code a call may run (``codes``) reads: loaded as attributes, or
+    named by a string (``getattr(self, "norm")``); not those it only sets."""
+    names: set[str] = set()
+    for code, _ in codes(cls):
+        names.update(i.argval for i in dis.get_instructions(code) if i.opname in _LOADS)
+        names.update(c for c in code.co_consts if isinstance(c, str))
+    return frozenset(names)

@@ -37,7 +37,7 @@ from planner.hooks import (
     process_wide_hooks,
     process_wide_hooks_message,
 )
-from planner.model_code import codes, global_loads
+from planner.model_code import codes, global_loads, loaded_attributes, method_codes
 from planner.model_state import ModelStateDict
 from planner.units import mib
 
@@ -255,19 +255,25 @@ def _reference(value):
     return _Typed(value) if _holds_numpy(value) else value
 
 
-def _compared(module: nn.Module, key: str, value, names: frozenset[str]) -> bool:
+def _compared(module: nn.Module, key: str, value, names: _Names) -> bool:
     """Whether the attribute ``key`` of ``module`` is compared on every call: one that the code
     of its traced module names (``names``), a scalar, or a ``torch.Generator`` or a tensor
     that is neither a parameter nor a buffer (by identity: ``self.g = torch.Generator()`` or
     ``self.tau = torch.tensor(0.5)`` replaced; the graph holds the old one, and reseeding or
     updating it in place is followed),
     private ones (``self._tau`` behind a property) included but for torch's own (what every
-    module holds for torch, and what torch's modules hold)."""
-    if key not in names or key == "training":
+    module holds for torch, and what torch's modules hold). Public scalars and generators are
+    compared where ``names.mentioned`` holds them; private ones and tensors only where the
+    code a call runs reads them (``names.loaded``)."""
+    if key == "training" or not (_is_scalar(value) or isinstance(value, _BY_IDENTITY)):
         return False
     if key.startswith("_") and (key in _TORCH_BOOKKEEPING or _torch_own(type(module))):
         return False
-    return _is_scalar(value) or isinstance(value, (torch.Generator, torch.Tensor))
+    private = key.startswith("_") or isinstance(value, torch.Tensor)
+    return key in (names.loaded if private else names.mentioned)
+
+
+_BY_IDENTITY = (torch.Generator, torch.Tensor)
 
 
 def _torch_own(cls: type) -> bool:
@@ -275,14 +281,23 @@ def _torch_own(cls: type) -> bool:
 
 
 @functools.cache
-def _names_read(cls: type) -> frozenset[str]:
-    """Every name the methods of ``cls`` mention: the attributes its traced forward could have
-    read. Others (``model.global_step``) may change freely."""
-    names: set[str] = set()
-    for code, _ in codes(cls):
-        names.update(code.co_names)
-        names.update(c for c in code.co_consts if isinstance(c, str))  # getattr(self, "x")
-    return frozenset(names)
+def _names_read(cls: type) -> _Names:
+    """The attributes the traced forward of a ``cls`` module could have read. ``mentioned``:
+    every name its methods (``method_codes``, ``__init__`` included) and the helpers a call
+    runs mention, for public scalars, which a library's function handed the module may read
+    (transformers' attention reads ``module.is_causal``); others (``model.global_step``) may
+    change freely. ``loaded``: those the code a call runs reads (``loaded_attributes``), for
+    private ones and tensors, which a forward may keep for itself (``self._last = out``)."""
+    mentioned: set[str] = set()
+    for code in (*method_codes(cls), *(code for code, _ in codes(cls))):
+        mentioned.update(code.co_names)
+        mentioned.update(c for c in code.co_consts if isinstance(c, str))  # getattr(self, "x")
+    return _Names(frozenset(mentioned), loaded_attributes(cls))
+
+
+class _Names(NamedTuple):
+    mentioned: frozenset[str]
+    loaded: frozenset[str]
 
 
 @functools.cache
@@ -301,7 +316,7 @@ def _read_outside(cls: type) -> tuple[tuple[str, ...], tuple[tuple[dict, str], .
         for k, v in vars(klass).items()
         if _is_scalar(v) and not (k.startswith("_") and (_torch_own(klass) or k.startswith("__")))
     }
-    read = sorted(k for k in in_body & _names_read(cls) if k not in _TORCH_BOOKKEEPING)
+    read = sorted(k for k in in_body & _names_read(cls).mentioned if k not in _TORCH_BOOKKEEPING)
     in_globals = [
         (space, key)
         for space, key in global_loads(cls)
@@ -323,8 +338,12 @@ def _attribute_change(name: str, then, now) -> str:
             "held at planning; reseeding that one in place is fine)"
         )
     if isinstance(then, torch.Generator):
-        return f"{name} changed from a torch.Generator to {now!r}"
-    return f"{name} changed from {then!r} to {now!r}"
+        return f"{name} changed from a torch.Generator to {_shown(now)}"
+    return f"{name} changed from {then!r} to {_shown(now)}"
+
+
+def _shown(value) -> str:
+    return "a tensor" if isinstance(value, torch.Tensor) else repr(value)
 
 
 class Snapshot:

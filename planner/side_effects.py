@@ -135,27 +135,27 @@ def _identities(container, held: list) -> list[int]:
     return sorted(ids) if isinstance(container, set) else ids
 
 
-def _containers(model: nn.Module) -> list[tuple[str, Any, list]]:
+def _containers(model: nn.Module) -> list[tuple[str, Any, list, bool]]:
     """Every list, dict, set and deque a module attribute holds, or a global that the model's
     code loads (``planner.model_code``: a module-level list of auxiliary losses), directly or
     inside another (or a tuple): (the attribute's or global's name, the container, a copy of
-    what it holds)."""
-    found: list[tuple[str, Any, list]] = []
+    what it holds, whether it is a module's)."""
+    found: list[tuple[str, Any, list, bool]] = []
     seen: set[int] = set()
     roots = [
-        (f"{path}.{key}" if path else key, value)
+        (f"{path}.{key}" if path else key, value, True)
         for path, module in model.named_modules(remove_duplicate=False)
         for key, value in vars(module).items()
         if key not in _TORCH_STATE
     ]
     classes = {type(m) for m in model.modules() if type(m).__module__.split(".")[0] != "torch"}
     roots += [
-        (f"{space.get('__name__', '')}.{key}", space[key])
+        (f"{space.get('__name__', '')}.{key}", space[key], False)
         for cls in classes
         for space, key in global_loads(cls)  # type: ignore[arg-type]  # a class is hashable
         if isinstance(space.get(key), _CONTAINERS)
     ]
-    for name, value in roots:
+    for name, value, modules in roots:
         stack = [value]
         while stack:
             value = stack.pop()
@@ -163,7 +163,7 @@ def _containers(model: nn.Module) -> list[tuple[str, Any, list]]:
                 stack.extend(value)
             elif isinstance(value, _CONTAINERS) and id(value) not in seen:
                 seen.add(id(value))
-                found.append((name, value, _held(value)))
+                found.append((name, value, _held(value), modules))
                 stack.extend(found[-1][2])
     return found
 
@@ -193,22 +193,23 @@ def _carries_gradient(value, parameters: set[str]) -> bool:
 def _putting_back_containers(model: nn.Module):
     """Put back what each container of ``_containers`` held when the block ends; yield a list,
     filled then, naming the attributes whose containers the block filled with what a forward
-    means to carry out through them: anything in a public one, in a private one a value a
-    gradient flows through (``_carries_gradient``). Other changes to a private one are a
-    module's own scratch or cache (as in ``_set_by_forward``), put back all the same."""
+    means to carry out through them: anything in a public one of a module, in a private one or
+    a global a value a gradient flows through (``_carries_gradient``). Other changes are a
+    module's own scratch or cache (as in ``_set_by_forward``; a global registry of warnings
+    given, a memo of masks), put back all the same."""
     kept = _containers(model)
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     filled: list[str] = []
     try:
         yield filled
     finally:
-        for name, container, held in kept:
+        for name, container, held, of_module in kept:
             now = _held(container)
             if _identities(container, now) == _identities(container, held):
                 continue
             old = {id(x) for x in held}
             added = tree_leaves([x for x in now if id(x) not in old])
-            public = not name.rsplit(".", 1)[-1].startswith("_")
+            public = of_module and not name.rsplit(".", 1)[-1].startswith("_")
             traced = any(_carries_gradient(x, parameters) for x in added)
             if (public or traced) and name not in filled:
                 filled.append(name)

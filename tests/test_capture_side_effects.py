@@ -376,6 +376,38 @@ def test_values_put_into_a_global_list_are_refused_and_the_list_put_back(
     collected.clear()
 
 
+WARNED: set = set()  # a warn-once registry
+MASKS: dict = {}  # a memo of causal masks by length
+
+
+class RegistersAndMemoises(nn.Module):
+    """Fills module-level containers with what no gradient flows through: a registry of the
+    warnings given and a memo of masks computed from sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = _layers()
+
+    def forward(self, x):
+        WARNED.add("slow path")
+        n = x.shape[-1]
+        if n not in MASKS:
+            MASKS[n] = torch.tril(torch.ones(n, n))
+        for layer in self.layers:
+            x = torch.tanh(layer(x) @ MASKS[n])
+        return x.sum()
+
+
+def test_a_global_registry_or_memo_is_put_back_not_refused():
+    """Found in review: every change to a public global container was refused; only values a
+    gradient flows through are carried out through one."""
+    torch.manual_seed(0)
+    model, x = RegistersAndMemoises(), torch.randn(8, 16)
+    p = planner.plan(model, (x,), budget_gb=1)
+    assert not WARNED and not MASKS  # as planning found them
+    assert torch.equal(p.module(x), model(x))
+
+
 def _contents(container) -> list:
     """What a container holds (keys and values, for a dict), to compare by identity."""
     if isinstance(container, dict):

@@ -935,6 +935,40 @@ class NoisyWithItsGenerator(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
+class ScaledByName(nn.Module):
+    """Reads its scales by names it holds (``getattr(self, key)``), as code handing the module
+    to a function elsewhere does (transformers' attention reads ``module.is_causal``); it keeps
+    its last output in eval mode, for itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.keys, self.scale, self._last = nn.Linear(8, 8), ("scale",), 0.5, None
+
+    def forward(self, x):
+        y = self.linear(x)
+        for key in self.keys:
+            y = y * getattr(self, key)
+        if not self.training:
+            self._last = y
+        return torch.tanh(y)
+
+
+def test_an_attribute_read_by_name_may_not_change_and_one_forward_only_sets_may():
+    """Found in review: comparing only what the code a call runs names missed ``scale`` (named
+    in ``__init__`` alone: 1.71 apart, and Hugging Face Llama's ``is_causal``, read in another
+    module, 0.28 apart); comparing private ones it names refused a step after an eval call
+    that set ``_last``, which the graph never reads."""
+    model, x = nn.Sequential(ScaledByName(), ScaledByName()), torch.randn(4, 8)
+    p = planner.plan(model, (x,), budget_gb=1)
+    model.eval()
+    p.module(x)
+    model.train()
+    assert torch.equal(p.module(x), model(x))
+    model[0].scale = 3.0
+    with pytest.raises(planner.PlanningError, match="0.scale changed from 0.5 to 3.0"):
+        p.module(x)
+
+
 class Tempered(nn.Module):
     """Divides by a temperature kept as a plain tensor attribute (neither a parameter nor a
     buffer), as annealing code does; ``if`` on a size sends it to torch.export."""
