@@ -33,7 +33,7 @@ from planner.simulate import Choice, validate_choice
 __all__ = ["load"]
 
 
-def _first_difference(saved: list, now: list) -> str:
+def _first_difference(saved: list, now: list, saved_fixed, now_fixed: int) -> str:
     for i, (a, b) in enumerate(zip(saved, now)):
         if list(a) != list(b):
             hint = " (the same operation on tensors of other shapes or dtype)"
@@ -44,6 +44,12 @@ def _first_difference(saved: list, now: list) -> str:
             )
     if len(saved) != len(now):
         return f"the plan has {len(saved)} nodes, the model {len(now)}"
+    if saved_fixed is not None and int(saved_fixed) != now_fixed:
+        return (
+            f"the nodes match, but the model's parameters, buffers and inputs take {now_fixed:,} "
+            f"bytes where the plan's took {int(saved_fixed):,} (a parameter or buffer added or "
+            "removed, one no node reads included: an EMA copy, an unused head)"
+        )
     return "the nodes match by name and operation but differ in FLOPs, bytes moved or parameters"
 
 
@@ -218,7 +224,12 @@ def load(
             f"the plan in {path} was made for another graph ({data.get('model', '?')}, "
             f"{graph.get('nodes', '?')} nodes; this {type(model).__name__} captures to "
             f"{problem.size} nodes): "
-            + _first_difference(saved_signature, graph_signature(problem))
+            + _first_difference(
+                saved_signature,
+                graph_signature(problem),
+                data.get("predictions", {}).get("fixed_bytes"),
+                int(problem.fixed_bytes),
+            )
             + ". A plan applies only to the model and input shapes it was made for; "
             "make a new one with planner.plan(model, example_inputs, budget_gb=...)."
             + _unrecorded_options_hint(model, recorded)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
 from torch.utils._pytree import tree_leaves
 
 import planner
@@ -122,6 +123,16 @@ def test_load_into_the_model_in_another_dtype_says_the_sizes_differ(saved):
     model, _ = small_gpt()
     with pytest.raises(PlanningError, match=r"same operation on tensors of other shapes or dtype"):
         planner.load(path, model.double(), inputs)
+
+
+def test_load_into_the_model_with_a_parameter_no_node_reads_names_the_bytes(saved):
+    """Found trying the library: an unused EMA head added to the same architecture was refused
+    with "differ in FLOPs, bytes moved or parameters", naming nothing."""
+    _, path, inputs = saved
+    model, _ = small_gpt()
+    model.ema = nn.Linear(64, 64)
+    with pytest.raises(PlanningError, match=r"the nodes match, but the model's parameters.*EMA"):
+        planner.load(path, model, inputs)
 
 
 def test_plan_saved_without_inputs_needs_them(saved, tmp_path):
