@@ -42,7 +42,6 @@ from planner.hooks import (
     restoring_output_recorders,
 )
 from planner.model_call import CALL_KEY, ModelCall, container_types
-from planner.model_code import global_loads
 from planner.planned_module import PlannedModule
 from planner.regions import (
     CAPTURE_LOCK,
@@ -716,45 +715,6 @@ def _trace_or_export(
         return captured
 
 
-def _known_generators(model: nn.Module, arguments) -> list[torch.Generator]:
-    """The generators that exist before a call: those passed in ``arguments``, the model's
-    modules' (``generators``), those its code loads as globals (``planner.model_code``) and
-    torch's default one."""
-    classes = {type(m) for m in model.modules() if type(m).__module__.split(".")[0] != "torch"}
-    loaded = [
-        space[key]
-        for cls in classes
-        for space, key in global_loads(cls)  # type: ignore[arg-type]  # a class is hashable
-        if isinstance(space.get(key), torch.Generator)
-    ]
-    passed = [g for g in tree_leaves(arguments) if isinstance(g, torch.Generator)]
-    return [*passed, *generators(model).values(), *loaded, torch.default_generator]
-
-
-def _refuse_generators_made_in_forward(
-    model: nn.Module, gm: fx.GraphModule, own: list[torch.Generator]
-) -> None:
-    """Refuse a generator the graph draws from that the forward created: its seed ran once,
-    at capture. ``symbolic_trace`` holds the model's own generators themselves; ``torch.export``
-    lifts one of each (``lifted_custom_0``) that draws the model's stream and is in its state
-    (export draws nothing), where a created one is in the state its seed set. ``own``: the
-    generators known before capture (``_known_generators``)."""
-    for module in gm.modules():
-        for value in vars(module).values():
-            if not isinstance(value, torch.Generator) or any(value is g for g in own):
-                continue
-            state = value.get_state()
-            if not any(torch.equal(g.get_state(), state) for g in own):
-                raise PlanningError(
-                    f"cannot plan {type(model).__name__}: its forward creates a "
-                    "torch.Generator, whose seed the graph would not repeat: the planned "
-                    "module would draw on from the one made while planning, other numbers "
-                    "on every call than the model's. Make the generator once, in __init__ "
-                    "(self.generator = torch.Generator().manual_seed(0)), or keep noise that "
-                    "must stay the same in a buffer made once"
-                )
-
-
 def _inexact(model: nn.Module, trace_error: Exception, why: str, advice: str) -> PlanningError:
     """The refusal of an exported graph that would not compute as ``model`` does."""
     return PlanningError(
@@ -931,7 +891,6 @@ def capture(
     _refuse_layerdrop(model)
     fixed = _without_cache(model, args, kwargs)
     grad_mode_read: list[bool] = []
-    own = _known_generators(model, (args, kwargs))  # before fx stows constants on the model
     with (
         CAPTURE_LOCK,
         _capturing_thread(),
@@ -942,7 +901,6 @@ def capture(
         noting_grad_mode_reads(grad_mode_read),
     ):
         captured = _trace_or_export(model, args, kwargs, fixed, leaf_modules, dynamic_shapes)
-        _refuse_generators_made_in_forward(model, captured.graph_module, own)
     _refuse_dropped_hooks(model, captured)
     captured.graph_module.meta["planner.reads_grad_mode"] = bool(grad_mode_read)
     return captured
