@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import operator
 import os
 import sys
 import threading
@@ -801,16 +802,25 @@ class Snapshot:
         budget, solver and options, at the planning example's sizes (``at_planned_sizes``):
         planned at the first call's, a smaller first call (a shorter batch) left every later,
         larger call of the form over the budget, and a size 1 there, which torch.export
-        specialises, made every later call of another size fail its guard. None where no plan
-        fits (the model runs)."""
+        specialises, made every later call of another size fail its guard. A call those sizes
+        do not suit (a size passed as a number: ``x.view(b, length, d)``) is planned at its
+        own. None where no plan fits (the model runs)."""
         assert self.plan_call is not None
         with _PLANNING_CALL_FORM:
             if form in self.call_forms:
                 return self.call_forms[form]
             name, difference = type(self.model).__name__, self.describe(form)
             example_args, example_kwargs = self.at_planned_sizes(args, kwargs)
+            sizes = "at the planning example's sizes (this call's arguments, cut or repeated)"
             try:
-                planned = self.plan_call(example_args, example_kwargs=example_kwargs).module
+                try:
+                    planned = self.plan_call(example_args, example_kwargs=example_kwargs).module
+                except PlanningError:
+                    resized = tree_leaves((example_args, example_kwargs))
+                    if all(map(operator.is_, resized, tree_leaves((args, kwargs)))):
+                        raise
+                    planned = self.plan_call(args, example_kwargs=kwargs).module
+                    sizes = "at this call's sizes (the example's do not suit its arguments)"
             except PlanningError as error:
                 planned = None
                 message = (
@@ -821,10 +831,8 @@ class Snapshot:
             else:
                 message = (
                     f"the planned {name} {difference}: planner planned this call form once, "
-                    "with the same budget, solver and options, at the planning example's "
-                    "sizes (this call's arguments, cut or repeated to them), and runs its plan "
-                    "for every such call: its budget holds up to those sizes, as the plan's "
-                    "does."
+                    f"with the same budget, solver and options, {sizes}, and runs its plan for "
+                    "every such call: its budget holds up to those sizes, as the plan's does."
                 )
             if self._dtypes_moved(form):
                 message += (

@@ -1423,3 +1423,26 @@ def test_untying_tied_parameters_after_planning_warns_that_the_memory_no_longer_
     # 512 x 64 float32 weights: 128 KiB, and as much for their gradient
     with pytest.warns(UserWarning, match=r"tied at planning are no longer shared.*0\.2 MiB more"):
         assert_equivalent(reference, model, p.module, args, {})
+
+
+class ViewedByLength(nn.Module):
+    """Takes its sequence length as a number beside the tensor it shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x, length, mask=None):
+        h = torch.tanh(self.linear(x)).view(x.shape[0], length, 16)
+        return h * mask[..., None] if mask is not None else h
+
+
+def test_a_call_form_the_examples_sizes_do_not_suit_is_planned_at_its_own():
+    """Found in review: planned at the example's sizes (the call's tensors cut to length 8), a
+    form whose length comes as a number (16) failed, and its calls ran unplanned."""
+    model, x = ViewedByLength(), torch.randn(2, 16, 16)
+    example = (torch.randn(2, 8, 16), 8)
+    p = planner.plan(model, example, example_kwargs={"mask": torch.ones(2, 8)}, budget_gb=1)
+    with pytest.warns(UserWarning, match="planned this call form once.*at this call's sizes"):
+        out = p.module(x, 16)
+    assert torch.equal(out, model(x, 16))
