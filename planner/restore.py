@@ -184,6 +184,7 @@ def load(
             unmatched = [name for name in recorded.get("leaf_modules", ()) if name not in found]
         if dynamic_shapes is None:
             dynamic_shapes = bool(recorded.get("dynamic_shapes", False))
+        recorded_inputs = example_inputs is None
         if example_inputs is None:
             spec = data.get("inputs")
             if spec is None:
@@ -209,15 +210,24 @@ def load(
                 else "without a loss_fn: load it without one"
             )
         )
-    captured, problem = prepare(
-        model,
-        example_inputs,
-        example_kwargs,
-        cost_model=cost_model,
-        optimizer_state_bytes=optimizer_state_bytes,
-        capture_options=options,
-        loss_fn=loss_fn,
-    )
+    try:
+        captured, problem = prepare(
+            model,
+            example_inputs,
+            example_kwargs,
+            cost_model=cost_model,
+            optimizer_state_bytes=optimizer_state_bytes,
+            capture_options=options,
+            loss_fn=loss_fn,
+        )
+    except PlanningError as error:
+        if not recorded_inputs:
+            raise
+        raise PlanningError(
+            f"{error} (The example inputs were made from the shapes and dtypes {path} recorded: "
+            "a model in another dtype, or one whose inputs changed, needs its own inputs, "
+            "planner.load(path, model, example_inputs), or a new plan.)"
+        ) from error
     problem = dataclasses.replace(problem, optimizer_step_bytes=optimizer_step_bytes)
     if fingerprint(problem) != graph.get("fingerprint"):
         raise PlanningError(

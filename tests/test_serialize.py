@@ -135,6 +135,15 @@ def test_load_into_the_model_with_a_parameter_no_node_reads_names_the_bytes(save
         planner.load(path, model, inputs)
 
 
+def test_load_into_the_model_in_another_dtype_without_inputs_says_they_were_recorded(tmp_path):
+    """Found trying the library: the inputs made from the file's record were float32, and the
+    error told the user to check example inputs they had not given."""
+    model, inputs = planner.zoo.mlp_chain(depth=3)
+    path = planner.plan(model, inputs, budget_gb=1).save(tmp_path / "mlp.json", inputs)
+    with pytest.raises(PlanningError, match=r"inputs were made from the shapes and dtypes"):
+        planner.load(path, model.double())
+
+
 def test_plan_saved_without_inputs_needs_them(saved, tmp_path):
     plan, _, inputs = saved
     path = serialize.save(plan, tmp_path / "bare.json")
