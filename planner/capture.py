@@ -253,7 +253,9 @@ class LeafTracer(fx.Tracer):
     def create_arg(self, a):
         """fx names a parameter or buffer used as a plain tensor by scanning the whole module
         tree at every use, quadratic on deep models (1.5 s of capture at 9,000 nodes); look the
-        name up in a table made once per root instead. Anything else goes to fx as before."""
+        name up in a table made once per root instead. A numpy scalar becomes the Python number
+        (fx would write ``np.float64(...)`` into code that has no ``np``). Anything else goes to
+        fx as before."""
         if isinstance(a, torch.Tensor):
             if self.tensor_names[0] is not self.root:
                 names: dict[int, tuple] = {}
@@ -264,6 +266,8 @@ class LeafTracer(fx.Tracer):
             # Still the root's under that name? forward may have replaced it since.
             if tensor is a and operator.attrgetter(name)(self.root) is a:
                 return self.create_node("get_attr", name, (), {})
+        if isinstance(a, np.generic):
+            return a.item()
         return super().create_arg(a)
 
 
@@ -345,10 +349,6 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> 
         raise RuntimeError(
             f"forward updates buffer {changed[0]!r} as a plain tensor, which symbolic_trace "
             "cannot record"
-        )
-    for node in graph.nodes:  # fx would write np.float64(...) into code that has no np
-        node.args, node.kwargs = tree_map_only(
-            np.generic, lambda v: v.item(), (node.args, node.kwargs)
         )
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     _restore_argument_names(gm, concrete)

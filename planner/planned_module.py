@@ -266,7 +266,9 @@ def _compared(module: nn.Module, key: str, value, names: _Names) -> bool:
     module holds for torch, and what torch's modules hold). Public scalars and generators are
     compared where ``names.mentioned`` holds them; private ones and tensors only where the
     code a call runs reads them (``names.loaded``)."""
-    if key == "training" or not (_is_scalar(value) or isinstance(value, _BY_IDENTITY)):
+    if key == "training" or (key not in names.mentioned and key not in names.loaded):
+        return False  # most attributes, by the cheapest test first
+    if not (_is_scalar(value) or isinstance(value, _BY_IDENTITY)):
         return False
     if key.startswith("_") and (key in _TORCH_BOOKKEEPING or _torch_own(type(module))):
         return False
