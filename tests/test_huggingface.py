@@ -185,21 +185,27 @@ SHAPE_CASES = [  # the default suite's matrix cases check a second shape already
 ]
 
 
+def _dynamic_plan_halfway(model, args, kwargs):
+    """A plan with ``dynamic_shapes=True`` at the budget halfway between the lowest peak and the
+    baseline (the capture's warnings silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        _, problem = prepare(model, args, kwargs)
+        budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
+        return plan(model, args, budget_bytes=budget, example_kwargs=kwargs, dynamic_shapes=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SHAPE_CASES)
 def test_a_dynamic_shapes_plan_trains_smaller_batches_and_lengths_within_its_budget(name):
     model, args, kwargs = build(name, labels=True, batch=4, length=24)
     reference = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        _, problem = prepare(model, args, kwargs)
-        budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
-        p = plan(model, args, budget_bytes=budget, example_kwargs=kwargs, dynamic_shapes=True)
+    p = _dynamic_plan_halfway(model, args, kwargs)
     assert p.segments
     for batch, length in [(4, 24), (2, 16), (3, 7)]:
         _, other_args, other_kwargs = build(name, labels=True, batch=batch, length=length)
         measured = peak_memory(p.module, other_args, other_kwargs).peak_bytes
-        assert measured <= budget
+        assert measured <= p.budget_bytes
         takes_cache = "use_cache" in inspect.signature(model.forward).parameters
         call = {**other_kwargs, "use_cache": False} if takes_cache else other_kwargs
         assert_equivalent(reference, model, p.module, other_args, call)
@@ -242,11 +248,7 @@ def test_a_call_form_is_planned_at_the_examples_sizes_and_holds_the_budget_of_la
     that plan: the full-size batch of the example measured 31% over the budget (Qwen3)."""
     model, args, kwargs = build("llama", labels=True, batch=4, length=24)
     reference = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        _, problem = prepare(model, args, kwargs)
-        budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
-        p = plan(model, args, budget_bytes=budget, example_kwargs=kwargs, dynamic_shapes=True)
+    p = _dynamic_plan_halfway(model, args, kwargs)
     assert p.segments
     ids, mask = torch.randint(3, 128, (4, 30)), torch.ones(4, 30, dtype=torch.long)
     mask[-1, 4:] = 0
@@ -256,7 +258,7 @@ def test_a_call_form_is_planned_at_the_examples_sizes_and_holds_the_budget_of_la
         p.module(*short_args, **short_kwargs)
     [form] = p.module._planner.call_forms.values()
     full_args, full_kwargs = _cut(ids, mask, 24)
-    assert peak_memory(p.module, full_args, full_kwargs).peak_bytes <= budget
+    assert peak_memory(p.module, full_args, full_kwargs).peak_bytes <= p.budget_bytes
     assert form is not None and form._planner.argument_sizes == p.module._planner.argument_sizes
     _same_step(reference, model, p.module, full_args, full_kwargs)
     _same_step(reference, model, p.module, short_args, short_kwargs)
