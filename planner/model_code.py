@@ -26,14 +26,13 @@ def codes(cls: type) -> tuple[tuple[types.CodeType, dict], ...]:
     (its function's, whatever module loaded it): ``forward``, the methods and properties of
     ``cls`` that code names (``self.attention(...)``, ``getattr(self, "norm")``, a parent's
     ``forward`` through ``super()``), what decorators wrap (``functools.wraps``), the functions
-    nested in them, and the functions of their
-    own module they call (a helper beside the class). nn.Module's own methods are left out, and
-    so are functions of other modules: a library's would take the whole library in, and the
-    methods a call never runs (``save_pretrained``) would make their names look read."""
+    nested in them, and the functions of their own module they call (a helper beside the
+    class). nn.Module's own methods are left out, and so are functions of other modules: a
+    library's would take the whole library in."""
     classes = [k for k in cls.__mro__ if k not in (nn.Module, object)]
     found: dict[int, tuple[types.CodeType, dict]] = {}  # by identity: equal code may differ
 
-    def method_codes(name: str):
+    def named(name: str):
         for klass in classes:
             value = vars(klass).get(name)
             value = value.fget if isinstance(value, property) else value
@@ -43,7 +42,7 @@ def codes(cls: type) -> tuple[tuple[types.CodeType, dict], ...]:
                 function = getattr(function, "__wrapped__", None)  # under a decorator
 
     pending: list[tuple[types.CodeType, dict]] = [
-        entry for name in _ENTRIES for entry in method_codes(name)
+        entry for name in _ENTRIES for entry in named(name)
     ]
     while pending:
         code, space = pending.pop()
@@ -52,7 +51,7 @@ def codes(cls: type) -> tuple[tuple[types.CodeType, dict], ...]:
         found[id(code)] = code, space
         pending += [(c, space) for c in code.co_consts if isinstance(c, types.CodeType)]
         for name in (*code.co_names, *(c for c in code.co_consts if isinstance(c, str))):
-            pending += method_codes(name)
+            pending += named(name)
         for key in _loaded_globals(code):
             helper = space.get(key)
             if isinstance(helper, types.FunctionType) and helper.__globals__ is space:
