@@ -172,7 +172,7 @@ def argument_positions(planned: fx.GraphModule, names) -> tuple[tuple[str, int |
 
 _SCALARS = (bool, int, float, str, type(None))
 # numpy's scalars (``np.float32(0.5)``, a schedule's ``np.cos(...)``): tracing bakes them in as
-# it does Python's, and they are compared by value and type (``_Typed``).
+# it does Python's, and they are compared by value and type (``_Held``).
 _NUMPY_SCALARS = (np.bool_, np.number)
 # What every module holds privately for torch itself (``_is_full_backward_hook``...): never the
 # model's own values, whatever its code names.
@@ -205,78 +205,60 @@ def _same(then, now) -> bool:
     return bool(then == now)
 
 
-class _Typed:
-    """A value compared by ``_same`` where the per-call check compares with ``==`` (numpy's
-    scalars equal Python's numbers of the same value). It stands on the left of the
-    comparison, so that its ``__eq__`` is the one called."""
+class _Held:
+    """A value at planning that the per-call check compares with ``==`` standing on the left,
+    so that its own rule decides: ``_same`` for numpy's scalars (they equal Python's numbers of
+    the same value), identity for a tensor (whose ``==`` compares elements)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("equal", "value")
 
-    def __init__(self, value):
-        self.value = value
+    def __init__(self, value, equal: Callable[[object, object], bool]):
+        self.value, self.equal = value, equal
 
     def __eq__(self, other) -> bool:
-        return _same(self.value, other)
+        return self.equal(self.value, other)
 
     def __ne__(self, other) -> bool:
-        return not _same(self.value, other)
+        return not self.equal(self.value, other)
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return repr(self.value)
+        return _shown(self.value)
 
 
-class _Identical:
-    """A tensor compared by identity where the per-call check compares with ``==`` (a tensor's
-    would compare elements)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
-
-    def __eq__(self, other) -> bool:
-        return other is self.value
-
-    def __ne__(self, other) -> bool:
-        return other is not self.value
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return "a tensor"
+def _still(then, now) -> bool:
+    """Whether ``now`` is what ``then`` (a ``_reference``) stands for, by its rule called
+    directly: Dynamo does not trace ``_Held.__eq__`` against a numpy scalar."""
+    return then.equal(then.value, now) if isinstance(then, _Held) else then == now
 
 
 def _reference(value):
-    """What the per-call check compares ``value`` with: itself, ``_Typed`` for numpy's scalars,
-    ``_Identical`` for a tensor."""
+    """What the per-call check compares ``value`` with (``_Held`` for a tensor and numpy's
+    scalars, else the value itself)."""
     if isinstance(value, torch.Tensor):
-        return _Identical(value)
-    return _Typed(value) if _holds_numpy(value) else value
+        return _Held(value, operator.is_)
+    return _Held(value, _same) if _holds_numpy(value) else value
+
+
+_BY_IDENTITY = (torch.Generator, torch.Tensor)
 
 
 def _compared(module: nn.Module, key: str, value, names: _Names) -> bool:
-    """Whether the attribute ``key`` of ``module`` is compared on every call: one that the code
-    of its traced module names (``names``), a scalar, or a ``torch.Generator`` or a tensor
-    that is neither a parameter nor a buffer (by identity: ``self.g = torch.Generator()`` or
-    ``self.tau = torch.tensor(0.5)`` replaced; the graph holds the old one, and reseeding or
-    updating it in place is followed),
-    private ones (``self._tau`` behind a property) included but for torch's own (what every
-    module holds for torch, and what torch's modules hold). Public scalars and generators are
-    compared where ``names.mentioned`` holds them; private ones and tensors only where the
-    code a call runs reads them (``names.loaded``)."""
-    if key == "training" or (key not in names.mentioned and key not in names.loaded):
+    """Whether the attribute ``key`` of ``module`` is compared on every call: a scalar, or (by
+    identity) a ``torch.Generator`` or a tensor that is neither a parameter nor a buffer
+    (``self.tau = torch.tensor(0.5)`` replaced: the graph holds the old one; reseeding or
+    updating it in place is followed). Public ones where the module's code names them
+    (``names.mentioned``); private ones (``self._tau`` behind a property; not what torch keeps
+    on every module or on its own modules) and tensors only where the code a call runs reads
+    them (``names.loaded``, within ``mentioned``)."""
+    if key == "training" or key not in names.mentioned:
         return False  # most attributes, by the cheapest test first
     if not (_is_scalar(value) or isinstance(value, _BY_IDENTITY)):
         return False
     if key.startswith("_") and (key in _TORCH_BOOKKEEPING or _torch_own(type(module))):
         return False
-    private = key.startswith("_") or isinstance(value, torch.Tensor)
-    return key in (names.loaded if private else names.mentioned)
-
-
-_BY_IDENTITY = (torch.Generator, torch.Tensor)
+    return key in names.loaded or not (key.startswith("_") or isinstance(value, torch.Tensor))
 
 
 def _torch_own(cls: type) -> bool:
@@ -329,7 +311,7 @@ def _read_outside(cls: type) -> tuple[tuple[str, ...], tuple[tuple[dict, str], .
 
 
 def _attribute_change(name: str, then, now) -> str:
-    if isinstance(then, _Identical):
+    if isinstance(then, _Held) and isinstance(then.value, torch.Tensor):
         return (
             f"{name}, a tensor that is neither a parameter nor a buffer, was replaced (the "
             "graph reads the one held at planning: update it in place, or register it as a "
@@ -569,12 +551,12 @@ class Snapshot:
             + [
                 _attribute_change(name, value, d.get(key))
                 for name, d, key, value in self.attributes
-                if value != d.get(key)
+                if not _still(value, d.get(key))
             ]
             + [
                 _attribute_change(name, value, getattr(m, key))
                 for name, m, key, value in self.class_attributes
-                if value != getattr(m, key)
+                if not _still(value, getattr(m, key))
             ]
         )
         raise PlanningError(
@@ -588,7 +570,7 @@ class Snapshot:
         return (
             list(map(len, self.children)) == self.sizes
             and list(map(dict.get, self.child_dicts, self.child_keys)) == self.child_values
-            # The values at planning on the left: their ``__eq__`` decides (``_Typed``).
+            # The values at planning on the left: their ``__eq__`` decides (``_Held``).
             and self.attribute_values
             == list(map(dict.get, self.attribute_dicts, self.attribute_keys))
             and list(map(len, self.hook_dicts)) == self.hook_counts

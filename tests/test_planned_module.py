@@ -1231,6 +1231,31 @@ def test_torch_compile_traces_the_planned_module_in_one_graph():
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
 
 
+class NumpyScaledAndTempered(nn.Module):
+    """Reads a numpy scalar and a plain tensor attribute, both compared on every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.scale, self.tau = nn.Linear(8, 8), np.float32(0.5), torch.tensor(2.0)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x) * self.scale / self.tau)
+
+
+def test_under_torch_compile_a_change_after_planning_is_refused_with_what_changed():
+    """Found in review: with a numpy scalar among the values compared, the message of a change
+    (here the tensor attribute replaced) failed to trace ("Failed to convert args/kwargs to
+    proxy") instead of naming it."""
+    torch._dynamo.reset()
+    model, x = NumpyScaledAndTempered(), torch.randn(4, 8)
+    p = planner.plan(model, (x,), budget_gb=1)
+    compiled = torch.compile(p.module, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), model(x))
+    model.tau = torch.tensor(3.0)
+    with pytest.raises(Exception, match="tau, a tensor that is neither a parameter nor a buffer"):
+        compiled(x)
+
+
 class UpdatesRootBuffer(RootState):
     """A root buffer read inside a segment and updated later in forward (restored on
     recompute)."""
