@@ -75,15 +75,23 @@ _TORCH_STATE = frozenset(vars(nn.Module()))
 
 
 def generators(model: nn.Module) -> dict[str, torch.Generator]:
-    """Every ``torch.Generator`` a module attribute holds, by name: the model's own streams.
-    Tested by type: ``isinstance`` goes through the metaclass of torch's opaque objects, five
-    times slower, and this looks at every attribute of every module."""
+    """Every ``torch.Generator`` a module attribute holds, by name: the model's own streams."""
+    return _generators_in(_attributes(model))
+
+
+def _generators_in(attributes: dict[tuple[str, str], object]) -> dict[str, torch.Generator]:
+    """The ``torch.Generator`` values of ``_attributes``, by name. Tested by type:
+    ``isinstance`` goes through the metaclass of torch's opaque objects, five times slower, and
+    this looks at every attribute of every module."""
     return {
-        f"{path}.{key}" if path else key: value
-        for path, module in model.named_modules(remove_duplicate=False)
-        for key, value in vars(module).items()
+        _dotted(path, key): value
+        for (path, key), value in attributes.items()
         if type(value) is torch.Generator
     }
+
+
+def _dotted(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
 
 
 _DRAWN_FROM = (random.Random, np.random.Generator, np.random.RandomState)
@@ -91,37 +99,36 @@ _DRAWN_FROM = (random.Random, np.random.Generator, np.random.RandomState)
 
 class _RandomStates:
     """Python's and numpy's generators that a forward may draw from, with their states now: the
-    global ones (``random.random()``, ``np.random.rand()``) and those a module attribute holds
-    (``self.rng = np.random.default_rng(0)``). A draw from any is baked into a captured graph,
-    and a recompute would make it again; ``torch.utils.checkpoint`` restores none of them."""
+    global ones (``random.random()``, ``np.random.rand()``) and those among ``values`` (module
+    attributes: ``self.rng = np.random.default_rng(0)``). A draw from any is baked into a
+    captured graph, and a recompute would make it again; ``torch.utils.checkpoint`` restores
+    none of them."""
 
-    def __init__(self, model: nn.Module):
-        held = {
-            id(v): v
-            for m in model.modules()
-            for v in vars(m).values()
-            if isinstance(v, _DRAWN_FROM)
-        }
-        self.generators = [random, np.random, *held.values()]
-        self.states = [_state(g) for g in self.generators]
+    def __init__(self, values):
+        held = {id(v): v for v in values if isinstance(v, _DRAWN_FROM)}
+        self.access = [_state_access(g) for g in (random, np.random, *held.values())]
+        self.states = [get() for get, _ in self.access]
 
     def drew(self) -> bool:
-        return not all(map(_same_state, self.states, map(_state, self.generators)))
+        return not all(
+            _same_state(state, get()) for state, (get, _) in zip(self.states, self.access)
+        )
 
     def restore(self) -> None:
-        for generator, state in zip(self.generators, self.states):
-            if isinstance(generator, np.random.Generator):
-                generator.bit_generator.state = state
-            elif hasattr(generator, "setstate"):  # Python's
-                generator.setstate(state)
-            else:  # numpy's global generator or a RandomState
-                generator.set_state(state)
+        for state, (_, put) in zip(self.states, self.access):
+            put(state)
 
 
-def _state(generator):
+def _state_access(generator):
+    """(get, set) of ``generator``'s state: a numpy ``Generator`` keeps it on its bit
+    generator; Python's (``random``, a ``Random``) have ``getstate``/``setstate``; numpy's
+    global one and a ``RandomState``, ``get_state``/``set_state``."""
     if isinstance(generator, np.random.Generator):
-        return generator.bit_generator.state
-    return generator.getstate() if hasattr(generator, "getstate") else generator.get_state()
+        bits = generator.bit_generator
+        return (lambda: bits.state), (lambda state: setattr(bits, "state", state))
+    if hasattr(generator, "getstate"):
+        return generator.getstate, generator.setstate
+    return generator.get_state, generator.set_state
 
 
 def _held(container) -> list:
@@ -145,7 +152,7 @@ def _containers(model: nn.Module) -> list[tuple[str, Any, list, bool]]:
     found: list[tuple[str, Any, list, bool]] = []
     seen: set[int] = set()
     roots = [
-        (f"{path}.{key}" if path else key, value, True)
+        (_dotted(path, key), value, True)
         for path, module in model.named_modules(remove_duplicate=False)
         for key, value in vars(module).items()
         if key not in _TORCH_STATE
@@ -363,9 +370,9 @@ def refusing_side_effects(model: nn.Module):
     operations (see the module's docstring). Module attributes and the random generators'
     states are put back whether the capture succeeds or not. Callers hold
     ``planner.regions.CAPTURE_LOCK``: the random states are process-wide."""
-    draws = _RandomStates(model)
     before = _attributes(model)
-    streams = {name: (g, g.get_state()) for name, g in generators(model).items()}
+    draws = _RandomStates(before.values())
+    streams = {name: (g, g.get_state()) for name, g in _generators_in(before).items()}
     versions = {n: p._version for n, p in model.named_parameters(remove_duplicate=False)}
     applied: list[type] = []
     hooked: list[bool] = []
@@ -422,7 +429,7 @@ def refusing_side_effects(model: nn.Module):
 def keeping_random_states(module: nn.Module):
     """Put Python's and numpy's generators, the global ones and those ``module``'s modules
     hold, back as they were when the block ends."""
-    draws = _RandomStates(module)
+    draws = _RandomStates(_attributes(module).values())
     try:
         yield
     finally:
@@ -444,8 +451,8 @@ def repeated_effects(module: nn.Module):
     if _torch_modules_only(module):
         yield found
         return
-    draws = _RandomStates(module)
     before = _attributes(module)
+    draws = _RandomStates(before.values())
     try:
         with _putting_back_containers(module) as filled:
             yield found
@@ -461,7 +468,7 @@ def repeated_effects(module: nn.Module):
         _restore(module, before, changed)
     found += [f"values put into {name}" for name in filled]
     found += sorted(
-        f"{path + '.' if path else ''}{key}"
+        _dotted(path, key)
         for path, key in changed
         if _set_by_forward(
             key, before.get((path, key), _MISSING), after.get((path, key), _MISSING), root=False
@@ -528,7 +535,7 @@ def _reasons(
             "Draw with torch (torch.rand) and use the result as a tensor, or turn it off to plan"
         )
     if changed:
-        names = [f"{path + '.' if path else ''}{key}" for path, key in changed]
+        names = [_dotted(path, key) for path, key in changed]
         reasons.append(
             f"it sets module attributes ({', '.join(names)}): the planned module would never "
             "set them. Return such values from forward instead (e.g. an auxiliary loss as an "
