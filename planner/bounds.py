@@ -112,8 +112,9 @@ def recompute_lower_bound(
             column = rec + storages[k].producer
             terms[column] = terms.get(column, 0.0) - nbytes[k]
         live = int(nbytes[sorted(own | earlier)].sum())
-        # The part of the high point after autograd released what j saved may not see ``own``.
-        high = int(allocated[j] - problem.grad_after_release[j])
+        # The part of the high point after j's backward dropped what it saved may not see
+        # ``own`` (``Problem.released_before_high``).
+        high = int(allocated[j] - problem.grad_after_apply[j])
         rows.append((terms, peak_bytes - problem.fixed_bytes - high - live))
         earlier |= own
 

@@ -436,6 +436,8 @@ class _Replay:
         seconds = flops = 0.0
         ran_at: list[int] = []  # the steps where a node runs in a recompute, and the node
         ran: list[int] = []
+        unpacked_at: list[int] = []  # recomputed copies freed at a backward step
+        unpacked: list[int] = []
         for segment, (first, stop) in self.runs.items():
             end = self.end[segment]
             for q in range(segment.start, stop):
@@ -453,12 +455,20 @@ class _Replay:
                     made.append(s.nbytes)
                     freed_at.append(self._release(segment, s, crossings, step, first, stop, -1))
                     freed.append(s.nbytes)
+                    if self.phases[freed_at[-1]] == "backward":
+                        # Only a checkpoint's frame held it, and handed it to the backward
+                        # function that unpacked it last (at any depth of the frames): it goes
+                        # as that function returns.
+                        unpacked_at.append(freed_at[-1])
+                        unpacked.append(s.nbytes)
         transient[ran_at] = problem.workspace[ran]
         np.add.at(alloc, made_at, np.array(made, dtype=np.int64))
         np.add.at(free, freed_at, np.array(freed, dtype=np.int64))
         # At a backward step, what autograd frees as it releases the node's saved tensors
         # (what a context holds goes with the graph, after the last step).
-        releasing = free.copy()
+        dropped = np.zeros(steps, dtype=np.int64)  # as the function returns, before that
+        np.add.at(dropped, unpacked_at, np.array(unpacked, dtype=np.int64))
+        releasing = free - dropped
         if n:
             releasing[self.backward_step[0]] -= graph_held
         self._buffer_copies(alloc, free)
@@ -482,7 +492,9 @@ class _Replay:
         after = np.cumsum(alloc - free)
         live = after + free + transient
         # A backward step's high point may come after the release.
-        live[backward] -= problem.released_before_high(np.arange(n), releasing[backward])
+        live[backward] -= problem.released_before_high(
+            np.arange(n), dropped[backward], releasing[backward]
+        )
         step_bytes = int(after[-1]) if steps else 0
         step_bytes += problem.optimizer_step_bytes
         peak = max(int(live.max(initial=0)), step_bytes)
@@ -519,7 +531,7 @@ def physical_floor(problem: Problem) -> int:
       reads them, and checkpointing never drops what a segment returns);
     * the backward of a node: the storages it saves (recomputed or kept, they are there when it
       runs) and what its backward allocates while they are, or what it allocates at its high
-      point after autograd released them (``Problem.grad_after_release``), and the gradients
+      point after they went (``Problem.grad_after_apply``), and the gradients
       made by the backward of later nodes and not yet freed (parameter gradients accumulated
       by then, the gradients of the outputs and of every pending activation): the same in
       every plan, since recompute changes which activations live, not the gradients;
@@ -545,6 +557,6 @@ def physical_floor(problem: Problem) -> int:
     net = allocated - problem.activation_grad_free
     pending = np.concatenate((np.cumsum(net[::-1])[::-1][1:], [0]))  # made after node i's
     # The saved tensors may be gone by the part of the high point after their release.
-    backward = pending + np.maximum(saved + allocated - problem.grad_after_release, allocated)
+    backward = pending + np.maximum(saved + allocated - problem.grad_after_apply, allocated)
     step = int(net.sum()) + problem.optimizer_step_bytes
     return int(problem.fixed_bytes + max(int(forward.max()), int(backward.max()), step))

@@ -142,6 +142,10 @@ class Problem:
     # node's saved tensors (gradients summed into its inputs'): the bytes the plan frees at
     # that step, up to this many, are gone by then (``planner.simulate``). Left out: none.
     grad_after_release: np.ndarray = None  # type: ignore[assignment]
+    # And the bytes reached only after the node's last backward function returned (its
+    # gradients reduced to its inputs' shapes): recomputed tensors that function was the last
+    # to unpack are gone by then. Left out: the same as grad_after_release.
+    grad_after_apply: np.ndarray = None  # type: ignore[assignment]
 
     def __post_init__(self):
         defaults = {
@@ -150,6 +154,7 @@ class Problem:
             "keepable": lambda: self.kept_bytes > 0,
             "grad_complete_at": lambda: self.grad_bytes_at,
             "grad_after_release": lambda: np.zeros(self.size, dtype=np.int64),
+            "grad_after_apply": lambda: self.grad_after_release,
         }
         for name, default in defaults.items():
             if getattr(self, name) is None:
@@ -183,11 +188,19 @@ class Problem:
     def size(self) -> int:
         return len(self.names)
 
-    def released_before_high(self, nodes: np.ndarray, released: np.ndarray) -> np.ndarray:
-        """Of the bytes the backward steps of ``nodes`` free as autograd releases the nodes'
-        saved tensors (``released``), those their high points do not hold: up to the bytes
-        each reaches only after the release (``grad_after_release``)."""
-        return np.minimum(self.grad_after_release[nodes], released)
+    def released_before_high(
+        self, nodes: np.ndarray, unpacked: np.ndarray, released: np.ndarray
+    ) -> np.ndarray:
+        """Of the bytes the backward steps of ``nodes`` free, those their high points do not
+        hold. Recomputed tensors that a node's last backward function was the last to unpack
+        (``unpacked``) are gone once it returns, the saved tensors autograd releases
+        (``released``) once the engine releases them: a high point reached after the one or
+        the other (``grad_after_apply``, ``grad_after_release``) does not see them."""
+        after_apply = self.grad_after_apply[nodes]
+        after_release = self.grad_after_release[nodes]
+        return np.minimum(
+            np.minimum(after_apply, after_release + unpacked), unpacked + released
+        )
 
     def buffer_copy_bytes(self, start: int, stop: int) -> int:
         """Bytes of the copies of buffers that segment ``(start, stop)`` makes: once when its
@@ -449,6 +462,9 @@ def build_problem(
     after_release = np.array(
         [require_meta(node, "planner.backward_after_release") for node in nodes], np.int64
     )
+    after_apply = np.array(
+        [require_meta(node, "planner.backward_after_apply") for node in nodes], np.int64
+    )
     grad_alloc = high - grad_bytes_at
     grad_free = high - net
     if n:
@@ -511,6 +527,7 @@ def build_problem(
         activation_grad_alloc=grad_alloc,
         activation_grad_free=grad_free,
         grad_after_release=after_release,
+        grad_after_apply=after_apply,
         checkpointable=~pinned,
         cut_allowed=cut_allowed,
         cut_bytes=cut_bytes,

@@ -48,11 +48,13 @@ Keys written into ``node.meta`` (the one place they are documented):
     measured in the fake backward that follows the forward: the most bytes the node's backward
     has allocated at once (input and parameter gradients, temporaries), and what of it is still
     live when the node's backward ends (gradients waiting for their consumers, ``.grad``).
-``planner.backward_after_release``
-    the part of that high point reached only after autograd released the node's saved tensors:
-    once its last backward function has run, the engine frees what it saved, then sums its
-    gradients into those its inputs already have (a skip's gradient and the main path's, added
-    out of place). The saved tensors the plan frees there are gone by then (``simulate``).
+``planner.backward_after_apply``, ``planner.backward_after_release``
+    the parts of that high point reached only after the node's last backward function returned
+    (the engine then reduces its gradients to its inputs' shapes, such as a broadcast bias's
+    sum), and only after autograd released the node's saved tensors (then it sums its
+    gradients into those its inputs already have: a skip's gradient and the main path's, added
+    out of place). A recomputed tensor a checkpoint handed that function is gone by the first;
+    the saved tensors the graph holds, by the second (``simulate``).
 ``planner.made_before_last_save``
     storages among ``planner.created`` that exist when the node's last tensor is saved. A
     checkpoint's recompute stops right there (non-reentrant checkpoint stops once every saved
@@ -128,6 +130,7 @@ META_KEYS = (
     "planner.repeated_effects",
     "planner.backward_high",
     "planner.backward_net",
+    "planner.backward_after_apply",
     "planner.backward_after_release",
     "planner.cast_cache",
     "planner.made_before_last_save",
@@ -394,6 +397,9 @@ def _computed(func, args: tuple, kwargs: dict, out):
     return tuple(t for t, wanted in zip(out, mask) if wanted)
 
 
+_APPLY, _OUTPUTS, _RELEASED = range(3)  # the phases of a node's backward (_BackwardMemory)
+
+
 class _BackwardMemory(TorchDispatchMode):
     """Attributes the memory that backward allocates to the node whose backward is running.
 
@@ -412,28 +418,58 @@ class _BackwardMemory(TorchDispatchMode):
         self.current: fx.Node | None = None
         self.start = 0
         self.tracked: dict[int, tuple[int, weakref.ref]] = {}  # _cdata -> (nbytes, reference)
-        # The high point of each node's backward while its saved tensors live, and after the
-        # engine released them (``release``).
-        self.holding: dict[fx.Node, int] = {}
-        self.released: dict[fx.Node, int] = {}
+        # The high point of each node's backward in each of its phases: while its last
+        # backward function runs, once that function has returned (the engine reduces its
+        # gradients to the inputs' shapes: a broadcast bias's sum), and once the engine has
+        # released what the node's functions saved (``applied``, ``release``).
+        self.highs: dict[fx.Node, list[int]] = {}
         self.net: dict[fx.Node, int] = {}
-        self.current_released = False
+        self.phase = _APPLY
+        self.paused = False  # while it makes a stand-in (``stand_in``)
 
     def enter(self, node: fx.Node) -> None:
         self._close()
         # What the loss's backward allocated before the first node (the seed, ``ones_like``
         # of the loss, held by ``backward()`` until it returns) counts as that node's.
         self.current, self.start = node, (0 if self.current is None else self.live)
-        self.current_released = False
-        self.holding[node] = max(self.holding.get(node, 0), self.live - self.start)
+        self.phase = _APPLY
+        highs = self.highs.setdefault(node, [0, 0, 0])
+        highs[_APPLY] = max(highs[_APPLY], self.live - self.start)
         self.net.setdefault(node, 0)
+
+    def stand_in(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor like ``tensor`` on a storage of its own, not counted, that tells when the
+        backward function it is handed to returns (``_Recorder.unpack``)."""
+        if tensor.layout is not torch.strided:
+            return tensor  # a sparse tensor's end is not watched: its function's high is whole
+        self.paused = True
+        try:
+            stand_in = tensor.new_empty_strided(tensor.size(), tensor.stride())
+        finally:
+            self.paused = False
+        storage = stand_in.untyped_storage()
+        cdata = storage._cdata
+        self.tracked[cdata] = (0, weakref.ref(storage, functools.partial(self._applied, cdata)))
+        return stand_in
+
+    def _applied(self, cdata: int, reference: weakref.ref) -> None:  # a weakref callback
+        """A backward function returned, dropping what it unpacked: a recomputed tensor a
+        checkpoint handed it would be gone from here on, unlike one the graph saves. What the
+        current node's backward allocated since an earlier function returned, it allocated
+        while this one still held its tensors."""
+        del self.tracked[cdata]
+        if self.current is None or self.phase == _RELEASED:
+            return
+        highs = self.highs[self.current]
+        highs[_APPLY], highs[_OUTPUTS] = max(highs[_APPLY], highs[_OUTPUTS]), 0
+        self.phase = _OUTPUTS
 
     def release(self, node: fx.Node) -> None:
         """The last of ``node``'s backward functions has run: the engine releases what they
         saved, then sums their gradients into their inputs'. Only while ``node``'s backward is
         the current one: otherwise its allocations are charged elsewhere, in full."""
         if node is self.current:
-            self.current_released = True
+            self.phase = _RELEASED
 
     def _close(self) -> None:
         if self.current is not None:
@@ -442,10 +478,12 @@ class _BackwardMemory(TorchDispatchMode):
     def finish(self) -> None:
         self._close()
         for node in self.nodes:
-            holding, released = self.holding.get(node, 0), self.released.get(node, 0)
-            node.meta["planner.backward_high"] = max(holding, released)
+            applying, outputs, released = self.highs.get(node, (0, 0, 0))
+            high = max(applying, outputs, released)
+            node.meta["planner.backward_high"] = high
             node.meta["planner.backward_net"] = self.net.get(node, 0)
-            node.meta["planner.backward_after_release"] = max(released - holding, 0)
+            node.meta["planner.backward_after_apply"] = high - applying
+            node.meta["planner.backward_after_release"] = high - max(applying, outputs)
 
     def _free(self, cdata: int, reference: weakref.ref) -> None:  # a weakref callback
         self.live -= self.tracked.pop(cdata)[0]
@@ -453,6 +491,8 @@ class _BackwardMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = real_cpu_allocations(func, args, kwargs, self.call(func, args, kwargs))
+        if self.paused:
+            return out
         grew = False
         for t in tensors_in(_computed(func, args, kwargs, out)):
             if t.layout is not torch.strided:
@@ -468,8 +508,8 @@ class _BackwardMemory(TorchDispatchMode):
             grew = True
         # Only an allocation can raise the high-water mark (enter() starts every node at 0).
         if grew and self.current is not None:
-            high = self.released if self.current_released else self.holding
-            high[self.current] = max(high.get(self.current, 0), self.live - self.start)
+            highs = self.highs[self.current]
+            highs[self.phase] = max(highs[self.phase], self.live - self.start)
         return out
 
 
@@ -535,6 +575,13 @@ class _Recorder(fx.Interpreter):
         self.made_before_last_save = set(self.cost.new)
         return tensor
 
+    def unpack(self, tensor):
+        """Hand a backward function a stand-in for what it saved, on a storage of its own that
+        dies when the function returns: that tells ``self.backward`` where the function
+        ended. The profile's tensors have no values, only sizes,
+        so the stand-in computes the same; it is not counted as an allocation."""
+        return self.backward.stand_in(tensor)
+
     def run_node(self, node: fx.Node):
         if node.op not in COMPUTE_OPS:
             return super().run_node(node)
@@ -582,7 +629,7 @@ class _Recorder(fx.Interpreter):
         self.saved_by_current = set()
         self.made_before_last_save = set()
         makers = [(t, t.grad_fn) for t in passed if isinstance(t, torch.Tensor)]
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             out = run()
         tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         stashed = _context_tensors(tensors)

@@ -91,8 +91,9 @@ def _total_at(positions: np.ndarray, nbytes: np.ndarray, n: int) -> np.ndarray:
 
 def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept: np.ndarray):
     """Where each storage is freed: bytes freed after each node's forward and backward (and of
-    the latter, those freed as autograd releases the node's saved tensors), and after each
-    node of a recompute, plus the bytes each recompute node re-creates.
+    the latter, the recomputed copies its backward function drops as it returns, and those
+    freed as autograd releases the node's saved tensors), and after each node of a
+    recompute, plus the bytes each recompute node re-creates.
 
     A storage kept for backward is released at its first trigger: a saver outside any segment,
     or the start of another segment that saves or reads it. Recomputed copies are freed by
@@ -168,7 +169,6 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     by_saver = recomputed & (inner_saver < never)
     inner_free = _total_at(inner_saver[by_saver], a.nbytes[by_saver], n)
     backward_free += inner_free
-    released += inner_free
     # The segment's body is one Python frame: what a node beyond the stop reads, or the segment
     # returns, stays in a variable until the recompute stops. autocast's cache holds a
     # recomputed weight cast until the recompute ends too (problem.py), and so does the graph
@@ -184,6 +184,7 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     return (
         forward_free,
         backward_free,
+        inner_free,
         released,
         recompute_alloc,
         recompute_free,
@@ -225,7 +226,8 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     for k, (start, stop) in enumerate(segments):
         segment_of[start:stop] = k
     releases = _releases(problem, segments, segment_of, kept)
-    forward_free, backward_free, released, recompute_alloc, recompute_free, ends, outputs = releases
+    forward_free, backward_free, unpacked, released, *recomputes, ends, outputs = releases
+    recompute_alloc, recompute_free = recomputes
 
     # The order of steps: forward 0..n-1, then from n-1 down to 0 the backward of each node,
     # preceded by its segment's recompute (start..end) when it is the segment's last saving
@@ -283,10 +285,12 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     _hold_loss_through_first_recompute(problem, phase, alloc, free)
     after = np.cumsum(alloc - free)
     live = after + free + transient  # at each step's high point
-    # A backward step's may come after autograd released the node's saved tensors.
+    # A backward step's may come after its function dropped the recomputed tensors it unpacked
+    # (``unpacked``: the copies its node was the last to save), or after autograd released the
+    # saved tensors.
     backward = np.flatnonzero(phase == 2)
     nodes = position[backward]
-    live[backward] -= problem.released_before_high(nodes, released[nodes])
+    live[backward] -= problem.released_before_high(nodes, unpacked[nodes], released[nodes])
     peak = int(live.max(initial=0))
     if n:  # the default loss, summing the outputs after the last node has run
         peak = max(peak, int(after[n - 1]) + outputs + problem.default_loss_high)

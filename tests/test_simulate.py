@@ -39,6 +39,7 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
     ]
     forward_free, backward_free = [0] * n, [0] * n
     released = [0] * n  # of backward_free, what goes as autograd releases saved tensors
+    unpacked = [0] * n  # and the recomputed copies the node's backward function unpacks last
     outputs_read_by_loss = 0
     recompute_alloc, recompute_free = [0] * n, [0] * n
     for s in problem.storages:
@@ -85,7 +86,7 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
         inner_savers = [j for j in s.savers if start <= j < stop]
         if inner_savers:
             backward_free[min(inner_savers)] += s.nbytes
-            released[min(inner_savers)] += s.nbytes
+            unpacked[min(inner_savers)] += s.nbytes
         else:
             # A reader beyond the early stop, or the loss (a graph output): the segment's frame
             # holds the value until the recompute stops; so does autocast's cache a weight cast.
@@ -152,8 +153,13 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
             problem.activation_grad_alloc[i] + problem.grad_bytes_at[i],
             0,
             problem.activation_grad_free[i] + backward_free[i],
-            # the part of its high point after the release does not see what was released
-            min(problem.grad_after_release[i], released[i]),
+            # the part of its high point after its last function returned does not see the
+            # recomputed copies it dropped; the part after the release, what was released
+            min(
+                problem.grad_after_apply[i],
+                problem.grad_after_release[i] + unpacked[i],
+                unpacked[i] + released[i],
+            ),
         )
     return problem.fixed_bytes + peak, seconds, timeline
 
