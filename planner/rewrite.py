@@ -261,12 +261,15 @@ class Segment:
     and hands them to the recompute (``_keep_policy``).
 
     The parameters of the modules it calls (``called``) are not checkpoint inputs, which
-    autograd checks: a parameter changed in place between the forward and the backward (an
-    ``optimizer.step()`` too early) would be recomputed from with its new values, mixed into
-    a gradient of the old ones. The model without the plan keeps what it saved, or refuses.
-    ``contexts`` takes their versions at the forward, and the recompute refuses if one moved
-    (``_checking_versions``); eagerly only (under torch.compile, see ``_context_fn``). Buffers
-    need no such check: their values at the forward are restored for the recompute. The
+    autograd saves: the model without the plan computes its backward with the tensors the
+    forward used, or refuses (a parameter changed in place). ``contexts`` takes them at the
+    forward, with their versions and ``requires_grad`` and the modules' training flags, and
+    the recompute runs with them as they were (``_as_in_forward``): a parameter replaced since
+    (``functional_call`` puts the model's back as it returns) or frozen, or a module put in
+    eval mode, between the forward and the backward; it refuses a parameter changed in place
+    (an ``optimizer.step()`` too early), whose old values are gone. Eagerly only (under
+    torch.compile, see ``_context_fn``). Buffers' values at the forward are restored for the
+    recompute. The
     modules are held, as ``body`` holds them (replacing one makes the planned module refuse to
     run); their parameters are read at every call.
     """
@@ -339,8 +342,8 @@ class Segment:
     def contexts(self):
         """The contexts of one call: (forward, recompute), as ``checkpoint``'s ``context_fn``."""
         versions: list[tuple[torch.Tensor, int]] = []
-        forward = [_Reenterable(self._taking_versions, versions)]
-        recompute = [_Reenterable(self._checking_versions, versions)]
+        forward = [_Reenterable(self._taking_state, versions)]
+        recompute = [_Reenterable(self._as_in_forward, versions)]
         if self.restores_buffers:
             at_forward: list[torch.Tensor] = []
             forward.append(_Reenterable(self._remembering, at_forward))
@@ -353,20 +356,54 @@ class Segment:
         return _together(forward), _together(recompute)
 
     @contextlib.contextmanager
-    def _taking_versions(self, versions: list):
-        versions.extend(
-            (p, p._version) for m in self.called for p in m._parameters.values() if p is not None
+    def _taking_state(self, state: list):
+        state.append([(m, m.training) for m in self.called])
+        state.append(
+            [
+                (m, name, p, p._version, p.requires_grad)
+                for m in self.called
+                for name, p in m._parameters.items()
+                if p is not None
+            ]
         )
         yield
 
     @contextlib.contextmanager
-    def _checking_versions(self, versions: list):
-        """Refuse to recompute from parameters changed in place since the forward: the gradient
-        would mix the old values (saved outside the segment) with the new (recomputed)."""
-        for p, version in versions:
+    def _as_in_forward(self, state: list):
+        """Recompute with the parameters and training flags the forward used, as autograd,
+        which saved what it computed, does: a parameter replaced since (the tensors
+        ``torch.func.functional_call`` passed, put back when it returned; a new
+        ``nn.Parameter`` assigned) is swapped back in, one frozen or unfrozen gets its
+        ``requires_grad`` back, a module put in eval mode its training flag, for the recompute
+        only. One changed in place is refused: the gradient would mix the old values (saved
+        outside the segment) with the new."""
+        flags, parameters = state
+        for _, _, p, version, _ in parameters:
             if p._version != version:
                 raise RuntimeError(self._changed_message(p))
-        yield
+        modes = [(m, m.training) for m, training in flags if m.training != training]
+        swapped = [
+            (m, name, p, m._parameters.get(name))
+            for m, name, p, _, _ in parameters
+            if m._parameters.get(name) is not p
+            and not (_sharded(p) or _sharded(m._parameters.get(name)))
+        ]
+        thawed = [(p, grad) for _, _, p, _, grad in parameters if p.requires_grad != grad]
+        for m, training in modes:
+            m.training = not training
+        for m, name, p, _ in swapped:
+            m._parameters[name] = p
+        for p, grad in thawed:
+            p.requires_grad_(grad)
+        try:
+            yield
+        finally:
+            for p, grad in thawed:
+                p.requires_grad_(not grad)
+            for m, name, _, now in reversed(swapped):
+                m._parameters[name] = now
+            for m, training in modes:
+                m.training = training
 
     def _changed_message(self, parameter: torch.Tensor) -> str:
         root = self.root
@@ -411,6 +448,14 @@ class Segment:
             f"Segment({len(self.body.graph.nodes)} nodes, restores the buffers of "
             f"{len(self.modules)} modules and {len(self.tensors)} tensors)"
         )
+
+
+def _sharded(tensor) -> bool:
+    """Whether ``tensor`` is a parameter FSDP2 holds sharded between a module's calls: its
+    hooks, which run in the recompute too, put the gathered tensor in place for each call."""
+    return type(tensor).__name__ == "DTensor" and type(tensor).__module__.startswith(
+        "torch.distributed."
+    )
 
 
 class _Box:

@@ -23,6 +23,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
+import torch.nn.utils.prune
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -300,6 +301,84 @@ def test_functional_call_with_root_tensors_computes_with_the_tensors_passed():
     assert p.module.pos is model.pos and p.module.shift is model.shift  # put back
     model.pos = nn.Parameter(torch.randn(16))  # the model's replacements are still followed
     assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
+
+
+def _blocks(batch_norm: bool) -> nn.Sequential:
+    def block():
+        norm = [nn.BatchNorm1d(16)] if batch_norm else []
+        return nn.Sequential(nn.Linear(16, 16), *norm, nn.Tanh())
+
+    return nn.Sequential(*[block() for _ in range(4)], nn.Linear(16, 10))
+
+
+def _nudged(module: nn.Module) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(123)
+    return {
+        name: (p.detach() + 0.1 * torch.randn(p.shape, generator=g)).requires_grad_()
+        for name, p in module.named_parameters()
+    }
+
+
+@pytest.mark.parametrize("batch_norm", [False, True])
+def test_functional_call_gives_the_gradients_of_the_parameters_passed_to_checkpointed_modules(
+    batch_norm,
+):
+    """``functional_call`` puts the model's own parameters back when it returns, before
+    backward recomputes a segment: the recompute must use the tensors the forward used (as
+    autograd, which saved them, does). Found trying the library: it recomputed with the
+    model's own, and 7 of 10 gradients differed (15 of 18 with BatchNorm). Meta-learning
+    (MAML) takes gradients this way."""
+    torch.manual_seed(0)
+    model, x = _blocks(batch_norm).train(), torch.randn(32, 16)
+    reference = copy.deepcopy(model)
+    p = sqrt_n_plan(model, (x,))
+    results = []
+    for module, own in ((reference, reference), (p.module, model)):
+        passed = _nudged(own)
+        out = torch.func.functional_call(module, passed, (x,))
+        out.pow(2).mean().backward()
+        results.append((out, [passed[name].grad for name in sorted(passed)]))
+    (expected, expected_grads), (out, grads) = results
+    assert torch.equal(out, expected)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
+    assert all(param.grad is None for param in model.parameters())
+
+
+def _replace_a_weight(model: nn.Module) -> None:
+    model[1][0].weight = nn.Parameter(torch.zeros(16, 16))
+
+
+def _freeze(model: nn.Module) -> None:
+    model[1].requires_grad_(False)  # autograd then leaves its gradients None
+
+
+def _eval(model: nn.Module) -> None:
+    model.eval()
+
+
+@pytest.mark.parametrize("change", [_replace_a_weight, _freeze, _eval])
+def test_a_change_between_forward_and_backward_is_recomputed_as_the_forward_ran(change):
+    """Between the forward and the backward, ``layer.weight = nn.Parameter(...)``,
+    ``requires_grad_(False)`` (a GAN loop freezing the discriminator too early) or
+    ``.eval()``: the unplanned model's backward computes with what it saved, and gives the old
+    parameters their gradients; so must the recompute. Found trying the library: a replaced
+    weight was read (12 gradients differed); freezing and eval mode raised checkpoint's
+    "different number of tensors saved"."""
+    torch.manual_seed(0)
+    model, x = _blocks(batch_norm=True).train(), torch.randn(32, 16)
+    reference = copy.deepcopy(model)
+    p = sqrt_n_plan(model, (x,))
+    results = []
+    for module, own in ((reference, reference), (p.module, model)):
+        old = list(own.parameters())
+        out = module(x)
+        change(own)
+        out.pow(2).mean().backward()
+        results.append(([t.grad for t in old], list(own.state_dict().values())))
+    (expected_grads, expected_state), (grads, state) = results
+    assert [a is None for a in grads] == [b is None for b in expected_grads]
+    assert all(a is None or torch.equal(a, b) for a, b in zip(grads, expected_grads))
+    assert all(torch.equal(a, b) for a, b in zip(state, expected_state, strict=True))
 
 
 def test_torch_func_transforms_on_the_planned_module():
@@ -1356,6 +1435,68 @@ def test_a_hook_on_a_leaf_module_after_planning_runs():
     planned = p.module(x)
     torch.manual_seed(0)
     torch.testing.assert_close(planned, model(x), rtol=0, atol=0)
+
+
+def _observing(module: nn.Module) -> None:
+    """A forward pre-hook with effects, as an activation observer has: it counts the batches
+    it saw in a buffer it adds and scales the input by that count."""
+    module.register_buffer("seen", torch.zeros(()))
+
+    def pre_hook(module, args):
+        with torch.no_grad():
+            module.seen.add_(1)
+        return (args[0] * (1 + module.seen),)
+
+    module.register_forward_pre_hook(pre_hook)
+
+
+def test_an_observer_added_after_planning_to_a_called_module_updates_its_buffer_once():
+    """Found trying the library: the observer's hook ran again in every recompute of its
+    segment, and 16-25 gradients and its buffer differed. The buffer it adds makes the call a
+    call form of its own, planned with it (the replay restores a called module's buffers for
+    the recompute)."""
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(4, 8)
+    p = sqrt_n_plan(model, (x,))
+    reference = copy.deepcopy(model)
+    for m in (reference, model):
+        for block in m.blocks:
+            _observing(block[0])
+    for step in range(2):
+        outputs = []
+        for module in (reference, p.module):
+            torch.manual_seed(step)
+            out = module(x)
+            out.pow(2).sum().backward()
+            outputs.append(out)
+        assert torch.equal(*outputs)
+        for a, b in zip(reference.state_dict().values(), model.state_dict().values()):
+            assert torch.equal(a, b)
+        for a, b in zip(reference.parameters(), model.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
+
+
+def test_pruning_after_planning_is_planned_again_with_the_mask():
+    """``torch.nn.utils.prune`` moves a Linear's weight to ``weight_orig``, adds a
+    ``weight_mask`` buffer where the module had none, and computes the weight in a pre-hook:
+    found trying the library, the plan ran on (27% over its budget), with a warning that named
+    frozen parameters. The call is now planned again with the pruned layers."""
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(4, 8)
+    p = sqrt_n_plan(model, (x,))
+    reference = copy.deepcopy(model)
+    for m in (reference, model):
+        torch.nn.utils.prune.l1_unstructured(m.blocks[1][0], "weight", amount=0.5)
+    with pytest.warns(UserWarning, match=r"removed from where they were at planning.*prune"):
+        outputs = []
+        for module in (reference, p.module):
+            torch.manual_seed(0)
+            outputs.append(module(x))
+            outputs[-1].pow(2).sum().backward()
+    assert torch.equal(*outputs)
+    for a, b in zip(reference.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    assert all(p.module._planner.call_forms.values())  # planned, not run by the model
 
 
 def _halve_sequential_outputs(module, args, out):
