@@ -358,6 +358,7 @@ class Snapshot:
         self.checkpoints = checkpoints  # whether the graph runs checkpointed segments
         self.reads_grad_mode = reads_grad_mode  # forward called torch.is_grad_enabled()
         self.warned_hooks = False
+        self.warned_vmap = False
         self.module_names = [name for name, _ in model.named_modules()]
         self.module_dicts = [m.__dict__ for _, m in model.named_modules()]
         self.flags = self.training_flags()
@@ -683,6 +684,22 @@ class Snapshot:
             stacklevel=_callers_stacklevel(),
         )
 
+    def warn_vmapped(self) -> None:
+        """Once: under ``torch.func.vmap`` with gradients, the model runs itself. A checkpoint
+        saves vmap's batched tensors, which backward, after vmap returned, cannot recompute
+        from ("may have escaped from inside a function being vmapped")."""
+        if self.warned_vmap:
+            return
+        self.warned_vmap = True
+        warnings.warn(
+            f"the planned {type(self.model).__name__} is called under torch.func.vmap with "
+            "gradients enabled: its checkpointed segments could not be recomputed in backward "
+            "once vmap returned, so the model itself runs (exact, memory not reduced). Plan "
+            "the model for the batched inputs and call it without vmap to checkpoint.",
+            UserWarning,
+            stacklevel=_callers_stacklevel(),
+        )
+
     def call_form(self, args: tuple, kwargs: dict) -> CallForm | None:
         """How this call differs from the planning call (None where it does not): tensor
         arguments left out (or passed as None), other dtypes of the model's parameters and
@@ -901,6 +918,16 @@ class Snapshot:
         return self.model(*args, **kwargs)
 
 
+def _under_vmap() -> bool:
+    """Whether ``torch.func.vmap`` is running (checked first: whether any transform is)."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+
+
 def _under_functorch_grad() -> bool:
     """Whether a ``torch.func`` transform that records gradients is running."""
     from torch._C._functorch import TransformType
@@ -1071,6 +1098,9 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         if snapshot.reads_grad_mode and not torch.is_grad_enabled():
             # The graph holds the branch forward took on grad mode at planning, and there is
             # nothing to checkpoint: the model itself, exactly.
+            return snapshot.model(*args, **kwargs)
+        if snapshot.checkpoints and torch.is_grad_enabled() and _under_vmap():
+            snapshot.warn_vmapped()
             return snapshot.model(*args, **kwargs)
         form = snapshot.call_form(args, kwargs)
         if form is not None:

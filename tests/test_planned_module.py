@@ -382,15 +382,25 @@ def test_a_change_between_forward_and_backward_is_recomputed_as_the_forward_ran(
 
 
 def test_torch_func_transforms_on_the_planned_module():
-    """``vmap`` works and matches the model. ``torch.func.grad`` (and ``vjp``, ``jacrev``,
-    ``hessian``) cannot run saved-tensor hooks, which checkpointed segments use: a
-    ``PlanningError`` says so and what to do, where torch's own error did not (found trying
+    """``vmap`` works and matches the model. With gradients, backward after vmap returned
+    could not recompute from vmap's batched tensors ("may have escaped", found trying the
+    library): the model itself runs there, with a warning. ``torch.func.grad`` (and ``vjp``,
+    ``jacrev``, ``hessian``) cannot run saved-tensor hooks, which checkpointed segments use:
+    a ``PlanningError`` says so and what to do, where torch's own error did not (found trying
     the library)."""
     torch.manual_seed(0)
     model, x = RootState(), torch.randn(8, 16)
     p = sqrt_n_plan(model, (x,))
     assert p.segments
-    torch.testing.assert_close(torch.func.vmap(p.module)(x), torch.func.vmap(model)(x))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.func.vmap(p.module)(x), torch.func.vmap(model)(x))
+    reference = copy.deepcopy(model)
+    torch.func.vmap(reference)(x).pow(2).sum().backward()
+    with pytest.warns(UserWarning, match=r"under torch\.func\.vmap with gradients"):
+        torch.func.vmap(p.module)(x).pow(2).sum().backward()
+    for a, b in zip(reference.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    model.zero_grad(set_to_none=True)
     params = {k: v.detach() for k, v in p.module.named_parameters()}
 
     def loss(module):
