@@ -42,7 +42,9 @@ Keys written into ``node.meta`` (the one place they are documented):
     would then do twice: a draw from a generator passed to an op (``torch.rand(...,
     generator=g)``; checkpoint restores only the default generators), and, for a module kept
     whole (``call_module``), attributes its forward sets and draws from Python's or numpy's
-    random generators (``planner.side_effects.repeated_effects``). Such nodes are never
+    random generators (``planner.side_effects.repeated_effects``); and an op that writes into a
+    tensor the node saved before (RReLU fills the noise it saved), which a recompute, stopping
+    once the last tensor is saved, would hand backward unwritten. Such nodes are never
     recomputed.
 ``planner.backward_high``, ``planner.backward_net``
     measured in the fake backward that follows the forward: the most bytes the node's backward
@@ -294,6 +296,8 @@ class _CostMode(TorchDispatchMode):
         self.writes: set[int] = set()
         self.random = False
         self.own_generator = False  # an op drew from a generator passed to it (not a default)
+        self.saved: set[int] = set()  # what the node saved so far (``_Recorder.pack``)
+        self.overwrites_saved = False  # an op wrote into a storage saved before it ran
         self.casts: set[int] = set()  # new storages that autocast's weight-cast cache holds
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -321,6 +325,7 @@ class _CostMode(TorchDispatchMode):
                 written = key(t)
                 if written is not None:
                     self.writes.add(written)
+                    self.overwrites_saved |= written in self.saved
         outputs = tensors_in(out)
         for t in outputs:
             created = key(t)
@@ -572,6 +577,7 @@ class _Recorder(fx.Interpreter):
         key = self.storages.key(tensor)
         if key is not None:
             self.saved_by_current.add(key)
+            self.cost.saved.add(key)
         self.made_before_last_save = set(self.cost.new)
         return tensor
 
@@ -656,8 +662,12 @@ class _Recorder(fx.Interpreter):
         node.meta["planner.workspace"] = sum(nbytes[k] for k in new - kept)
         node.meta["planner.kept_bytes"] = sum(nbytes[k] for k in new)
         node.meta["planner.random"] = self.cost.random
-        own_generator = ("own generator",) if self.cost.own_generator else ()
-        node.meta["planner.repeated_effects"] = own_generator
+        # A recompute stops once the last tensor is saved (non-reentrant checkpoint's early
+        # stop): an op that then writes into what it saved (RReLU fills the noise it saved)
+        # would hand backward the tensor unwritten.
+        effects = ("own generator",) if self.cost.own_generator else ()
+        effects += ("writes what it saved",) if self.cost.overwrites_saved else ()
+        node.meta["planner.repeated_effects"] = effects
         node.meta["planner.flops"] = self.cost.flops
         node.meta["planner.bytes_moved"] = self.cost.bytes_moved
         node.meta["planner.requires_grad"] = any(t.requires_grad for t in tensors)

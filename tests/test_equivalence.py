@@ -175,6 +175,35 @@ def test_nodes_drawing_from_the_models_own_generator_are_never_recomputed():
     assert torch.equal(state, got_state)
 
 
+class RandomizedReLUs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.act = nn.RReLU()
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.act(torch.tanh(layer(x)) * 2)
+        return x
+
+
+def test_an_op_that_writes_into_what_it_saved_is_never_recomputed():
+    """RReLU in training saves the noise tensor it then fills: a recompute stops as soon as
+    the last tensor is saved (non-reentrant checkpoint's early stop), so one ending there handed
+    backward the noise unwritten. Found trying the library: at the lowest peak ``auto`` nested
+    single-RReLU segments and gradients came out NaN, inf or 1e31 apart (plain
+    ``torch.utils.checkpoint`` does the same)."""
+    torch.manual_seed(0)
+    model, x = RandomizedReLUs().train(), torch.randn(64, 32)
+    reference = copy.deepcopy(model)
+    _, problem = prepare(model, (x,))
+    rrelu = [k for k, name in enumerate(problem.names) if name.startswith("act")]
+    assert len(rrelu) == 4 and not problem.checkpointable[rrelu].any()
+    p = planner.plan(model, (x,), budget_bytes=lowest_peak(problem).peak_bytes)
+    assert p.segments, "the plan must checkpoint something for this test to mean anything"
+    assert_equivalent(reference, model, p.module, (x,), {})
+
+
 def test_auto_fits_every_budget_down_to_the_lowest_peak():
     """Regression: found by the thorough run before the optimal solver was registered
     (LayerNorm then Linear: lowest_peak 512 bytes, "auto" 528), when plan() refused the very
