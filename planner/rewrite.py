@@ -560,14 +560,18 @@ def _is_buffer(holder: nn.Module, node: fx.Node) -> bool:
     return buffer_read(holder, node) is not None
 
 
+def _takes_item(node: fx.Node) -> bool:
+    """Whether ``node`` takes an item out of another: ``t[0]``, or a field of a named tuple
+    (``torch.sort(h).values``, a ``getattr`` node)."""
+    return node.op == "call_function" and node.target in (operator.getitem, getattr)
+
+
 def _unpacks(node: fx.Node) -> bool:
     """Whether ``node`` takes an item out of a node whose every use does so (a tuple)."""
-    if node.op != "call_function" or node.target is not operator.getitem:
+    if not _takes_item(node):
         return False
     source = node.args[0]
-    return isinstance(source, fx.Node) and all(
-        u.op == "call_function" and u.target is operator.getitem for u in source.users
-    )
+    return isinstance(source, fx.Node) and all(map(_takes_item, source.users))
 
 
 def _segment_buffers(
