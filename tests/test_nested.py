@@ -180,8 +180,12 @@ def _measured_and_simulated(spec, choice_of):
 
 def _offset(model, args, problem) -> int:
     """What the tracker measures beyond the replay with nothing checkpointed (none since the
-    loss's scalars are modelled): the same for every plan when the replay is exact."""
-    return peak_memory(model, args).peak_bytes - simulate(problem, ()).peak_bytes
+    loss's scalars are modelled): the same for every plan when the replay is exact. Where the
+    replay reads over instead (the zoo GPT by 4 bytes: its loss node's ``nll_loss`` releases
+    its saved total weight before the node's ``log_softmax`` backward runs, and the replay
+    releases a node's saved tensors after its whole backward), that is no offset: other plans
+    peak elsewhere."""
+    return max(peak_memory(model, args).peak_bytes - simulate(problem, ()).peak_bytes, 0)
 
 
 @settings(max_examples=max(5, EXAMPLES // 2), deadline=None)
@@ -326,6 +330,19 @@ def test_replay_equals_the_measured_peak_on_a_chain_nested_three_deep():
     choice = nested_choice([(0, 13, [(3, 5), (9, 11, [(9, 10)])])])
     planned = rewrite(captured.graph_module, model, choice)
     assert peak_memory(planned, args).peak_bytes - offset == simulate(problem, choice).peak_bytes
+
+
+def test_replay_equals_the_measured_peak_where_the_engine_reduces_a_bias_gradient():
+    """The zoo GPT's segment (131, 154) peaks in the backward of ``blocks_3_mlp_2`` (its MLP's
+    second linear layer), whose input, recomputed, only that layer saves: it goes as
+    ``AddmmBackward0`` returns, before the engine sums the bias gradient (512 bytes). Found by
+    Hypothesis: the replay read 508 bytes over before it knew that phase, then the test's
+    offset (the baseline's 4 bytes over, now no offset) made it read 4 under."""
+    model, args, captured, problem, offset = _zoo("gpt")
+    choice = nested_choice([(131, 154)])
+    planned = rewrite(captured.graph_module, model, choice)
+    assert offset == 0
+    assert peak_memory(planned, args).peak_bytes == simulate(problem, choice).peak_bytes
 
 
 @pytest.mark.parametrize("nested", [False, True])
