@@ -42,6 +42,7 @@ from planner.hooks import (
     restoring_output_recorders,
 )
 from planner.model_call import CALL_KEY, ModelCall, container_types
+from planner.model_code import global_loads, loaded_attributes
 from planner.planned_module import PlannedModule
 from planner.regions import (
     CAPTURE_LOCK,
@@ -686,6 +687,7 @@ def _trace_or_export(
                 f"  torch.export (strict=False): {type(export_error).__name__}: "
                 f"{export_error}\n"
                 "What to try: "
+                + _packing_advice(model)
                 + (
                     f"the loss the model computes from {', '.join(labels)} may be what cannot "
                     "be captured: plan without it and pass the loss as loss_fn= (a function "
@@ -713,6 +715,26 @@ def _trace_or_export(
                 "use torch.no_grad() for that region, or move it out of the autocast block",
             ) from trace_error
         return captured
+
+
+_PACKING = frozenset({"pack_padded_sequence", "pack_sequence"})
+
+
+def _packing_advice(model: nn.Module) -> str:
+    """What to try for a model that packs sequences (``pack_padded_sequence``): where neither
+    tracer can follow it, its error says nothing of packing."""
+    for cls in {type(m) for m in model.modules()}:
+        names = loaded_attributes(cls) | {name for _, name in global_loads(cls)}
+        if not _PACKING.isdisjoint(names):
+            return (
+                f"{cls.__name__} packs sequences (torch.nn.utils.rnn.pack_padded_sequence): "
+                "a PackedSequence's sizes come from the values of the lengths, which neither "
+                "tracer can know. Plan the layers before the packing, or after the unpacking, "
+                "as a module of their own, and pack around the planned module; or run the "
+                "recurrent layer on the padded batch (masking what lies past each length). "
+                "Otherwise: "
+            )
+    return ""
 
 
 def _inexact(model: nn.Module, trace_error: Exception, why: str, advice: str) -> PlanningError:

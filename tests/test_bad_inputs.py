@@ -743,3 +743,28 @@ def test_hugging_face_layerdrop_names_the_config_options():
         r"model.encoder.layerdrop = 0.0",
     ):
         planner.plan(model, (ids,), budget_gb=1, example_kwargs={"labels": ids})
+
+
+class PackedRNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(
+            x, lengths, batch_first=True, enforce_sorted=False
+        )
+        out, _ = self.rnn(packed)
+        out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+        return out
+
+
+def test_a_model_that_packs_sequences_is_refused_with_what_to_do():
+    """Found trying the library: the refusal named only the tracers' errors (a FakeTensor
+    size, ``__cuda_array_interface__``) and Hugging Face's ``use_cache``."""
+    model = PackedRNN()
+    x, lengths = torch.randn(4, 6, 8), torch.tensor([6, 3, 5, 2])
+    before = model_state(model)
+    with pytest.raises(PlanningError, match=r"PackedRNN packs sequences.*values of the lengths"):
+        planner.plan(model, (x, lengths), budget_gb=1)
+    assert_same_state(before, model_state(model))
