@@ -723,7 +723,8 @@ _PACKING = frozenset({"pack_padded_sequence", "pack_sequence"})
 def _packing_advice(model: nn.Module) -> str:
     """What to try for a model that packs sequences (``pack_padded_sequence``): where neither
     tracer can follow it, its error says nothing of packing."""
-    for cls in {type(m) for m in model.modules()}:
+    classes: set[type] = {type(m) for m in model.modules()}
+    for cls in classes:
         names = loaded_attributes(cls) | {name for _, name in global_loads(cls)}
         if not _PACKING.isdisjoint(names):
             return (

@@ -198,9 +198,7 @@ class Problem:
         the other (``grad_after_apply``, ``grad_after_release``) does not see them."""
         after_apply = self.grad_after_apply[nodes]
         after_release = self.grad_after_release[nodes]
-        return np.minimum(
-            np.minimum(after_apply, after_release + unpacked), unpacked + released
-        )
+        return np.minimum(np.minimum(after_apply, after_release + unpacked), unpacked + released)
 
     def buffer_copy_bytes(self, start: int, stop: int) -> int:
         """Bytes of the copies of buffers that segment ``(start, stop)`` makes: once when its

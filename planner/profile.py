@@ -665,7 +665,7 @@ class _Recorder(fx.Interpreter):
         # A recompute stops once the last tensor is saved (non-reentrant checkpoint's early
         # stop): an op that then writes into what it saved (RReLU fills the noise it saved)
         # would hand backward the tensor unwritten.
-        effects = ("own generator",) if self.cost.own_generator else ()
+        effects: tuple[str, ...] = ("own generator",) if self.cost.own_generator else ()
         effects += ("writes what it saved",) if self.cost.overwrites_saved else ()
         node.meta["planner.repeated_effects"] = effects
         node.meta["planner.flops"] = self.cost.flops
