@@ -296,8 +296,10 @@ class _CostMode(TorchDispatchMode):
         self.writes: set[int] = set()
         self.random = False
         self.own_generator = False  # an op drew from a generator passed to it (not a default)
-        self.saved: set[int] = set()  # what the node saved so far (``_Recorder.pack``)
-        self.overwrites_saved = False  # an op wrote into a storage saved before it ran
+        # The tensors saved since the last op ran (``_Recorder.pack``): autograd saves an op's
+        # inputs right before the op runs.
+        self.just_saved: set[tuple] = set()
+        self.overwrites_saved = False  # an op wrote into an input it saved before it ran
         self.casts: set[int] = set()  # new storages that autocast's weight-cast cache holds
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -325,7 +327,7 @@ class _CostMode(TorchDispatchMode):
                 written = key(t)
                 if written is not None:
                     self.writes.add(written)
-                    self.overwrites_saved |= written in self.saved
+                    self.overwrites_saved |= _view(written, t) in self.just_saved
         outputs = tensors_in(out)
         for t in outputs:
             created = key(t)
@@ -339,7 +341,14 @@ class _CostMode(TorchDispatchMode):
             self.flops += self._flops(func, facts.flops, args, kwargs, out)
         if not facts.aliasing:
             self.bytes_moved += sum(t.nbytes for t in inputs + outputs)
+        self.just_saved.clear()
         return out
+
+
+def _view(key: int, tensor: torch.Tensor) -> tuple:
+    """Which part of storage ``key`` a tensor views: a cell writing one chunk of its gates
+    after saving another (``gru_cell``) does not write what it saved."""
+    return key, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())
 
 
 def _autocast_device(gm: fx.GraphModule) -> str | None:
@@ -577,7 +586,7 @@ class _Recorder(fx.Interpreter):
         key = self.storages.key(tensor)
         if key is not None:
             self.saved_by_current.add(key)
-            self.cost.saved.add(key)
+            self.cost.just_saved.add(_view(key, tensor))
         self.made_before_last_save = set(self.cost.new)
         return tensor
 
