@@ -226,6 +226,7 @@ class _Replay:
         self.phases: list[str] = []
         self.positions: list[int] = []
         self.backward_step: list[int] = []  # per position
+        self.triggered: list[tuple[int, int]] = []  # (first recompute step, the backward's node)
         # Each recompute: its first step, and the end of the positions it runs (``_run_stop``).
         self.runs: dict[Nest, tuple[int, int]] = {}
         self.run_end: dict[Nest, int] = {}  # the last step of each recompute
@@ -263,6 +264,8 @@ class _Replay:
             if saving is not None:  # the first unpack recomputes: the last saver's backward
                 unpacking.setdefault(saving[1], []).append(segment)
         for p in range(n - 1, -1, -1):
+            if p in unpacking:  # p's backward recomputes from this step up to its own
+                self.triggered.append((len(self.positions), p))
             for segment in unpacking.get(p, ()):
                 stop = self._run_stop(segment)
                 self.runs[segment] = (len(self.positions), stop)
@@ -472,6 +475,13 @@ class _Replay:
         if n:
             releasing[self.backward_step[0]] -= graph_held
         self._buffer_copies(alloc, free)
+        # What a triggering backward has allocated when it unpacks is held through the
+        # recomputes it triggers (``Problem.grad_before_unpack``).
+        for first, p in self.triggered:
+            last = self.backward_step[p] - 1
+            if last >= first:
+                alloc[first] += problem.grad_before_unpack[p]
+                free[last] += problem.grad_before_unpack[p]
         # A checkpoint call costs Problem.checkpoint_seconds each time it runs: every segment
         # in the forward, and an inner one again inside its parent's recompute.
         calls = len(self.nests) + sum(

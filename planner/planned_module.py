@@ -14,6 +14,7 @@ it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -1099,9 +1100,15 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
             # The graph holds the branch forward took on grad mode at planning, and there is
             # nothing to checkpoint: the model itself, exactly.
             return snapshot.model(*args, **kwargs)
-        if snapshot.checkpoints and torch.is_grad_enabled() and _under_vmap():
+        if (
+            snapshot.checkpoints
+            and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and _under_vmap()
+        ):
             snapshot.warn_vmapped()
-            return snapshot.model(*args, **kwargs)
+            with self._root_entries_on_the_model(snapshot):
+                return snapshot.model(*args, **kwargs)
         form = snapshot.call_form(args, kwargs)
         if form is not None:
             return snapshot.run_form(form, args, kwargs)
@@ -1140,6 +1147,26 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
             raise
         snapshot.warn_if_larger(args, kwargs)  # after: export's static graphs refuse other sizes
         return output
+
+    @contextlib.contextmanager
+    def _root_entries_on_the_model(self, snapshot: Snapshot):
+        """Where the model runs in the planned module's place: with the root parameters and
+        buffers that ``functional_call`` swapped on the planned module alone (found by
+        review: a ``vmap`` ensemble of ``functional_call`` computed with the model's own)."""
+        swaps = [
+            (getattr(snapshot.model, table), key, value)
+            for table in snapshot.synced
+            for key, value in getattr(self, table).items()
+            if getattr(snapshot.model, table).get(key) is not value
+        ]
+        before = [(d, key, d.get(key)) for d, key, _ in swaps]
+        for d, key, value in swaps:
+            d[key] = value
+        try:
+            yield
+        finally:
+            for d, key, value in before:
+                d[key] = value
 
     def _read_root_state(self, snapshot: Snapshot) -> None:
         """Root parameters and buffers are entries of both modules' own dicts, and the graph

@@ -146,6 +146,9 @@ class Problem:
     # gradients reduced to its inputs' shapes): recomputed tensors that function was the last
     # to unpack are gone by then. Left out: the same as grad_after_release.
     grad_after_apply: np.ndarray = None  # type: ignore[assignment]
+    # What backward step i has allocated when it first unpacks a saved tensor: a recompute it
+    # triggers runs on top of it. Left out: none.
+    grad_before_unpack: np.ndarray = None  # type: ignore[assignment]
 
     def __post_init__(self):
         defaults = {
@@ -155,6 +158,7 @@ class Problem:
             "grad_complete_at": lambda: self.grad_bytes_at,
             "grad_after_release": lambda: np.zeros(self.size, dtype=np.int64),
             "grad_after_apply": lambda: self.grad_after_release,
+            "grad_before_unpack": lambda: np.zeros(self.size, dtype=np.int64),
         }
         for name, default in defaults.items():
             if getattr(self, name) is None:
@@ -463,6 +467,9 @@ def build_problem(
     after_apply = np.array(
         [require_meta(node, "planner.backward_after_apply") for node in nodes], np.int64
     )
+    before_unpack = np.array(
+        [require_meta(node, "planner.backward_before_unpack") for node in nodes], np.int64
+    )
     grad_alloc = high - grad_bytes_at
     grad_free = high - net
     if n:
@@ -526,6 +533,7 @@ def build_problem(
         activation_grad_free=grad_free,
         grad_after_release=after_release,
         grad_after_apply=after_apply,
+        grad_before_unpack=before_unpack,
         checkpointable=~pinned,
         cut_allowed=cut_allowed,
         cut_bytes=cut_bytes,

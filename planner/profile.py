@@ -57,6 +57,10 @@ Keys written into ``node.meta`` (the one place they are documented):
     gradients into those its inputs already have: a skip's gradient and the main path's, added
     out of place). A recomputed tensor a checkpoint handed that function is gone by the first;
     the saved tensors the graph holds, by the second (``simulate``).
+``planner.backward_before_unpack``
+    what the node's backward has allocated when it first unpacks a saved tensor, where a
+    checkpoint recomputes: that recompute runs on top of it (``CopySlices``, the backward of
+    an op in place on a view, allocates its gradient buffers first).
 ``planner.made_before_last_save``
     storages among ``planner.created`` that exist when the node's last tensor is saved. A
     checkpoint's recompute stops right there (non-reentrant checkpoint stops once every saved
@@ -134,6 +138,7 @@ META_KEYS = (
     "planner.backward_net",
     "planner.backward_after_apply",
     "planner.backward_after_release",
+    "planner.backward_before_unpack",
     "planner.cast_cache",
     "planner.made_before_last_save",
     "planner.context_saved",
@@ -459,16 +464,28 @@ class _BackwardMemory(TorchDispatchMode):
         self.net: dict[fx.Node, int] = {}
         self.phase = _APPLY
         self.paused = False  # while it makes a stand-in (``stand_in``)
+        self.before_unpack: dict[fx.Node, int] = {}  # see ``unpacking``
+        self.entered_at = 0
 
     def enter(self, node: fx.Node) -> None:
         self._close()
         # What the loss's backward allocated before the first node (the seed, ``ones_like``
         # of the loss, held by ``backward()`` until it returns) counts as that node's.
         self.current, self.start = node, (0 if self.current is None else self.live)
+        self.entered_at = self.live  # for the first node, after the loss's seed
         self.phase = _APPLY
         highs = self.highs.setdefault(node, [0, 0, 0])
         highs[_APPLY] = max(highs[_APPLY], self.live - self.start)
         self.net.setdefault(node, 0)
+
+    def unpacking(self) -> None:
+        """A backward function unpacks a saved tensor: where a checkpoint recomputes. What the
+        current node's backward holds at its first unpack, it holds through that recompute:
+        ``CopySlices`` (an op in place on a view) makes its gradient buffers before its
+        function unpacks (found trying the library: 4-11% over a nested plan's budget)."""
+        if self.current is not None and self.current not in self.before_unpack:
+            # The replay holds the loss and its seed through a first recompute already.
+            self.before_unpack[self.current] = self.live - self.entered_at
 
     def reach(self, node: fx.Node) -> None:
         """One of ``node``'s own backward functions is about to run: its backward starts here
@@ -484,6 +501,10 @@ class _BackwardMemory(TorchDispatchMode):
         backward function it is handed to returns (``_Recorder.unpack``)."""
         if tensor.layout is not torch.strided:
             return tensor  # a sparse tensor's end is not watched: its function's high is whole
+        if isinstance(torch._C._current_autograd_node(), BackwardCFunction):
+            # A custom function's backward may return what it saved as a gradient (a fused
+            # loss's): a stand-in would stand for that memory too. Not watched either.
+            return tensor
         self.paused = True
         try:
             stand_in = tensor.new_empty_strided(tensor.size(), tensor.stride())
@@ -491,16 +512,18 @@ class _BackwardMemory(TorchDispatchMode):
             self.paused = False
         storage = stand_in.untyped_storage()
         cdata = storage._cdata
-        self.tracked[cdata] = (0, weakref.ref(storage, functools.partial(self._applied, cdata)))
+        ended = functools.partial(self._applied, cdata, self.current)
+        self.tracked[cdata] = (0, weakref.ref(storage, ended))
         return stand_in
 
-    def _applied(self, cdata: int, reference: weakref.ref) -> None:  # a weakref callback
-        """A backward function returned, dropping what it unpacked: a recomputed tensor a
-        checkpoint handed it would be gone from here on, unlike one the graph saves. What the
-        current node's backward allocated since an earlier function returned, it allocated
-        while this one still held its tensors."""
+    def _applied(self, cdata: int, node, reference: weakref.ref) -> None:  # a weakref callback
+        """A backward function of ``node`` returned, dropping what it unpacked: a recomputed
+        tensor a checkpoint handed it would be gone from here on, unlike one the graph saves.
+        What the node's backward allocated since an earlier function returned, it allocated
+        while this one still held its tensors. A stand-in that outlives its node's backward
+        (a custom function returning what it saved as a gradient) tells nothing."""
         del self.tracked[cdata]
-        if self.current is None or self.phase == _RELEASED:
+        if self.current is None or self.current is not node or self.phase == _RELEASED:
             return
         highs = self.highs[self.current]
         highs[_APPLY], highs[_OUTPUTS] = max(highs[_APPLY], highs[_OUTPUTS]), 0
@@ -526,6 +549,7 @@ class _BackwardMemory(TorchDispatchMode):
             node.meta["planner.backward_net"] = self.net.get(node, 0)
             node.meta["planner.backward_after_apply"] = high - applying
             node.meta["planner.backward_after_release"] = high - max(applying, outputs)
+            node.meta["planner.backward_before_unpack"] = self.before_unpack.get(node, 0)
 
     def _free(self, cdata: int, reference: weakref.ref) -> None:  # a weakref callback
         self.live -= self.tracked.pop(cdata)[0]
@@ -621,8 +645,9 @@ class _Recorder(fx.Interpreter):
     def unpack(self, tensor):
         """Hand a backward function a stand-in for what it saved, on a storage of its own that
         dies when the function returns: that tells ``self.backward`` where the function
-        ended. The profile's tensors have no values, only sizes,
-        so the stand-in computes the same; it is not counted as an allocation."""
+        ended. The profile's tensors have no values, only sizes, so the stand-in computes the
+        same; it is not counted as an allocation."""
+        self.backward.unpacking()
         return self.backward.stand_in(tensor)
 
     def run_node(self, node: fx.Node):

@@ -341,9 +341,9 @@ class Segment:
 
     def contexts(self):
         """The contexts of one call: (forward, recompute), as ``checkpoint``'s ``context_fn``."""
-        versions: list[tuple[torch.Tensor, int]] = []
-        forward = [_Reenterable(self._taking_state, versions)]
-        recompute = [_Reenterable(self._as_in_forward, versions)]
+        state: list[list[tuple]] = []  # the forward's training flags and parameters
+        forward = [_Reenterable(self._taking_state, state)]
+        recompute = [_Reenterable(self._as_in_forward, state)]
         if self.restores_buffers:
             at_forward: list[torch.Tensor] = []
             forward.append(_Reenterable(self._remembering, at_forward))
@@ -381,16 +381,18 @@ class Segment:
         for _, _, p, version, _ in parameters:
             if p._version != version:
                 raise RuntimeError(self._changed_message(p))
-        modes = [(m, m.training) for m, training in flags if m.training != training]
+        moved = [(m, training) for m, training in flags if m.training != training]
+        # Not one removed since (``prune`` moves a weight): the recompute fails as without
+        # this, and the module is left as it is.
         swapped = [
-            (m, name, p, m._parameters.get(name))
+            (m, name, p, m._parameters[name])
             for m, name, p, _, _ in parameters
-            if m._parameters.get(name) is not p
-            and not (_sharded(p) or _sharded(m._parameters.get(name)))
+            if m._parameters.get(name, p) is not p
+            and not (_sharded(p) or _sharded(m._parameters[name]))
         ]
         thawed = [(p, grad) for _, _, p, _, grad in parameters if p.requires_grad != grad]
-        for m, training in modes:
-            m.training = not training
+        for m, training in moved:
+            m.training = training
         for m, name, p, _ in swapped:
             m._parameters[name] = p
         for p, grad in thawed:
@@ -402,8 +404,8 @@ class Segment:
                 p.requires_grad_(not grad)
             for m, name, _, now in reversed(swapped):
                 m._parameters[name] = now
-            for m, training in modes:
-                m.training = training
+            for m, training in moved:
+                m.training = not training
 
     def _changed_message(self, parameter: torch.Tensor) -> str:
         root = self.root
@@ -453,9 +455,11 @@ class Segment:
 def _sharded(tensor) -> bool:
     """Whether ``tensor`` is a parameter FSDP2 holds sharded between a module's calls: its
     hooks, which run in the recompute too, put the gathered tensor in place for each call."""
-    return type(tensor).__name__ == "DTensor" and type(tensor).__module__.startswith(
-        "torch.distributed."
-    )
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 class _Box:

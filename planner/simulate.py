@@ -252,7 +252,10 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
         positions += [np.arange(upper - 1, end, -1), np.arange(start, end + 1)]
         extra_alloc += [np.zeros(upper - end - 1, np.int64), np.zeros(steps, np.int64)]
         extra_free += [np.zeros(upper - end - 1, np.int64), np.zeros(steps, np.int64)]
-        extra_alloc[-1][0], extra_free[-1][-1] = nbytes, 2 * nbytes
+        # What the triggering backward (the last saver's) has allocated when it unpacks is
+        # held through the recompute too (``Problem.grad_before_unpack``).
+        held = int(problem.grad_before_unpack[end])
+        extra_alloc[-1][0], extra_free[-1][-1] = nbytes + held, 2 * nbytes + held
         upper = end + 1
     phases.append(np.full(upper, 2, np.int8))
     positions.append(np.arange(upper - 1, -1, -1))

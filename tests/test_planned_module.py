@@ -412,6 +412,52 @@ def test_torch_func_transforms_on_the_planned_module():
         torch.func.grad(loss(p.module))(params)
 
 
+def test_a_vmap_ensemble_of_functional_calls_computes_with_the_tensors_passed():
+    """``stack_module_state`` then ``vmap(functional_call(p.module, ...))`` with gradients:
+    the model runs in the planned module's place there, and must compute with the root
+    parameters ``functional_call`` swapped on the planned module alone (found by review: it
+    computed with the model's own, outputs 2.0 apart)."""
+    torch.manual_seed(0)
+    model, x = RootState(), torch.randn(8, 16)
+    reference = copy.deepcopy(model)
+    p = sqrt_n_plan(model, (x,))
+    copies = [copy.deepcopy(reference) for _ in range(3)]
+    for k, c in enumerate(copies):
+        with torch.no_grad():
+            for t in c.parameters():
+                t.add_(0.1 * k)
+    results = []
+    for module in (reference, p.module):
+        params, buffers = torch.func.stack_module_state(copies)
+
+        def one(params, buffers, x, module=module):
+            return torch.func.functional_call(module, (params, buffers), (x,))
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = torch.func.vmap(one, in_dims=(0, 0, None))(params, buffers, x)
+        out.pow(2).sum().backward()
+        results.append((out, [params[name].grad for name in sorted(params)]))
+    (expected, expected_grads), (out, grads) = results
+    assert torch.equal(out, expected)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
+
+
+def test_a_parameter_removed_between_forward_and_backward_leaves_the_model_intact():
+    """``prune`` between the forward and the backward moves a weight away: the recompute fails
+    as plain checkpoint does, and the model keeps its modules as they are (found by review:
+    the recompute put ``weight = None`` back and the model itself could not run again)."""
+    torch.manual_seed(0)
+    model, x = _blocks(batch_norm=False), torch.randn(32, 16)
+    p = sqrt_n_plan(model, (x,))
+    out = p.module(x)
+    torch.nn.utils.prune.l1_unstructured(model[1][0], "weight", amount=0.5)
+    with pytest.raises(Exception):  # noqa: B017 (checkpoint's own error)
+        out.pow(2).mean().backward()
+    assert "weight" not in model[1][0]._parameters
+    model(x).sum().backward()  # the model still runs
+
+
 class Configured(RootState):
     """A model with what Hugging Face models carry besides forward: a config and methods."""
 

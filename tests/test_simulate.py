@@ -138,14 +138,18 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
         # to unpack a saved tensor.
         if k >= 0 and i == last_recomputed(problem, *segments[k]):
             start, end = segments[k][0], i
+            # what i's backward has allocated when it unpacks, held through the recompute
+            unpacking = int(problem.grad_before_unpack[i])
             for j in range(start, end + 1):
-                made = recompute_alloc[j] + copy_recompute[j]
+                made = recompute_alloc[j] + copy_recompute[j] + (unpacking if j == start else 0)
+                gone = recompute_free[j] + (unpacking if j == end else 0)
                 if j in keep:  # taken from the cache: nothing runs, its temporaries go
-                    step("recompute", j, copy_recompute[j], 0, recompute_free[j] + held[j])
+                    made -= recompute_alloc[j]
+                    step("recompute", j, made, 0, gone + held[j])
                 elif j == end and not problem.saves_own[j]:  # stops as it saves the inputs
-                    step("recompute", j, made, 0, recompute_free[j])
+                    step("recompute", j, made, 0, gone)
                 else:
-                    step("recompute", j, made, problem.workspace[j], recompute_free[j])
+                    step("recompute", j, made, problem.workspace[j], gone)
                     seconds += float(problem.seconds[j])
         step(
             "backward",
