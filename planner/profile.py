@@ -353,10 +353,11 @@ class _CostMode(TorchDispatchMode):
 def _written_through_view(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a view written in place (``h.view(...).mul_(s)``, a Linear's 3-d
     output updated in place): its base's backward is a ``CopySlices``."""
+    grad_fn = tensor.grad_fn
     return (
         tensor._base is not None
-        and tensor.grad_fn is not None
-        and any(type(f).__name__ == "CopySlices" for f, _ in tensor.grad_fn.next_functions)
+        and grad_fn is not None
+        and any(type(f).__name__ == "CopySlices" for f, _ in grad_fn.next_functions)
     )
 
 
@@ -735,7 +736,7 @@ class _Recorder(fx.Interpreter):
         node.meta["planner.requires_grad"] = any(t.requires_grad for t in tensors)
         node.meta["planner.tensor_output"] = bool(tensors)
         for t in tensors:
-            if _written_through_view(t):
+            if t.grad_fn is not None and _written_through_view(t):
                 t.grad_fn.register_hook(_as_strided_gradient)
         # A node that returns a tensor it was given (dropout with p=0, ``to`` to the same dtype)
         # shares its grad_fn: that backward is the maker's, and runs where the maker's does

@@ -254,8 +254,8 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
         extra_free += [np.zeros(upper - end - 1, np.int64), np.zeros(steps, np.int64)]
         # What the triggering backward (the last saver's) has allocated when it unpacks is
         # held through the recompute too (``Problem.grad_before_unpack``).
-        held = int(problem.grad_before_unpack[end])
-        extra_alloc[-1][0], extra_free[-1][-1] = nbytes + held, 2 * nbytes + held
+        unpacking = int(problem.grad_before_unpack[end])
+        extra_alloc[-1][0], extra_free[-1][-1] = nbytes + unpacking, 2 * nbytes + unpacking
         upper = end + 1
     phases.append(np.full(upper, 2, np.int8))
     positions.append(np.arange(upper - 1, -1, -1))
