@@ -199,7 +199,14 @@ class Problem:
         hold. Recomputed tensors that a node's last backward function was the last to unpack
         (``unpacked``) are gone once it returns, the saved tensors autograd releases
         (``released``) once the engine releases them: a high point reached after the one or
-        the other (``grad_after_apply``, ``grad_after_release``) does not see them."""
+        the other (``grad_after_apply``, ``grad_after_release``) does not see them.
+
+        With the high points of the three phases ``a`` (while the function runs), ``v`` (after
+        it returned) and ``r`` (after the release), and their highest ``h``, the step reads
+        ``max(a, v - unpacked, r - unpacked - released)``, that is ``h`` less
+        ``min(h - a, h - v + unpacked, h - r + unpacked + released)``. Case by case on which
+        phase reaches ``h``, that is the form below, with ``grad_after_apply = h - a`` and
+        ``grad_after_release = h - max(a, v)``, the two arrays kept."""
         after_apply = self.grad_after_apply[nodes]
         after_release = self.grad_after_release[nodes]
         return np.minimum(np.minimum(after_apply, after_release + unpacked), unpacked + released)
