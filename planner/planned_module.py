@@ -14,7 +14,6 @@ it.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
@@ -897,6 +896,9 @@ class Snapshot:
                 new_kwargs[name] = value
         return tuple(new_args), new_kwargs
 
+    def call_model(self, args: tuple, kwargs: dict):
+        return self.model(*args, **kwargs)
+
     def run_model(self, args: tuple, kwargs: dict):
         """The model itself, for a mode the plan was not made in."""
         if torch.is_grad_enabled() and not self.warned:
@@ -1094,12 +1096,12 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         snapshot = self._planner
         self._read_root_state(snapshot)
         if snapshot.mode_changed():
-            return snapshot.run_model(args, kwargs)
+            return self._in_the_models_place(snapshot, snapshot.run_model, args, kwargs)
         snapshot.check_unchanged(type(self).__name__)
         if snapshot.reads_grad_mode and not torch.is_grad_enabled():
             # The graph holds the branch forward took on grad mode at planning, and there is
             # nothing to checkpoint: the model itself, exactly.
-            return snapshot.model(*args, **kwargs)
+            return self._in_the_models_place(snapshot, snapshot.call_model, args, kwargs)
         if (
             snapshot.checkpoints
             and torch.is_grad_enabled()
@@ -1107,11 +1109,12 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
             and _under_vmap()
         ):
             snapshot.warn_vmapped()
-            with self._root_entries_on_the_model(snapshot):
-                return snapshot.model(*args, **kwargs)
+            return self._in_the_models_place(snapshot, snapshot.call_model, args, kwargs)
         form = snapshot.call_form(args, kwargs)
         if form is not None:
-            return snapshot.run_form(form, args, kwargs)
+            return self._in_the_models_place(
+                snapshot, functools.partial(snapshot.run_form, form), args, kwargs
+            )
         snapshot.warn_if_gradients_held(args, kwargs)
         snapshot.warn_if_saved_tensor_hooks()
         try:
@@ -1148,22 +1151,25 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         snapshot.warn_if_larger(args, kwargs)  # after: export's static graphs refuse other sizes
         return output
 
-    @contextlib.contextmanager
-    def _root_entries_on_the_model(self, snapshot: Snapshot):
-        """Where the model runs in the planned module's place: with the root parameters and
-        buffers that ``functional_call`` swapped on the planned module alone (found by
-        review: a ``vmap`` ensemble of ``functional_call`` computed with the model's own)."""
+    def _in_the_models_place(self, snapshot: Snapshot, run, args: tuple, kwargs: dict):
+        """``run(args, kwargs)``, which calls the model (or a call form's plan of it) in the
+        planned module's place, with the root parameters and buffers ``functional_call``
+        swapped on the planned module alone (found by review: a ``vmap`` ensemble of
+        ``functional_call`` computed with the model's own; an EMA evaluated in eval mode
+        through ``functional_call(p.module, ...)`` too)."""
         swaps = [
             (getattr(snapshot.model, table), key, value)
             for table in snapshot.synced
             for key, value in getattr(self, table).items()
             if getattr(snapshot.model, table).get(key) is not value
         ]
+        if not swaps:
+            return run(args, kwargs)
         before = [(d, key, d.get(key)) for d, key, _ in swaps]
         for d, key, value in swaps:
             d[key] = value
         try:
-            yield
+            return run(args, kwargs)
         finally:
             for d, key, value in before:
                 d[key] = value

@@ -443,6 +443,26 @@ def test_a_vmap_ensemble_of_functional_calls_computes_with_the_tensors_passed():
     assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
 
 
+def test_functional_call_in_another_mode_computes_with_the_tensors_passed():
+    """An EMA evaluated through ``functional_call(p.module, ema_params, x)`` in eval mode: the
+    model runs in the planned module's place there, and computed with its own root
+    parameters (found after review)."""
+    torch.manual_seed(0)
+    model, x = RootState(), torch.randn(8, 16)
+    reference = copy.deepcopy(model)
+    p = sqrt_n_plan(model, (x,))
+    outputs = []
+    for module, own in ((reference, reference), (p.module, model)):
+        passed = {k: v.detach() + 1.0 for k, v in own.named_parameters()}
+        own.eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outputs.append(torch.func.functional_call(module, passed, (x,)))
+        own.train()
+    assert torch.equal(*outputs)
+    assert p.module.pos is model.pos  # put back
+
+
 def test_a_parameter_removed_between_forward_and_backward_leaves_the_model_intact():
     """``prune`` between the forward and the backward moves a weight away: the recompute fails
     as plain checkpoint does, and the model keeps its modules as they are (found by review:
