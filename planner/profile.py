@@ -457,10 +457,10 @@ class _BackwardMemory(TorchDispatchMode):
         self.current: fx.Node | None = None
         self.start = 0
         self.tracked: dict[int, tuple[int, weakref.ref]] = {}  # _cdata -> (nbytes, reference)
-        # The high point of each node's backward in each of its phases: while its last
-        # backward function runs, once that function has returned (the engine reduces its
-        # gradients to the inputs' shapes: a broadcast bias's sum), and once the engine has
-        # released what the node's functions saved (``applied``, ``release``).
+        # The high point of each node's backward in each of its phases: while its backward
+        # functions run, once the last that unpacked something has returned (the engine then
+        # reduces its gradients to the inputs' shapes: a broadcast bias's sum), and once the
+        # engine has released what the node's functions saved (``_applied``, ``release``).
         self.highs: dict[fx.Node, list[int]] = {}
         self.net: dict[fx.Node, int] = {}
         self.phase = _APPLY
