@@ -530,6 +530,40 @@ class _BackwardMemory(TorchDispatchMode):
         highs[_APPLY], highs[_OUTPUTS] = max(highs[_APPLY], highs[_OUTPUTS]), 0
         self.phase = _OUTPUTS
 
+    def hand_on(self, grad_inputs: tuple) -> tuple | None:
+        """A custom function's backward returned its gradients: one on a storage of the
+        forward's (a fused loss computes its gradient in forward, saves it and returns it,
+        ``gi.mul_(g)``) lives on as the next function's incoming gradient after autograd
+        released it (found by review: plans up to 3.6% under their measured peaks). It goes on
+        as a tensor on a storage of its own, counted as this backward's from here on, whose
+        death tells when the next function is done with it; not in the high point now, where
+        it is still the saved tensor."""
+        handed = [
+            t is not None
+            and t.layout is torch.strided
+            and t.untyped_storage()._cdata in self.forward.keys
+            for t in grad_inputs
+        ]
+        if not any(handed):
+            return None
+        result = []
+        for t, forward in zip(grad_inputs, handed):
+            if forward:
+                self.paused = True
+                try:
+                    t = t.new_empty_strided(t.size(), t.stride())
+                finally:
+                    self.paused = False
+                storage = t.untyped_storage()
+                cdata, nbytes = storage._cdata, storage.nbytes()
+                self.tracked[cdata] = (
+                    nbytes,
+                    weakref.ref(storage, functools.partial(self._free, cdata)),
+                )
+                self.live += nbytes
+            result.append(t)
+        return tuple(result)
+
     def release(self, node: fx.Node) -> None:
         """The last of ``node``'s backward functions has run: the engine releases what they
         saved, then sums their gradients into their inputs'. Only while ``node``'s backward is
@@ -665,6 +699,8 @@ class _Recorder(fx.Interpreter):
                 out = self.record(node, run, passed)
             node.meta["planner.repeated_effects"] += tuple(effects)
             return out
+        except PlanningError:
+            raise
         except (DynamicOutputShapeException, DataDependentOutputException) as error:
             what = (
                 "reads a Python number from a tensor (.item(), float(t), int(t)), which "
@@ -767,6 +803,8 @@ class _Recorder(fx.Interpreter):
                 self.backward.release(node)
 
         for grad_fn in own:
+            if isinstance(grad_fn, BackwardCFunction):
+                grad_fn.register_hook(lambda grad_inputs, _: self.backward.hand_on(grad_inputs))
             grad_fn.register_hook(ran)
             grad_fn.register_prehook(lambda grads, node=node: self.backward.reach(node))
 
