@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_leaves
 from planner.errors import PlanningError
 from planner.hooks import HOOK_TABLES, process_wide_hook_count
 from planner.model_code import global_loads
+from planner.regions import CAPTURE_LOCK
 
 __all__ = ["generators", "keeping_random_states", "refusing_side_effects", "repeated_effects"]
 
@@ -57,6 +58,7 @@ _TRACER_CONSTANT = re.compile(
 )
 _APPLY = torch.autograd.Function.__dict__["apply"]
 _REGISTER_HOOK = torch.Tensor.register_hook
+_ENTER_SAVED_HOOKS = torch.autograd.graph.saved_tensors_hooks.__enter__
 
 
 def _attributes(model: nn.Module) -> dict[tuple[str, str], object]:
@@ -237,9 +239,43 @@ def _is_users(function: type) -> bool:
 
 
 @contextlib.contextmanager
-def _recording_what_graphs_lose(applied: list[type], hooked: list[bool]):
-    """Note every user-defined ``autograd.Function`` this thread applies meanwhile, and every
-    tensor hook it registers (``h.register_hook(...)``, which no graph records)."""
+def _noting_saved_tensor_hooks(entered: list[str]):
+    """Note each saved-tensor hook context (``torch.autograd.graph.saved_tensors_hooks``,
+    ``save_on_cpu``) the model's code in this thread enters meanwhile. No graph records one, and
+    inside a module kept whole it takes the place of the hooks the profile and checkpoint save
+    through (found trying the library: gradients silently wrong, or 46% over the budget)."""
+    thread = threading.get_ident()
+
+    def entering(manager):
+        if _models_code(thread, sys._getframe(1)):
+            entered.append(type(manager).__name__)
+        return _ENTER_SAVED_HOOKS(manager)
+
+    hooks = torch.autograd.graph.saved_tensors_hooks
+    hooks.__enter__ = entering  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        hooks.__enter__ = _ENTER_SAVED_HOOKS  # type: ignore[method-assign]
+
+
+def saved_tensor_hooks_refusal(who: str, entered: list[str]) -> PlanningError:
+    names = ", ".join(sorted(set(entered)))
+    return PlanningError(
+        f"cannot plan: the forward of {who} enters saved-tensor hooks ({names}: "
+        "torch.autograd.graph.saved_tensors_hooks or save_on_cpu). A captured graph does not "
+        "record them, and inside a module kept whole they take the place of the hooks through "
+        "which planner measures and checkpointing drops saved tensors. Enter them around the "
+        "training step instead (they then apply to the tensors saved outside checkpointed "
+        "segments; docs/guarantees.md), or do not plan this model"
+    )
+
+
+@contextlib.contextmanager
+def _recording_what_graphs_lose(applied: list[type], hooked: list[bool], entered: list[str]):
+    """Note every user-defined ``autograd.Function`` this thread applies meanwhile, every
+    tensor hook it registers (``h.register_hook(...)``, which no graph records) and every
+    saved-tensor hook context it enters."""
     thread = threading.get_ident()
     apply = _APPLY.__func__
 
@@ -256,7 +292,8 @@ def _recording_what_graphs_lose(applied: list[type], hooked: list[bool]):
     torch.autograd.Function.apply = classmethod(recording)  # type: ignore[method-assign,assignment]
     torch.Tensor.register_hook = registering  # type: ignore[method-assign]
     try:
-        yield
+        with _noting_saved_tensor_hooks(entered):
+            yield
     finally:
         torch.autograd.Function.apply = _APPLY  # type: ignore[method-assign]
         torch.Tensor.register_hook = _REGISTER_HOOK  # type: ignore[method-assign]
@@ -376,9 +413,10 @@ def refusing_side_effects(model: nn.Module):
     versions = {n: p._version for n, p in model.named_parameters(remove_duplicate=False)}
     applied: list[type] = []
     hooked: list[bool] = []
+    entered: list[str] = []
     try:
         with (
-            _recording_what_graphs_lose(applied, hooked),
+            _recording_what_graphs_lose(applied, hooked, entered),
             _refusing_reseeding(model),
             _putting_back_containers(model) as filled,
         ):
@@ -404,6 +442,8 @@ def refusing_side_effects(model: nn.Module):
         for p, k in changed
         if _set_by_forward(k, before.get((p, k), _MISSING), after.get((p, k), _MISSING), root=not p)
     ]
+    if entered:
+        raise saved_tensor_hooks_refusal(type(model).__name__, entered)
     reasons = _reasons(applied, bool(hooked), drew, set_by_forward, filled, updated)
     installed = sorted(
         {_installed_package(type(model.get_submodule(p))) for p, _ in set_by_forward}
@@ -453,8 +493,14 @@ def repeated_effects(module: nn.Module):
         return
     before = _attributes(module)
     draws = _RandomStates(before.values())
+    entered: list[str] = []
     try:
-        with _putting_back_containers(module) as filled:
+        # The patch is process-wide: one thread at a time (see planner.regions).
+        with (
+            CAPTURE_LOCK,
+            _noting_saved_tensor_hooks(entered),
+            _putting_back_containers(module) as filled,
+        ):
             yield found
     finally:
         after = _attributes(module)
@@ -466,6 +512,8 @@ def repeated_effects(module: nn.Module):
         if draws.drew():
             found.append("random draws")
         _restore(module, before, changed)
+    if entered:
+        raise saved_tensor_hooks_refusal(f"{type(module).__name__} (a module kept whole)", entered)
     found += [f"values put into {name}" for name in filled]
     found += sorted(
         _dotted(path, key)
