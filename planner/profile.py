@@ -859,6 +859,26 @@ def _context_tensors(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     ]
 
 
+def _backward_failure(func) -> str:
+    """Why the fake backward could not run ``func``, and what helps."""
+    if func is torch.ops.aten._local_scalar_dense.default:
+        return (
+            "the model's backward cannot be profiled: it reads a Python number from a tensor "
+            "(.item(), float(t)), which depends on the tensor's values, and planner's profile "
+            "runs on fake tensors, which have sizes only. A backward hook on a module "
+            "(register_full_backward_hook) that logs a gradient's norm with .item() does "
+            "this: register such hooks after planning (on a module the graph calls whole, "
+            "they then run on real tensors), or log without .item()."
+        )
+    return (
+        f"the model's backward cannot be profiled: it calls {func}, whose result's sizes "
+        "torch's fake tensors cannot give (they depend on the values in its inputs), and "
+        "planner's profile runs on fake tensors. A boolean-mask assignment in forward "
+        "(h[mask] = v) does this; torch.where(mask[..., None], v, h) computes the same values "
+        "without it. Or keep that computation out of the planned forward."
+    )
+
+
 def placeholder_values(gm: fx.GraphModule, args: tuple, kwargs: dict) -> list:
     """The values of ``gm``'s placeholders for a call ``gm(*args, **kwargs)``."""
     bound = inspect.signature(gm.forward).bind(*args, **kwargs)
@@ -1109,14 +1129,7 @@ def profile(
                 try:
                     loss.backward()
                 except (DynamicOutputShapeException, DataDependentOutputException) as error:
-                    raise PlanningError(
-                        f"the model's backward cannot be profiled: it calls {error.func}, "
-                        "whose result's sizes torch's fake tensors cannot give (they depend on "
-                        "the values in its inputs), and planner's profile runs on fake tensors. "
-                        "A boolean-mask assignment in forward (h[mask] = v) does this; "
-                        "torch.where(mask[..., None], v, h) computes the same values without "
-                        "it. Or keep that computation out of the planned forward."
-                    ) from error
+                    raise PlanningError(_backward_failure(error.func)) from error
             recorder.backward.finish()
     produced, read = set(), set()
     for node in [*gm.graph.nodes, *([loss_at] if loss_at is not None else [])]:

@@ -768,3 +768,14 @@ def test_a_model_that_packs_sequences_is_refused_with_what_to_do():
     with pytest.raises(PlanningError, match=r"PackedRNN packs sequences.*values of the lengths"):
         planner.plan(model, (x, lengths), budget_gb=1)
     assert_same_state(before, model_state(model))
+
+
+def test_a_backward_hook_that_reads_a_number_is_named_when_backward_cannot_be_profiled():
+    """A module's backward hook logging a gradient's norm with ``.item()``, registered before
+    planning: the message pointed at a boolean-mask assignment in forward (found trying the
+    library)."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    norms = []
+    model[2].register_full_backward_hook(lambda m, gi, go: norms.append(go[0].norm().item()))
+    with pytest.raises(planner.PlanningError, match=r"\.item\(\).*backward hook.*after planning"):
+        planner.plan(model, (torch.randn(4, 16),), budget_gb=1)
