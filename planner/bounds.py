@@ -112,9 +112,9 @@ def recompute_lower_bound(
             column = rec + storages[k].producer
             terms[column] = terms.get(column, 0.0) - nbytes[k]
         live = int(nbytes[sorted(own | earlier)].sum())
-        # The part of the high point after j's backward dropped what it saved may not see
-        # ``own`` (``Problem.released_before_high``).
-        high = int(allocated[j] - problem.grad_after_apply[j])
+        # The part of the high point after j's backward may have dropped some of what it
+        # saved need not see ``own`` (``Problem.grad_after_saved``).
+        high = int(allocated[j] - problem.grad_after_saved[j])
         rows.append((terms, peak_bytes - problem.fixed_bytes - high - live))
         earlier |= own
 

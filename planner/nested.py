@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.choice import Choice, Simulation, validate_segments
-from planner.problem import Problem
+from planner.problem import NEVER, Problem
 
 
 @dataclass(frozen=True)
@@ -362,6 +362,19 @@ class _Replay:
             reads.append(self.run_end[segment])
         return max(reads, default=created_at)
 
+    def _gone(self, storage, node: int, handed: bool, graph: bool) -> int:
+        """The phase of ``node``'s backward from which the copy of ``storage`` its step frees
+        is gone: one handed to its functions (``handed``: a recomputed copy, or the graph's
+        own where ``node`` runs outside checkpoints) goes as they return (a recomputed one)
+        or as autograd releases them (the graph's: ``Storage.saver_ends``); otherwise a
+        checkpoint's frame holds it, until the last of ``node``'s functions is released."""
+        if handed and node in storage.savers:
+            if not storage.saver_ends:
+                return NEVER
+            returned, released = storage.saver_ends[storage.savers.index(node)]
+            return released if graph else returned
+        return int(self.problem.backward_phases.released[node])
+
     def _buffer_copies(self, alloc: np.ndarray, free: np.ndarray) -> None:
         """The copies of buffers each run of a segment's body makes (``planner.rewrite.Segment``):
         one when the body starts, held by that call's checkpoint frame (its recompute context)
@@ -422,7 +435,12 @@ class _Replay:
         freed_at: list[int] = []
         freed: list[int] = []
         outputs_read_by_loss = 0  # graph outputs freed once the loss has read them
-        graph_held = 0  # what contexts hold: freed with the graph, when backward ends
+        # What backward steps free, by node and the phase of its backward from which it is
+        # gone (``BackwardPhases.credit``); what a context holds goes with the graph, when
+        # backward ends.
+        gone_node: list[int] = []
+        gone_phase: list[int] = []
+        gone_bytes: list[int] = []
         transient[:n] = problem.workspace
         alloc[:n] = problem.created_bytes
         for p in range(n):
@@ -432,15 +450,16 @@ class _Replay:
                 freed.append(s.nbytes)
                 if s.is_output and released == n - 1:
                     outputs_read_by_loss += s.nbytes
-                if s.held_by_context and released == self.backward_step[0]:
-                    graph_held += s.nbytes
+                if self.phases[released] == "backward" and not s.held_by_context:
+                    q = self.positions[released]
+                    gone_node.append(q)
+                    gone_phase.append(self._gone(s, q, self.levels[q] == 0, graph=True))
+                    gone_bytes.append(s.nbytes)
         saves_own = problem.saves_own.tolist()
         node_seconds, node_flops = problem.seconds.tolist(), problem.flops.tolist()
         seconds = flops = 0.0
         ran_at: list[int] = []  # the steps where a node runs in a recompute, and the node
         ran: list[int] = []
-        unpacked_at: list[int] = []  # recomputed copies freed at a backward step
-        unpacked: list[int] = []
         for segment, (first, stop) in self.runs.items():
             end = self.end[segment]
             for q in range(segment.start, stop):
@@ -460,20 +479,15 @@ class _Replay:
                     freed.append(s.nbytes)
                     if self.phases[freed_at[-1]] == "backward":
                         # Only a checkpoint's frame held it, and handed it to the backward
-                        # function that unpacked it last (at any depth of the frames): it goes
-                        # as that function returns.
-                        unpacked_at.append(freed_at[-1])
-                        unpacked.append(s.nbytes)
+                        # functions that unpacked it (at any depth of the frames): it goes as
+                        # they return.
+                        q = self.positions[freed_at[-1]]
+                        gone_node.append(q)
+                        gone_phase.append(self._gone(s, q, True, graph=False))
+                        gone_bytes.append(s.nbytes)
         transient[ran_at] = problem.workspace[ran]
         np.add.at(alloc, made_at, np.array(made, dtype=np.int64))
         np.add.at(free, freed_at, np.array(freed, dtype=np.int64))
-        # At a backward step, what autograd frees as it releases the node's saved tensors
-        # (what a context holds goes with the graph, after the last step).
-        dropped = np.zeros(steps, dtype=np.int64)  # as the function returns, before that
-        np.add.at(dropped, unpacked_at, np.array(unpacked, dtype=np.int64))
-        releasing = free - dropped
-        if n:
-            releasing[self.backward_step[0]] -= graph_held
         self._buffer_copies(alloc, free)
         # What a triggering backward has allocated when it unpacks is held through the
         # recomputes it triggers (``Problem.grad_before_unpack``).
@@ -501,9 +515,11 @@ class _Replay:
             free[first_backward - 1] += problem.loss_bytes
         after = np.cumsum(alloc - free)
         live = after + free + transient
-        # A backward step's high point may come after the release.
-        live[backward] -= problem.released_before_high(
-            np.arange(n), dropped[backward], releasing[backward]
+        # A backward step's high point may come after some of what it frees is gone.
+        live[backward] -= problem.backward_phases.credit(
+            np.array(gone_node, np.int64),
+            np.array(gone_phase, np.int64),
+            np.array(gone_bytes, np.int64),
         )
         step_bytes = int(after[-1]) if steps else 0
         step_bytes += problem.optimizer_step_bytes
@@ -541,7 +557,7 @@ def physical_floor(problem: Problem) -> int:
       reads them, and checkpointing never drops what a segment returns);
     * the backward of a node: the storages it saves (recomputed or kept, they are there when it
       runs) and what its backward allocates while they are, or what it allocates at its high
-      point after they went (``Problem.grad_after_apply``), and the gradients
+      point after they went (``Problem.grad_after_saved``), and the gradients
       made by the backward of later nodes and not yet freed (parameter gradients accumulated
       by then, the gradients of the outputs and of every pending activation): the same in
       every plan, since recompute changes which activations live, not the gradients;
@@ -567,6 +583,6 @@ def physical_floor(problem: Problem) -> int:
     net = allocated - problem.activation_grad_free
     pending = np.concatenate((np.cumsum(net[::-1])[::-1][1:], [0]))  # made after node i's
     # The saved tensors may be gone by the part of the high point after their release.
-    backward = pending + np.maximum(saved + allocated - problem.grad_after_apply, allocated)
+    backward = pending + np.maximum(saved + allocated - problem.grad_after_saved, allocated)
     step = int(net.sum()) + problem.optimizer_step_bytes
     return int(problem.fixed_bytes + max(int(forward.max()), int(backward.max()), step))

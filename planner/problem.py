@@ -27,6 +27,8 @@ from planner.profile import COMPUTE_OPS, Profile, require_meta
 from planner.regions import enter_autocast, region_spans
 
 SOURCE, SINK = "planner.source", "planner.sink"
+# A phase of a node's backward beyond all it has: what ends there is not gone within it.
+NEVER = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,11 @@ class Storage:
     # the forward's copy lives as long as the forward's graph, to the end of backward,
     # checkpointed or not; a recompute's copy until the recompute ends (its graph goes then).
     held_by_context: bool = False
+    # Per saver (as ``savers``): the phases of its backward (``BackwardPhases``) from which a
+    # recomputed copy handed to its functions, and the graph's own copy, are gone (each function
+    # drops what it unpacked as it returns, and what it saved as autograd releases it). Left
+    # out: NEVER, both.
+    saver_ends: tuple[tuple[int, int], ...] = ()
 
     @property
     def last_reader(self) -> int:
@@ -69,6 +76,8 @@ class StorageArrays:
     read_node: np.ndarray
     save_storage: np.ndarray
     save_node: np.ndarray
+    save_returned: np.ndarray  # per save pair: Storage.saver_ends
+    save_released: np.ndarray
 
     @classmethod
     def of(cls, storages: tuple[Storage, ...], n: int) -> StorageArrays:
@@ -79,6 +88,8 @@ class StorageArrays:
 
         read_storage, read_node = pairs("readers")
         save_storage, save_node = pairs("savers")
+        ends = [s.saver_ends or ((NEVER, NEVER),) * len(s.savers) for s in storages]
+        flat = np.array([e for saver in ends for e in saver], np.int64).reshape(-1, 2)
         return cls(
             nbytes=np.array([s.nbytes for s in storages], dtype=np.int64),
             producer=np.array([s.producer for s in storages], dtype=np.int64),
@@ -93,7 +104,63 @@ class StorageArrays:
             read_node=read_node,
             save_storage=save_storage,
             save_node=save_node,
+            save_returned=flat[:, 0],
+            save_released=flat[:, 1],
         )
+
+
+@dataclass(frozen=True)
+class BackwardPhases:
+    """Each node's backward in phases (``planner.profile``: one more each time one of its
+    functions returns or is released), as flat arrays: node ``i``'s phases are
+    ``high[start[i]:start[i + 1]]``, the most its backward has allocated in each (bytes since
+    it began), and ``released[i]`` the phase from which all its functions were released
+    (NEVER if not seen): what a checkpoint's frame holds for a segment whose first saving
+    node it is goes then."""
+
+    start: np.ndarray
+    high: np.ndarray
+    released: np.ndarray
+
+    @classmethod
+    def single(cls, n: int) -> BackwardPhases:
+        """One phase per node: nothing it holds is gone before its backward ends."""
+        return cls(np.arange(n + 1), np.zeros(n, np.int64), np.full(n, NEVER, np.int64))
+
+    @classmethod
+    def of(cls, phases: list[tuple[int, ...]], released: list[int | None]) -> BackwardPhases:
+        counts = [max(len(p), 1) for p in phases]
+        return cls(
+            start=np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
+            high=np.array([h for p in phases for h in (p or (0,))], np.int64),
+            released=np.array([NEVER if r is None else r for r in released], np.int64),
+        )
+
+    @cached_property
+    def count(self) -> np.ndarray:
+        return np.diff(self.start)
+
+    @cached_property
+    def node_high(self) -> np.ndarray:
+        """Per node, the highest of its phases."""
+        return np.maximum.reduceat(self.high, self.start[:-1]) if self.high.size else self.high
+
+    def credit(self, node: np.ndarray, phase: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """Per node, the bytes its backward's high point does not hold of ``nbytes`` freed at
+        its step, each gone from ``phase`` of ``node``'s backward on: the highest of
+        ``phase high + bytes not yet gone`` is the node's high point plus all it frees, less
+        ``min over phases (node high - phase high + bytes gone by then)``."""
+        n = self.count.size
+        if not n:
+            return np.zeros(0, np.int64)
+        within = phase < self.count[node]
+        gone = np.zeros(self.high.size, np.int64)
+        np.add.at(gone, self.start[node[within]] + phase[within], nbytes[within])
+        gone = np.cumsum(gone)
+        before = np.concatenate(([0], gone))[self.start[:-1]]  # gone in earlier nodes
+        gone -= np.repeat(before, self.count)
+        value = np.repeat(self.node_high, self.count) - self.high + gone
+        return np.minimum.reduceat(value, self.start[:-1])
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,14 +205,9 @@ class Problem:
     # same as grad_bytes_at but for a parameter several nodes read (tied embeddings), whose
     # gradient is summed from its last reader's backward to its first's.
     grad_complete_at: np.ndarray = None  # type: ignore[assignment]
-    # Of backward step i's high point, the bytes reached only after autograd released the
-    # node's saved tensors (gradients summed into its inputs'): the bytes the plan frees at
-    # that step, up to this many, are gone by then (``planner.simulate``). Left out: none.
-    grad_after_release: np.ndarray = None  # type: ignore[assignment]
-    # And the bytes reached only after the node's last backward function returned (its
-    # gradients reduced to its inputs' shapes): recomputed tensors that function was the last
-    # to unpack are gone by then. Left out: the same as grad_after_release.
-    grad_after_apply: np.ndarray = None  # type: ignore[assignment]
+    # Each node's backward in phases, and where its saved tensors go (Storage.saver_ends).
+    # Left out: one phase per node, nothing gone before its backward ends.
+    backward_phases: BackwardPhases = None  # type: ignore[assignment]
     # What backward step i has allocated when it first unpacks a saved tensor: a recompute it
     # triggers runs on top of it. Left out: none.
     grad_before_unpack: np.ndarray = None  # type: ignore[assignment]
@@ -156,8 +218,7 @@ class Problem:
             "random": lambda: np.zeros(self.size, dtype=bool),
             "keepable": lambda: self.kept_bytes > 0,
             "grad_complete_at": lambda: self.grad_bytes_at,
-            "grad_after_release": lambda: np.zeros(self.size, dtype=np.int64),
-            "grad_after_apply": lambda: self.grad_after_release,
+            "backward_phases": lambda: BackwardPhases.single(self.size),
             "grad_before_unpack": lambda: np.zeros(self.size, dtype=np.int64),
         }
         for name, default in defaults.items():
@@ -192,24 +253,19 @@ class Problem:
     def size(self) -> int:
         return len(self.names)
 
-    def released_before_high(
-        self, nodes: np.ndarray, unpacked: np.ndarray, released: np.ndarray
-    ) -> np.ndarray:
-        """Of the bytes the backward steps of ``nodes`` free, those their high points do not
-        hold. Recomputed tensors that a node's last backward function was the last to unpack
-        (``unpacked``) are gone once it returns, the saved tensors autograd releases
-        (``released``) once the engine releases them: a high point reached after the one or
-        the other (``grad_after_apply``, ``grad_after_release``) does not see them.
-
-        With the high points of the three phases ``a`` (while the function runs), ``v`` (after
-        it returned) and ``r`` (after the release), and their highest ``h``, the step reads
-        ``max(a, v - unpacked, r - unpacked - released)``, that is ``h`` less
-        ``min(h - a, h - v + unpacked, h - r + unpacked + released)``. Case by case on which
-        phase reaches ``h``, that is the form below, with ``grad_after_apply = h - a`` and
-        ``grad_after_release = h - max(a, v)``, the two arrays kept."""
-        after_apply = self.grad_after_apply[nodes]
-        after_release = self.grad_after_release[nodes]
-        return np.minimum(np.minimum(after_apply, after_release + unpacked), unpacked + released)
+    @cached_property
+    def grad_after_saved(self) -> np.ndarray:
+        """Per backward step, the bytes of its high point reached only after the first of the
+        node's saved tensors may be gone (a function that unpacked it returned): what the
+        node holds beside all it saved is at least the high point less this."""
+        phases, a = self.backward_phases, self.storage_arrays
+        first_end = np.full(self.size, NEVER, np.int64)
+        np.minimum.at(first_end, a.save_node, a.save_returned)
+        local = np.arange(phases.high.size) - np.repeat(phases.start[:-1], phases.count)
+        while_saved = np.where(local < np.repeat(first_end, phases.count), phases.high, 0)
+        if not while_saved.size:
+            return np.zeros(self.size, np.int64)
+        return phases.node_high - np.maximum.reduceat(while_saved, phases.start[:-1])
 
     def buffer_copy_bytes(self, start: int, stop: int) -> int:
         """Bytes of the copies of buffers that segment ``(start, stop)`` makes: once when its
@@ -399,6 +455,11 @@ def _cast_cache_exits(nodes: list[fx.Node]) -> dict[int, int]:
     return exits
 
 
+def _ends(ends: tuple[int | None, int | None]) -> tuple[int, int]:
+    returned, released = ends
+    return (NEVER if returned is None else returned, NEVER if released is None else released)
+
+
 @paused_collection()
 def build_problem(
     gm: fx.GraphModule,
@@ -448,6 +509,8 @@ def build_problem(
     for key, exit_ in cast_exits.items():
         readers[key].append(exit_)
 
+    ends = [require_meta(node, "planner.backward_ends") for node in nodes]
+    never = (None, None)
     storages = {
         key: Storage(
             nbytes=profile.storage_bytes[key],
@@ -459,6 +522,7 @@ def build_problem(
             before_last_save=key in made_before_last_save[producer[key]],
             cast_cache=key in cast_exits,
             held_by_context=key in context_saved,
+            saver_ends=tuple(_ends(ends[i].get(key, never)) for i in savers[key]),
         )
         for key in sorted(producer)
     }
@@ -468,11 +532,9 @@ def build_problem(
     # Parameter gradients are part of both; they are reported apart in grad_bytes_at.
     high = np.array([require_meta(node, "planner.backward_high") for node in nodes], np.int64)
     net = np.array([require_meta(node, "planner.backward_net") for node in nodes], np.int64)
-    after_release = np.array(
-        [require_meta(node, "planner.backward_after_release") for node in nodes], np.int64
-    )
-    after_apply = np.array(
-        [require_meta(node, "planner.backward_after_apply") for node in nodes], np.int64
+    phases = BackwardPhases.of(
+        [require_meta(node, "planner.backward_phases") for node in nodes],
+        [node.meta.get("planner.backward_released") for node in nodes],
     )
     before_unpack = np.array(
         [require_meta(node, "planner.backward_before_unpack") for node in nodes], np.int64
@@ -538,8 +600,7 @@ def build_problem(
         grad_complete_at=grad_complete_at,
         activation_grad_alloc=grad_alloc,
         activation_grad_free=grad_free,
-        grad_after_release=after_release,
-        grad_after_apply=after_apply,
+        backward_phases=phases,
         grad_before_unpack=before_unpack,
         checkpointable=~pinned,
         cut_allowed=cut_allowed,

@@ -50,13 +50,15 @@ Keys written into ``node.meta`` (the one place they are documented):
     measured in the fake backward that follows the forward: the most bytes the node's backward
     has allocated at once (input and parameter gradients, temporaries), and what of it is still
     live when the node's backward ends (gradients waiting for their consumers, ``.grad``).
-``planner.backward_after_apply``, ``planner.backward_after_release``
-    the parts of that high point reached only after the node's last backward function returned
-    (the engine then reduces its gradients to its inputs' shapes, such as a broadcast bias's
-    sum), and only after autograd released the node's saved tensors (then it sums its
-    gradients into those its inputs already have: a skip's gradient and the main path's, added
-    out of place). A recomputed tensor a checkpoint handed that function is gone by the first;
-    the saved tensors the graph holds, by the second (``simulate``).
+``planner.backward_phases``, ``planner.backward_ends``, ``planner.backward_released``
+    the node's backward in phases, one more each time one of its functions returns (dropping
+    what it unpacked) or is released (autograd drops what it saved, then sums the function's
+    gradients into those its inputs already have, out of place): the high point of each
+    phase, as bytes allocated since the node's backward began; per storage the node saved,
+    ``(returned, released)``, the phases from which a recomputed copy handed to its functions
+    and the graph's own copy are gone (None: not within its backward); and the phase from
+    which all its functions were released (None if not seen). A module kept whole or a
+    composite op frees its saved tensors function by function (``simulate``).
 ``planner.backward_before_unpack``
     what the node's backward has allocated when it first unpacks a saved tensor, where a
     checkpoint recomputes: that recompute runs on top of it (``CopySlices``, the backward of
@@ -79,6 +81,7 @@ training step), that region outlives the step: its cached casts are fixed memory
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -136,8 +139,9 @@ META_KEYS = (
     "planner.repeated_effects",
     "planner.backward_high",
     "planner.backward_net",
-    "planner.backward_after_apply",
-    "planner.backward_after_release",
+    "planner.backward_phases",
+    "planner.backward_ends",
+    "planner.backward_released",
     "planner.backward_before_unpack",
     "planner.cast_cache",
     "planner.made_before_last_save",
@@ -436,9 +440,6 @@ def _computed(func, args: tuple, kwargs: dict, out):
     return tuple(t for t, wanted in zip(out, mask) if wanted)
 
 
-_APPLY, _OUTPUTS, _RELEASED = range(3)  # the phases of a node's backward (_BackwardMemory)
-
-
 class _BackwardMemory(TorchDispatchMode):
     """Attributes the memory that backward allocates to the node whose backward is running.
 
@@ -446,6 +447,14 @@ class _BackwardMemory(TorchDispatchMode):
     storages created from then on (gradients, temporaries) count against it, and weak
     references tell when they are freed. Storages alive since the forward are not counted here:
     the simulator decides their fate, which depends on the plan.
+
+    A node's backward runs one or more backward functions (a module kept whole, a composite op:
+    many). Each drops what it unpacked as it returns and what it saved as autograd releases
+    it, so the node's backward is recorded in *phases*, one more at each such event: the high
+    point of each, and per saved storage the phase from which a recomputed copy handed to its
+    functions is gone (the stand-ins they unpacked died) and the phase from which the graph's
+    own copy is (the functions that unpacked it were released). The replay then holds each
+    saved storage only through the phases it lives in (``Problem.backward_credit``).
     """
 
     def __init__(self, forward_storages: _Storages, nodes: list[fx.Node], call: Callable):
@@ -457,16 +466,24 @@ class _BackwardMemory(TorchDispatchMode):
         self.current: fx.Node | None = None
         self.start = 0
         self.tracked: dict[int, tuple[int, weakref.ref]] = {}  # _cdata -> (nbytes, reference)
-        # The high point of each node's backward in each of its phases: while its backward
-        # functions run, once the last that unpacked something has returned (the engine then
-        # reduces its gradients to the inputs' shapes: a broadcast bias's sum), and once the
-        # engine has released what the node's functions saved (``_applied``, ``release``).
-        self.highs: dict[fx.Node, list[int]] = {}
+        self.phases: dict[fx.Node, list[int]] = {}  # the high point of each phase, per node
+        self.allocated = True  # since the current phase began: a next event starts a new one
         self.net: dict[fx.Node, int] = {}
-        self.phase = _APPLY
         self.paused = False  # while it makes a stand-in (``stand_in``)
         self.before_unpack: dict[fx.Node, int] = {}  # see ``unpacking``
         self.entered_at = 0
+        # Per (node, storage key): how often the forward saved it (``_Recorder.pack``) and the
+        # backward unpacked it, by which functions, the stand-ins still alive, and the phase
+        # from which the last was gone; the unpacks a stand-in could not watch.
+        self.packs: collections.Counter = collections.Counter()
+        self.unpacks: collections.Counter = collections.Counter()
+        self.unpackers: dict[tuple, set] = collections.defaultdict(set)
+        self.alive: collections.Counter = collections.Counter()
+        self.copy_gone: dict[tuple, int] = {}
+        self.unwatched: set[tuple] = set()
+        self.released_at: dict[int, int] = {}  # id of a backward function -> the phase after
+        # autograd released it
+        self.all_released: dict[fx.Node, int] = {}  # the phase after the last own release
 
     def enter(self, node: fx.Node) -> None:
         self._close()
@@ -474,10 +491,26 @@ class _BackwardMemory(TorchDispatchMode):
         # of the loss, held by ``backward()`` until it returns) counts as that node's.
         self.current, self.start = node, (0 if self.current is None else self.live)
         self.entered_at = self.live  # for the first node, after the loss's seed
-        self.phase = _APPLY
-        highs = self.highs.setdefault(node, [0, 0, 0])
-        highs[_APPLY] = max(highs[_APPLY], self.live - self.start)
+        phases = self.phases.setdefault(node, [])
+        if phases:  # another of its functions starts: its phases go on
+            phases[-1] = max(phases[-1], self.live - self.start)
+        else:
+            phases.append(self.live - self.start)
+        self.allocated = True  # an event right away starts a phase after the first
         self.net.setdefault(node, 0)
+
+    def _event(self, node: fx.Node) -> int | None:
+        """One of ``node``'s functions returned or was released: the phase from which what it
+        dropped is gone (a new one, unless nothing was allocated since the last event). None
+        when ``node``'s backward is not the current one: its allocations are charged elsewhere
+        then, and it tells nothing."""
+        if node is not self.current:
+            return None
+        phases = self.phases[node]
+        if self.allocated:
+            phases.append(self.live - self.start)
+            self.allocated = False
+        return len(phases) - 1
 
     def unpacking(self) -> None:
         """A backward function unpacks a saved tensor: where a checkpoint recomputes. What the
@@ -494,17 +527,23 @@ class _BackwardMemory(TorchDispatchMode):
         after a Linear) puts a ``CopySlices`` in place of the output's function, and the
         node's ``AddmmBackward0`` runs after the in-place op's, which was charged with it
         (found trying the library: a plan 5% over its budget)."""
-        if node not in self.highs:
+        if node not in self.phases:
             self.enter(node)
 
-    def stand_in(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A tensor like ``tensor`` on a storage of its own, not counted, that tells when the
-        backward function it is handed to returns (``_Recorder.unpack``)."""
-        if tensor.layout is not torch.strided:
-            return tensor  # a sparse tensor's end is not watched: its function's high is whole
-        if isinstance(torch._C._current_autograd_node(), BackwardCFunction):
-            # A custom function's backward may return what it saved as a gradient (a fused
-            # loss's): a stand-in would stand for that memory too. Not watched either.
+    def stand_in(self, tensor: torch.Tensor, key: int | None) -> torch.Tensor:
+        """A tensor like ``tensor`` (of storage ``key``) on a storage of its own, not counted,
+        that tells when the backward function it is handed to is done with it: there a
+        recomputed copy a checkpoint handed that function would be gone
+        (``_Recorder.unpack``)."""
+        unpacked = (self.current, key)
+        function = torch._C._current_autograd_node()
+        if self.current is not None and key is not None:
+            self.unpacks[unpacked] += 1
+            self.unpackers[unpacked].add(id(function))
+        if tensor.layout is not torch.strided or isinstance(function, BackwardCFunction):
+            # A sparse tensor's end is not watched; nor one a custom function's backward gets,
+            # which may return what it saved as a gradient (a fused loss's; ``hand_on``).
+            self.unwatched.add(unpacked)
             return tensor
         self.paused = True
         try:
@@ -513,22 +552,21 @@ class _BackwardMemory(TorchDispatchMode):
             self.paused = False
         storage = stand_in.untyped_storage()
         cdata = storage._cdata
-        ended = functools.partial(self._applied, cdata, self.current)
+        self.alive[unpacked] += 1
+        ended = functools.partial(self._applied, cdata, unpacked)
         self.tracked[cdata] = (0, weakref.ref(storage, ended))
         return stand_in
 
-    def _applied(self, cdata: int, node, reference: weakref.ref) -> None:  # a weakref callback
-        """A backward function of ``node`` returned, dropping what it unpacked: a recomputed
-        tensor a checkpoint handed it would be gone from here on, unlike one the graph saves.
-        What the node's backward allocated since an earlier function returned, it allocated
-        while this one still held its tensors. A stand-in that outlives its node's backward
-        (a custom function returning what it saved as a gradient) tells nothing."""
+    def _applied(self, cdata: int, unpacked: tuple, reference: weakref.ref) -> None:
+        """A stand-in died (weakref callback): the function it was handed to is done with it.
+        One that outlives its node's backward (kept by a gradient) tells nothing."""
         del self.tracked[cdata]
-        if self.current is None or self.current is not node or self.phase == _RELEASED:
-            return
-        highs = self.highs[self.current]
-        highs[_APPLY], highs[_OUTPUTS] = max(highs[_APPLY], highs[_OUTPUTS]), 0
-        self.phase = _OUTPUTS
+        self.alive[unpacked] -= 1
+        phase = self._event(unpacked[0])
+        if phase is None:
+            self.unwatched.add(unpacked)
+        elif not self.alive[unpacked]:
+            self.copy_gone[unpacked] = phase
 
     def hand_on(self, grad_inputs: tuple) -> tuple | None:
         """A custom function's backward returned its gradients: one on a storage of the
@@ -564,26 +602,52 @@ class _BackwardMemory(TorchDispatchMode):
             result.append(t)
         return tuple(result)
 
-    def release(self, node: fx.Node) -> None:
-        """The last of ``node``'s backward functions has run: the engine releases what they
-        saved, then sums their gradients into their inputs'. Only while ``node``'s backward is
-        the current one: otherwise its allocations are charged elsewhere, in full."""
-        if node is self.current:
-            self.phase = _RELEASED
+    def released(self, node: fx.Node, function: int, last: bool) -> None:
+        """The function of id ``function``, one of ``node``'s own, has run (a post-hook):
+        autograd now releases what it saved (``last``: the last of them), then sums its
+        gradients into those its inputs already have (a skip's gradient and the main path's,
+        out of place)."""
+        phase = self._event(node)
+        if phase is not None:
+            self.released_at[function] = phase
+            if last:
+                self.all_released[node] = phase
 
     def _close(self) -> None:
         if self.current is not None:
             self.net[self.current] += self.live - self.start
 
+    def _ends(self, node: fx.Node) -> dict[int, tuple[int | None, int | None]]:
+        """Per storage ``node`` saved, the phases from which a recomputed copy handed to its
+        functions and the graph's own copy are gone (None: not within its backward). Where
+        not every save was unpacked where watched, both go with the last release."""
+        last = self.all_released.get(node)
+        ends: dict[int, tuple[int | None, int | None]] = {}
+        for key in require_meta(node, "planner.saved"):
+            unpacked = (node, key)
+            returned = released = last
+            if self.unpacks[unpacked] >= self.packs[unpacked] > 0:
+                phases = [self.released_at.get(f) for f in self.unpackers[unpacked]]
+                released = None if None in phases else max(p for p in phases if p is not None)
+                returned = released
+                if unpacked not in self.unwatched and not self.alive[unpacked]:
+                    returned = self.copy_gone.get(unpacked, released)
+            if released is None or returned is None:
+                released = None  # the graph's copy is what its functions unpacked
+            else:
+                released = max(released, returned)
+            ends[key] = (returned, released)
+        return ends
+
     def finish(self) -> None:
         self._close()
         for node in self.nodes:
-            applying, outputs, released = self.highs.get(node, (0, 0, 0))
-            high = max(applying, outputs, released)
-            node.meta["planner.backward_high"] = high
+            phases = self.phases.get(node, [0])
+            node.meta["planner.backward_high"] = max(phases)
             node.meta["planner.backward_net"] = self.net.get(node, 0)
-            node.meta["planner.backward_after_apply"] = high - applying
-            node.meta["planner.backward_after_release"] = high - max(applying, outputs)
+            node.meta["planner.backward_phases"] = tuple(phases)
+            node.meta["planner.backward_ends"] = self._ends(node)
+            node.meta["planner.backward_released"] = self.all_released.get(node)
             node.meta["planner.backward_before_unpack"] = self.before_unpack.get(node, 0)
 
     def _free(self, cdata: int, reference: weakref.ref) -> None:  # a weakref callback
@@ -609,8 +673,9 @@ class _BackwardMemory(TorchDispatchMode):
             grew = True
         # Only an allocation can raise the high-water mark (enter() starts every node at 0).
         if grew and self.current is not None:
-            highs = self.highs[self.current]
-            highs[self.phase] = max(highs[self.phase], self.live - self.start)
+            phases = self.phases[self.current]
+            phases[-1] = max(phases[-1], self.live - self.start)
+            self.allocated = True
         return out
 
 
@@ -673,6 +738,7 @@ class _Recorder(fx.Interpreter):
         key = self.storages.key(tensor)
         if key is not None:
             self.saved_by_current.add(key)
+            self.backward.packs[self.recording, key] += 1
             self.cost.just_saved.add(_view(key, tensor))
         self.made_before_last_save = set(self.cost.new)
         return tensor
@@ -683,7 +749,7 @@ class _Recorder(fx.Interpreter):
         ended. The profile's tensors have no values, only sizes, so the stand-in computes the
         same; it is not counted as an allocation."""
         self.backward.unpacking()
-        return self.backward.stand_in(tensor)
+        return self.backward.stand_in(tensor, self.storages.key(tensor))
 
     def run_node(self, node: fx.Node):
         if node.op not in COMPUTE_OPS:
@@ -729,6 +795,7 @@ class _Recorder(fx.Interpreter):
         """Run ``run()`` as the computation of ``node`` and write its annotations; ``passed``
         holds the values given to it (their tensors count as read)."""
         self.cost.reset()
+        self.recording = node
         # Read before the node runs: autocast hides its own state from the ops it dispatches.
         self.cost.caching_casts = caching_casts()
         self.saved_by_current = set()
@@ -797,15 +864,19 @@ class _Recorder(fx.Interpreter):
         self.owned |= own
         remaining = [len(own)]
 
-        def ran(grad_inputs, grad_outputs) -> None:
-            remaining[0] -= 1
-            if not remaining[0]:
-                self.backward.release(node)
+        def ran(function: int):
+            def hook(grad_inputs, grad_outputs) -> None:
+                remaining[0] -= 1
+                self.backward.released(node, function, last=not remaining[0])
+
+            return hook
 
         for grad_fn in own:
             if isinstance(grad_fn, BackwardCFunction):
                 grad_fn.register_hook(lambda grad_inputs, _: self.backward.hand_on(grad_inputs))
-            grad_fn.register_hook(ran)
+            # By id: the hook must not hold its own function (an uncollectable cycle through
+            # the C++ graph); ``self.owned`` keeps each alive, so ids stay unique.
+            grad_fn.register_hook(ran(id(grad_fn)))
             grad_fn.register_prehook(lambda grads, node=node: self.backward.reach(node))
 
 

@@ -65,7 +65,7 @@ from planner.choice import (
     validate_segments,
 )
 from planner.nested import NestedChoice, simulate_nested
-from planner.problem import Problem
+from planner.problem import NEVER, Problem
 
 __all__ = [
     "Choice",
@@ -90,10 +90,10 @@ def _total_at(positions: np.ndarray, nbytes: np.ndarray, n: int) -> np.ndarray:
 
 
 def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept: np.ndarray):
-    """Where each storage is freed: bytes freed after each node's forward and backward (and of
-    the latter, the recomputed copies its backward function drops as it returns, and those
-    freed as autograd releases the node's saved tensors), and after each node of a
-    recompute, plus the bytes each recompute node re-creates.
+    """Where each storage is freed: bytes freed after each node's forward and backward, and
+    after each node of a recompute, plus the bytes each recompute node re-creates; and per node,
+    the part of what its backward frees that its high point does not hold, gone by then as its
+    functions returned and were released (``BackwardPhases.credit``).
 
     A storage kept for backward is released at its first trigger: a saver outside any segment,
     or the start of another segment that saves or reads it. Recomputed copies are freed by
@@ -143,10 +143,17 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     cached = kept[a.producer] & ~a.cast_cache
     triggered = (release < never) & ~cached
     backward_free = _total_at(release[triggered], a.nbytes[triggered], n)
-    # What a context holds goes with the graph, when backward ends, not as node 0's backward
-    # releases its saved tensors; the rest of backward_free goes there (``released``).
-    by_graph = triggered & a.held_by_context
-    released = backward_free - _total_at(release[by_graph], a.nbytes[by_graph], n)
+    # Where in its step's backward each goes (``Problem.backward_phases``): one the graph saves
+    # there, as autograd releases the functions that unpacked it; one a checkpoint's frame
+    # holds, as the last of the node's functions is released. What a context holds goes with
+    # the graph, when backward ends.
+    graph = triggered & ~a.held_by_context
+    gone = np.where(graph, problem.backward_phases.released[np.minimum(release, n - 1)], NEVER)
+    saver = (saver_segment < 0) & graph[a.save_storage]
+    saver &= a.save_node == release[a.save_storage]
+    gone[a.save_storage[saver]] = a.save_released[saver]
+    gone_node, gone_phase = [release[graph]], [gone[graph]]
+    gone_bytes = [a.nbytes[graph]]
     # A checkpoint call holds its arguments until it returns (the caller's variable and the
     # call's own), whatever its segment saves.
     returns = np.array([stop - 1 for _, stop in segments] + [-1], dtype=np.int64)
@@ -167,8 +174,12 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     # A recompute's copy of what a context holds goes with the recompute's graph, at its end.
     inner_saver[a.held_by_context] = never
     by_saver = recomputed & (inner_saver < never)
-    inner_free = _total_at(inner_saver[by_saver], a.nbytes[by_saver], n)
-    backward_free += inner_free
+    backward_free += _total_at(inner_saver[by_saver], a.nbytes[by_saver], n)
+    # A recomputed copy goes as the functions that unpacked it return.
+    handed = by_saver[a.save_storage] & (a.save_node == inner_saver[a.save_storage])
+    gone_node.append(a.save_node[handed])
+    gone_phase.append(a.save_returned[handed])
+    gone_bytes.append(a.nbytes[a.save_storage[handed]])
     # The segment's body is one Python frame: what a node beyond the stop reads, or the segment
     # returns, stays in a variable until the recompute stops. autocast's cache holds a
     # recomputed weight cast until the recompute ends too (problem.py), and so does the graph
@@ -181,11 +192,13 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     created = recomputed & ~cached
     recompute_alloc = _total_at(a.producer[created], a.nbytes[created], n)
     recompute_free = _total_at(last_read[by_reader], a.nbytes[by_reader], n)
+    credit = problem.backward_phases.credit(
+        np.concatenate(gone_node), np.concatenate(gone_phase), np.concatenate(gone_bytes)
+    )
     return (
         forward_free,
         backward_free,
-        inner_free,
-        released,
+        credit,
         recompute_alloc,
         recompute_free,
         ends[:-1],
@@ -226,7 +239,7 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     for k, (start, stop) in enumerate(segments):
         segment_of[start:stop] = k
     releases = _releases(problem, segments, segment_of, kept)
-    forward_free, backward_free, unpacked, released, *recomputes, ends, outputs = releases
+    forward_free, backward_free, credit, *recomputes, ends, outputs = releases
     recompute_alloc, recompute_free = recomputes
 
     # The order of steps: forward 0..n-1, then from n-1 down to 0 the backward of each node,
@@ -288,12 +301,10 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     _hold_loss_through_first_recompute(problem, phase, alloc, free)
     after = np.cumsum(alloc - free)
     live = after + free + transient  # at each step's high point
-    # A backward step's may come after its function dropped the recomputed tensors it unpacked
-    # (``unpacked``: the copies its node was the last to save), or after autograd released the
-    # saved tensors.
+    # A backward step's high point may come after some of what it frees is gone: as its
+    # functions return and are released (``_releases``).
     backward = np.flatnonzero(phase == 2)
-    nodes = position[backward]
-    live[backward] -= problem.released_before_high(nodes, unpacked[nodes], released[nodes])
+    live[backward] -= credit[position[backward]]
     peak = int(live.max(initial=0))
     if n:  # the default loss, summing the outputs after the last node has run
         peak = max(peak, int(after[n - 1]) + outputs + problem.default_loss_high)

@@ -3,15 +3,17 @@ the shared ground truth of the solver and simulator tests."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from planner.nested import Nest, NestedChoice
-from planner.problem import Problem, Storage
+from planner.problem import NEVER, BackwardPhases, Problem, Storage
 from planner.simulate import simulate
 
 
 def random_problem(
-    seed: int, nodes: int | None = None, *, chain: bool = False, after_release: bool = False
+    seed: int, nodes: int | None = None, *, chain: bool = False, phased: bool = False
 ) -> Problem:
     """A small random graph: node i makes storage i, reads i-1 and maybe an earlier one.
 
@@ -20,8 +22,9 @@ def random_problem(
     bookkeeping, forbidden cuts and nodes that may not be checkpointed. ``nodes`` fixes the
     size (3 to 7 nodes when not given). ``chain=True`` drops the skips and the extra graph
     output: storage i is read by node i + 1 alone (the same draws otherwise).
-    ``after_release=True`` puts part of some backward high points after the release of the
-    node's saved tensors (``Problem.grad_after_release``; the same draws before it).
+    ``phased=True`` runs each node's backward in one to three phases, with the storages its
+    step frees gone from some phase on (``Problem.backward_phases``, ``Storage.saver_ends``;
+    the same draws before it).
     """
     rng = np.random.default_rng(seed)
     n = nodes or int(rng.integers(3, 8))
@@ -59,11 +62,7 @@ def random_problem(
     # Per-node keeps: what a kept node's cache holds beyond what it creates, random nodes,
     # nodes that may not be kept.
     held = rng.choice([0, 0, 1, 4], n)
-    if after_release:
-        high = arrays["activation_grad_alloc"] + arrays["grad_bytes_at"]
-        arrays["grad_after_release"] = np.where(rng.random(n) < 0.5, rng.integers(0, 9, n), 0)
-        arrays["grad_after_release"] = np.minimum(arrays["grad_after_release"], high)
-    return problem_of(
+    problem = problem_of(
         storages,
         seconds,
         kept_bytes=np.array([s.nbytes for s in storages], dtype=np.int64) + held,
@@ -71,6 +70,37 @@ def random_problem(
         keepable=rng.random(n) > 0.2,
         **arrays,
     )
+    return with_random_phases(problem, rng) if phased else problem
+
+
+def with_random_phases(problem: Problem, rng) -> Problem:
+    """``problem`` with random backward phases: per node one to three, one of them at the
+    step's high point; per saver the phases from which a recomputed copy (after the first) and
+    the graph's copy (no earlier) are gone, or never; and the last phase, or never, as the
+    release of all the node's functions."""
+    n = problem.size
+    high = problem.activation_grad_alloc + problem.grad_bytes_at
+    counts = rng.integers(1, 4, n)
+    highs = []
+    for i in range(n):
+        phase_highs = rng.integers(0, high[i] + 1, counts[i])
+        phase_highs[rng.integers(0, counts[i])] = high[i]
+        highs.append(tuple(int(h) for h in phase_highs))
+    released = [int(c) - 1 if c > 1 and rng.random() < 0.8 else None for c in counts]
+
+    def ends(saver: int) -> tuple[int, int]:
+        last = int(counts[saver]) - 1
+        if last < 1 or rng.random() < 0.2:
+            return NEVER, NEVER
+        returned = int(rng.integers(1, last + 1))
+        return returned, int(rng.integers(returned, last + 1))
+
+    storages = tuple(
+        dataclasses.replace(s, saver_ends=tuple(ends(j) for j in s.savers))
+        for s in problem.storages
+    )
+    phases = BackwardPhases.of(highs, released)
+    return dataclasses.replace(problem, storages=storages, backward_phases=phases)
 
 
 def problem_of(storages: list[Storage], seconds, **arrays) -> Problem:

@@ -22,7 +22,7 @@ from planner.solvers import SOLVERS
 
 pytest.importorskip("scipy")
 from planner.solvers.milp import milp_plan
-from problems import all_nested_plans, all_plans, random_problem
+from problems import all_nested_plans, all_plans, random_problem, with_random_phases
 
 SEEDS = range(8)
 
@@ -38,16 +38,19 @@ def variants(problem):
     )
     checkpointable = problem.checkpointable.copy()
     checkpointable[n - 1] = False
-    # Backward high points reached after autograd released the node's saved tensors.
-    high = problem.activation_grad_alloc + problem.grad_bytes_at
-    after_release = np.minimum(high, np.arange(n) % 3 * 4)
+    # Backward in phases, where what a node saved goes function by function.
+    phased = with_random_phases(problem, np.random.default_rng(n))
     return {
         "plain": problem,
         "casts": dataclasses.replace(problem, storages=casts),
         "contexts": dataclasses.replace(problem, storages=contexts),
-        "released": dataclasses.replace(problem, grad_after_release=after_release),
-        "released contexts": dataclasses.replace(
-            problem, storages=contexts, grad_after_release=after_release
+        "phased": phased,
+        "phased contexts": dataclasses.replace(
+            phased,
+            storages=tuple(
+                dataclasses.replace(s, held_by_context=k % 3 == 1)
+                for k, s in enumerate(phased.storages)
+            ),
         ),
         "loss": dataclasses.replace(
             problem,
@@ -83,7 +86,7 @@ def least(simulations, peak: int, cost: str) -> float:
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize(
-    "variant", ["plain", "casts", "contexts", "released", "released contexts", "loss"]
+    "variant", ["plain", "casts", "contexts", "phased", "phased contexts", "loss"]
 )
 def test_never_above_the_least_recompute_of_every_plan_that_fits(seed, variant):
     problem = variants(random_problem(seed, nodes=6))[variant]

@@ -637,3 +637,47 @@ def test_a_gradient_a_custom_function_saved_in_forward_is_held_until_it_is_consu
     assert problem.names[4] == "square"  # the blocks' nodes: layer, square or tanh, add
     planned = rewrite(captured.graph_module, model, choice)
     assert peak_memory(planned, (x,)).peak_bytes == simulate(problem, choice).peak_bytes
+
+
+class _AttentionBlock(nn.Module):
+    """``nn.MultiheadAttention``, which fx keeps whole: one node, a dozen backward functions."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(32, 4)
+
+    def forward(self, x):
+        return torch.tanh(x + self.attention(x, x, x, need_weights=False)[0])
+
+
+class _NormBlock(nn.Module):
+    """``nn.RMSNorm`` is a composite op: several backward functions for one node."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.norm = nn.Linear(32, 32), nn.RMSNorm(32)
+
+    def forward(self, x):
+        return torch.tanh(self.norm(self.linear(x)))
+
+
+@pytest.mark.parametrize(
+    "block, shape, choice",
+    [
+        (_AttentionBlock, (12, 16, 32), ()),
+        (_AttentionBlock, (12, 16, 32), ((0, 4),)),
+        (_AttentionBlock, (12, 16, 32), ((4, 12),)),
+        (_NormBlock, (256, 32), ()),
+        (_NormBlock, (256, 32), ((0, 3), (3, 9))),
+    ],
+)
+def test_a_node_with_many_backward_functions_frees_its_saved_tensors_one_by_one(
+    block, shape, choice
+):
+    """Each backward function drops what it unpacked as it returns and what it saved as
+    autograd releases it: the replay held them all to the end of the node's backward
+    (found trying the library: 14-29% over on MultiheadAttention, 6-12% on RMSNorm)."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[block() for _ in range(3)]).train(), torch.randn(*shape)
+    predicted, measured = _predicted_and_measured(model, (x,), choice)
+    assert measured == predicted

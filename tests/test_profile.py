@@ -11,6 +11,7 @@ from planner import zoo
 from planner.capture import capture
 from planner.nested import nested_choice, simulate_nested
 from planner.pipeline import prepare
+from planner.problem import NEVER
 from planner.profile import COMPUTE_OPS, META_KEYS, profile
 from planner.rewrite import rewrite
 from planner.simulate import Choice, simulate
@@ -270,5 +271,8 @@ def test_a_node_that_updates_its_input_in_place_releases_nothing_early():
     model, args = _ReadsItAfter(), (torch.randn(1024, 64),)
     options = CaptureOptions(leaf_modules=(_ScalesItsInputInPlace,))
     _, problem = prepare(model, args, capture_options=options)
-    assert problem.grad_after_release[problem.names.index("m")] == 0
+    m = problem.names.index("m")
+    assert problem.backward_phases.released[m] == NEVER
+    a = problem.storage_arrays
+    assert (a.save_released[a.save_node == m] == NEVER).all()
     assert simulate(problem, ()).peak_bytes >= peak_memory(model, args).peak_bytes

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.problem import Problem
+from planner.problem import NEVER, Problem
 from planner.simulate import Choice, last_recomputed, simulate, validate_choice
 from problems import random_problem
 from strategies import random_choices, random_segments
@@ -38,8 +38,13 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
         next((j for j in range(start, stop) if problem.saves[j]), None) for start, stop in segments
     ]
     forward_free, backward_free = [0] * n, [0] * n
-    released = [0] * n  # of backward_free, what goes as autograd releases saved tensors
-    unpacked = [0] * n  # and the recomputed copies the node's backward function unpacks last
+    # Of backward_free, per node: (the phase of its backward from which it is gone, bytes).
+    gone_at: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+
+    def ends(s, saver: int) -> tuple[int, int]:
+        """(returned, released) of ``saver``'s functions for storage ``s``."""
+        return s.saver_ends[s.savers.index(saver)] if s.saver_ends else (NEVER, NEVER)
+
     outputs_read_by_loss = 0
     recompute_alloc, recompute_free = [0] * n, [0] * n
     for s in problem.storages:
@@ -61,8 +66,14 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
         if cached:
             pass  # the recompute frees it, below
         elif triggers:
-            backward_free[min(triggers)] += s.nbytes
-            released[min(triggers)] += s.nbytes
+            first = min(triggers)
+            backward_free[first] += s.nbytes
+            # saved there by the graph, released with the functions that unpacked it; else a
+            # segment's frame held it, released with the last of that node's functions
+            if first in s.savers and segment_of[first] < 0:
+                gone_at[first].append((ends(s, first)[1], s.nbytes))
+            else:
+                gone_at[first].append((int(problem.backward_phases.released[first]), s.nbytes))
         else:
             # A checkpoint call holds its arguments until it returns, whatever it saves.
             returns = [
@@ -85,8 +96,9 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
             recompute_alloc[s.producer] += s.nbytes
         inner_savers = [j for j in s.savers if start <= j < stop]
         if inner_savers:
-            backward_free[min(inner_savers)] += s.nbytes
-            unpacked[min(inner_savers)] += s.nbytes
+            first = min(inner_savers)
+            backward_free[first] += s.nbytes
+            gone_at[first].append((ends(s, first)[0], s.nbytes))  # as its functions return
         else:
             # A reader beyond the early stop, or the loss (a graph output): the segment's frame
             # holds the value until the recompute stops; so does autocast's cache a weight cast.
@@ -157,15 +169,20 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
             problem.activation_grad_alloc[i] + problem.grad_bytes_at[i],
             0,
             problem.activation_grad_free[i] + backward_free[i],
-            # the part of its high point after its last function returned does not see the
-            # recomputed copies it dropped; the part after the release, what was released
-            min(
-                problem.grad_after_apply[i],
-                problem.grad_after_release[i] + unpacked[i],
-                unpacked[i] + released[i],
-            ),
+            # each phase of its backward holds what is not gone by then
+            credit(problem, i, gone_at[i]),
         )
     return problem.fixed_bytes + peak, seconds, timeline
+
+
+def credit(problem: Problem, node: int, gone: list[tuple[int, int]]) -> int:
+    """Of what ``node``'s backward step frees, the bytes its high point does not hold: the
+    step's high is the highest of each phase's high plus what is not gone by then."""
+    phases = problem.backward_phases
+    highs = phases.high[phases.start[node] : phases.start[node + 1]].tolist()
+    freed = sum(nbytes for _, nbytes in gone)
+    high = max(h + freed - sum(b for p, b in gone if p <= k) for k, h in enumerate(highs))
+    return max(highs) + freed - high
 
 
 def assert_agree(problem: Problem, choice) -> None:
@@ -192,12 +209,10 @@ def test_agrees_with_the_step_by_step_replay_with_kept_nodes(seed, nodes, data):
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 10**6), st.integers(3, 40), st.data())
-def test_agrees_with_the_step_by_step_replay_where_backward_peaks_after_releasing(
-    seed, nodes, data
-):
-    """Backward high points reached after autograd released the node's saved tensors (a
-    gradient summed out of place into its input's) do not hold what the release freed."""
-    problem = random_problem(seed, nodes, after_release=True)
+def test_agrees_with_the_step_by_step_replay_where_backward_runs_in_phases(seed, nodes, data):
+    """A node's backward in phases (its functions returning and released one by one): each
+    phase's high point holds what the node frees only until it is gone."""
+    problem = random_problem(seed, nodes, phased=True)
     assert_agree(problem, data.draw(random_choices(problem)))
 
 
