@@ -75,6 +75,16 @@ def test_a_call_larger_than_the_example_warns_once(model_class, capture, options
     assert call(module, torch.randn(12, 16)) == []  # once per planned module
 
 
+def test_a_call_with_a_tensor_of_another_rank_and_more_elements_warns():
+    """A plan for a (8, 16) batch called with (3, 8, 16), which the model also takes: no
+    warning before, and 130% over the budget (found trying the library). Fewer elements at
+    another rank (one unbatched row) use less memory."""
+    module = planned(Chain(), torch.randn(8, 16), "symbolic_trace")
+    assert call(module, torch.randn(16)) == []
+    (message,) = call(module, torch.randn(3, 8, 16))
+    assert "larger tensors than the example it was planned for (x [8, 16])" in message
+
+
 def test_every_tensor_argument_is_compared_positional_or_keyword():
     extra = torch.randn(2, 16)
     p = planner.plan(
