@@ -410,6 +410,8 @@ def _export(
         # torch.export traces with autocast's cache off and records that; the model runs with it.
         regions_from_export(graph_module, cache_enabled=torch.is_autocast_cache_enabled())
         _guard_write_backs(graph_module)
+    if dynamic_shapes and calls is None:  # not where the plan maps two graphs node by node
+        _checking_batch_norm_sizes(gm)
     causal = [exact_attention(gm, model, args, kwargs_fixed)]
     if calls is not None and not _on_meta(model, args, kwargs_fixed):
         none = eager_none_arguments(model, args, kwargs_fixed, paths)
@@ -542,6 +544,33 @@ def _keeping_buffers(model: nn.Module):
                 if tensor._version != version:
                     with torch.no_grad():
                         tensor.copy_(value)
+
+
+def more_than_one_value_per_channel(x: torch.Tensor) -> None:
+    """The check ``F.batch_norm`` makes in Python before a batch norm in training, which
+    torch.export does not record: with one value per channel the variance is not defined."""
+    values = x.shape[0]
+    for size in x.shape[2:]:
+        values *= size
+    if values == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {x.shape}"
+        )
+
+
+def _checking_batch_norm_sizes(gm: fx.GraphModule) -> None:
+    """Put ``more_than_one_value_per_channel`` back before each batch norm in training of a
+    graph that takes other sizes (``dynamic_shapes``). Without it a batch of one (the last of
+    a loader) ran where the model raises, and wrote NaN into the running variance (found
+    trying the library)."""
+    batch_norms = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.batch_norm.default)
+    for node in batch_norms:
+        training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training")
+        if training is True:
+            with gm.graph.inserting_before(node):
+                gm.graph.call_function(more_than_one_value_per_channel, (node.args[0],))
+    if batch_norms:
+        gm.recompile()
 
 
 def _guard_write_backs(gm: fx.GraphModule) -> None:

@@ -8,6 +8,7 @@ with ``dynamic_shapes=True`` warned.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -103,3 +104,34 @@ def test_the_warning_names_a_call_that_measures_over_the_budget():
     with pytest.warns(UserWarning, match="larger tensors than the example"):
         measured = peak_memory(p.module, larger).peak_bytes
     assert measured > p.budget_bytes
+
+
+class _Normalized(nn.Module):
+    """BatchNorm between two layers, with a forward symbolic_trace rejects (torch.export
+    captures it, as ATen ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.bn, self.l2 = nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = x * 0.5 if x.shape[0] > 0 else x
+        return self.l2(torch.relu(self.bn(self.l1(x))))
+
+
+def test_a_batch_of_one_in_training_is_refused_as_the_model_refuses_it():
+    """``F.batch_norm`` checks in Python that a channel has more than one value, which
+    torch.export does not record: a plan taking other sizes ran a last batch of one and wrote
+    NaN into the running variance (found trying the library)."""
+    torch.manual_seed(0)
+    model = _Normalized().train()
+    p = planner.plan(model, (torch.randn(8, 16),), budget_gb=1, dynamic_shapes=True)
+    assert p.capture_method.startswith("export")
+    one = torch.randn(1, 16)
+    with pytest.raises(ValueError, match="more than 1 value per channel") as expected:
+        copy.deepcopy(model)(one)
+    with pytest.raises(ValueError, match="more than 1 value per channel") as planned_error:
+        p.module(one)
+    assert str(planned_error.value) == str(expected.value)
+    assert torch.equal(model.bn.running_var, torch.ones(16))
+    assert call(p.module, torch.randn(3, 16)) == []  # other batch sizes train as before
