@@ -384,18 +384,22 @@ def exact_attention(
         call.without_mask and isinstance(_mask_argument(node), fx.Node)
         for node, call in zip(nodes, calls)
     ):
-        passed = [name for name in _bound(model, args, kwargs) if "mask" in name]
+        tensors = _bound(model, args, kwargs)
+        passed = [name for name in tensors if "mask" in name]
         advice = (
             f"Leave an attention mask that masks nothing ({', '.join(passed)}) out of the "
             "example and the calls to get eager's exact form."
             if passed
-            else "No argument of the call gives that mask: the model computes it itself."
+            else "No argument of the call gives that mask: the model computes it itself, "
+            f"from its other arguments ({', '.join(tensors)}); plan with example values at "
+            "which it masks something (a padded row, packed sequences) if you train with "
+            "such, or accept the last bits."
         )
         warnings.warn(
             f"{type(model).__name__} in eager mode calls attention without a mask at these "
-            "example values (an attention mask that masks nothing is skipped), while the "
-            "captured graph applies the mask it computes from them: the planned module's "
-            f"results differ from the model's in the last bits (and it holds the mask). {advice}",
+            "example values (it skips a mask that masks nothing), while the captured graph "
+            "applies the mask it computes from them: the planned module's results may differ "
+            f"from the model's in the last bits (and it holds the mask). {advice}",
             UserWarning,
             stacklevel=5,
         )
