@@ -393,7 +393,13 @@ def plan(
             f"peak found is {mib(lowest.peak_bytes)} ({lowest.peak_bytes} bytes) and the "
             f"baseline without checkpointing is {mib(baseline.peak_bytes)}. "
             + _floor_advice(problem, lowest.peak_bytes)
-            + (f" (solver {name} found {mib(result.peak_bytes)})" if solver != "auto" else "")
+            + (
+                f" Solver {name!r} found no plan below {mib(result.peak_bytes)} "
+                f"({result.peak_bytes} bytes): with it, give budget_bytes={result.peak_bytes} or "
+                "more; solver='auto' reaches the lowest above."
+                if solver != "auto" and result.peak_bytes > lowest.peak_bytes
+                else ""
+            )
             + _never_recomputed(captured.graph_module.graph)
         )
     planned = assemble(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import warnings
 
 import pytest
@@ -199,6 +200,18 @@ def test_the_minimum_the_error_states_is_accepted():
     _, problem = prepare(model, args, kwargs)
     lowest = lowest_peak(problem).peak_bytes
     assert plan_of(model, args, kwargs, budget_bytes=lowest).predicted_peak_bytes <= lowest
+
+
+def test_a_named_solver_is_told_the_minimum_it_can_meet_itself():
+    """Found trying the library: ``solver="greedy"`` was told to raise the budget to the
+    lowest peak of any solver, then refused again at that budget."""
+    model, args = planner.zoo.build("mlp", depth=12, width=64, batch=1024)
+    with pytest.raises(PlanningError, match=r"Solver 'greedy' found no plan below") as error:
+        planner.plan(model, args, budget_bytes=100, solver="greedy")
+    minimum = int(re.search(r"give budget_bytes=(\d+) or more", str(error.value)).group(1))
+    assert planner.plan(model, args, budget_bytes=minimum, solver="greedy").segments
+    with pytest.raises(PlanningError):
+        planner.plan(model, args, budget_bytes=minimum - 1, solver="greedy")
 
 
 class DataDependent(nn.Module):
