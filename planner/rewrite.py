@@ -634,8 +634,7 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
     share_user_state(planned, model)
     # Only the flag, not .train()/.eval(): those would recurse into the user's own children.
     planned.training = holder.training = model.training
-    planned.graph.lint()
-    planned.recompile()
+    planned.graph.lint()  # the constructor compiled the graph; lint only checks it
     planned._planner = Snapshot(
         model,
         called={n.target for n in captured.graph.find_nodes(op="call_module")},
