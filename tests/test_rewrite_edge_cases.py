@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 
 import pytest
@@ -190,3 +191,18 @@ def test_training_steps_with_batchnorm_stay_exact_and_are_not_refused():
             for a, b in zip(model.state_dict().values(), reference.state_dict().values())
         )
     assert model[1].num_batches_tracked == 3
+
+
+# -- how the planned module is built --------------------------------------------------------------
+
+
+def test_the_planned_module_runs_its_finished_graph_and_the_collector_is_back_on():
+    """The rewrite compiles the planned graph once (in its constructor) with the garbage
+    collector paused: the code it runs is the finished graph's, and the collector is on again."""
+    model, args = _mlp()
+    captured, _ = prepare(model, args)
+    assert gc.isenabled()
+    planned = rewrite(captured.graph_module, model, [(0, 2), (2, 5)])
+    assert gc.isenabled()
+    assert planned.code == planned.graph.python_code("self").src
+    _assert_same_step(copy.deepcopy(model), planned, args)
