@@ -23,7 +23,8 @@ Keys written into ``node.meta`` (the one place they are documented):
 ``planner.writes``
     storages this node mutates in place.
 ``planner.workspace``
-    bytes of temporaries created and dropped inside the node (an upper bound on its transient).
+    the most the node holds at once beyond the storages it creates and keeps: its temporaries
+    at their high point (each dies as the node's code drops it).
 ``planner.flops``, ``planner.bytes_moved``
     FLOPs (``torch.utils.flop_counter`` formulas) and bytes read plus written by its ATen ops.
 ``planner.requires_grad``
@@ -195,22 +196,35 @@ def require_meta(node: fx.Node, key: str):
 
 @dataclass
 class _Storages:
-    """Gives each storage seen a stable key (strong references prevent address reuse)."""
+    """Gives each storage seen a key of its own while it lives. A weak reference forgets its
+    address when it dies (a later storage may take that address, and gets a new key) and tells
+    ``died``, which measures what a node holds at once."""
 
     keys: dict[int, int] = field(default_factory=dict)  # storage _cdata -> key
     nbytes: dict[int, int] = field(default_factory=dict)
-    alive: list = field(default_factory=list)
+    references: dict[int, weakref.ref] = field(default_factory=dict)
+    count: int = 0  # keys given so far: the next key
+    died: Callable[[int], None] | None = None
 
     def key(self, tensor: torch.Tensor) -> int | None:
         if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
             return None
         storage = tensor.untyped_storage()
-        key = self.keys.get(storage._cdata)
+        cdata = storage._cdata
+        key = self.keys.get(cdata)
         if key is None:
-            key = self.keys[storage._cdata] = len(self.keys)
+            key = self.keys[cdata] = self.count
+            self.count += 1
             self.nbytes[key] = storage.nbytes()
-            self.alive.append(storage)
+            forget = functools.partial(self._forget, cdata, key)
+            self.references[cdata] = weakref.ref(storage, forget)
         return key
+
+    def _forget(self, cdata: int, key: int, reference: weakref.ref) -> None:
+        if self.references.get(cdata) is reference:
+            del self.keys[cdata], self.references[cdata]
+            if self.died is not None:
+                self.died(key)
 
     def fixed_key(self, original, stand_in) -> int | None:
         """The key of a stand-in for one of the user's tensors, counted at the size of the
@@ -276,10 +290,14 @@ class _CostMode(TorchDispatchMode):
     def __init__(self, storages: _Storages, call: Callable):
         super().__init__()
         self.storages = storages
+        storages.died = self._died
         self.call = call
         self.caching_casts = False  # set per node: autocast's state before the node ran
         self.flop_counts: dict[tuple, int] = {}  # see _flops
         self.reset()
+
+    def _died(self, key: int) -> None:
+        self.live_bytes -= self.live.pop(key, 0)
 
     def _flops(self, func, formula: Callable, args: tuple, kwargs: dict, out) -> int:
         """``formula``'s FLOPs for this call. A formula of ``torch.utils.flop_counter`` that
@@ -301,6 +319,9 @@ class _CostMode(TorchDispatchMode):
         self.flops = 0
         self.bytes_moved = 0
         self.new: set[int] = set()
+        # Bytes of the new storages alive, and the most at once (``_Storages.died``).
+        self.live: dict[int, int] = {}
+        self.live_bytes = self.high = 0
         self.reads: set[int | None] = set()  # None for tensors without a storage
         self.writes: set[int] = set()
         self.random = False
@@ -323,7 +344,7 @@ class _CostMode(TorchDispatchMode):
         self.reads.update([key(t) for t in inputs])
         if func.overloadpacket in _SAME_DTYPE_OPS:
             _check_same_dtype(func, inputs)
-        before = len(self.storages.keys)
+        before = self.storages.count
         out = real_cpu_allocations(func, args, kwargs, self.call(func, args, kwargs))
         if func in _CPU_MIXED_DTYPE_NORMS:
             out = _cpu_statistics(out, inputs)
@@ -340,8 +361,11 @@ class _CostMode(TorchDispatchMode):
         outputs = tensors_in(out)
         for t in outputs:
             created = key(t)
-            if created is not None and created >= before:
+            if created is not None and created >= before and created not in self.new:
                 self.new.add(created)
+                self.live[created] = self.storages.nbytes[created]
+                self.live_bytes += self.live[created]
+                self.high = max(self.high, self.live_bytes)
         if self.caching_casts and _is_cached_cast(func, inputs, outputs):
             cast = key(outputs[0])
             if cast is not None:
@@ -454,7 +478,7 @@ class _BackwardMemory(TorchDispatchMode):
     point of each, and per saved storage the phase from which a recomputed copy handed to its
     functions is gone (the stand-ins they unpacked died) and the phase from which the graph's
     own copy is (the functions that unpacked it were released). The replay then holds each
-    saved storage only through the phases it lives in (``Problem.backward_credit``).
+    saved storage only through the phases it lives in (``BackwardPhases.credit``).
     """
 
     def __init__(self, forward_storages: _Storages, nodes: list[fx.Node], call: Callable):
@@ -825,7 +849,8 @@ class _Recorder(fx.Interpreter):
             {self.storages.key(t) for t in stashed} - {None}
         )
         node.meta["planner.writes"] = frozenset(self.cost.writes)
-        node.meta["planner.workspace"] = sum(nbytes[k] for k in new - kept)
+        # What the node holds at once beyond what it keeps: its temporaries die as it goes.
+        node.meta["planner.workspace"] = max(self.cost.high - sum(nbytes[k] for k in kept), 0)
         node.meta["planner.kept_bytes"] = sum(nbytes[k] for k in new)
         node.meta["planner.random"] = self.cost.random
         # A recompute stops once the last tensor is saved (non-reentrant checkpoint's early

@@ -455,17 +455,16 @@ class _Tagger(nn.Module):
         (lambda: nn.RNN(32, 64, bidirectional=True, batch_first=True), 128, ()),
     ],
 )
-def test_recurrent_layers_are_never_predicted_under_the_measured_peak(rnn, features, choice):
+def test_recurrent_layers_are_predicted_to_the_byte(rnn, features, choice):
     """On the CPU nn.LSTM runs oneDNN, whose workspace (1.27 MB for LSTM(32, 64) at 8 x 40)
-    the fake kernel gives as empty: the step measured 3.3x its prediction. Several layers are
-    over-predicted (autograd frees a layer's saved tensors during the module's backward, where
-    the replay holds them to its end), never under."""
+    the fake kernel gives as empty: the step measured 3.3x its prediction. Several layers
+    or directions were over-predicted by 2-35%: autograd frees a layer's saved tensors during
+    the module's backward, and its forward's temporaries as it goes, where the replay held
+    them to the end of each."""
     torch.manual_seed(0)
     model = _Tagger(rnn(), features)
     predicted, measured = _predicted_and_measured(model, (torch.randint(0, 100, (8, 40)),), choice)
-    assert measured <= predicted
-    if isinstance(model.rnn, nn.LSTM) and model.rnn.num_layers == 1:
-        assert measured == predicted
+    assert measured == predicted
 
 
 class _Spectrogram(nn.Module):
