@@ -193,11 +193,15 @@ def _step_on_meta(optimizer: torch.optim.Optimizer) -> None:
     try:
         optimizer.step()
     except (RuntimeError, NotImplementedError, TypeError) as error:
-        why = (
-            "its step needs a closure that runs the model, and planning steps it without one"
-            if isinstance(error, TypeError)
-            else "its step reads tensor values, and planning steps it on the meta device"
-        )
+        if isinstance(error, TypeError):
+            why = "its step needs a closure that runs the model, and planning steps it without one"
+        elif "sparse" in str(error).lower():  # SparseAdam: "does not support dense gradients"
+            why = (
+                "it takes sparse gradients (an embedding with sparse=True), and planning steps "
+                "it on dense meta copies"
+            )
+        else:
+            why = "its step reads tensor values, and planning steps it on the meta device"
         raise PlanningError(
             f"cannot count the memory of {type(optimizer).__name__}: {why} ({error}). Pass "
             "its state's bytes as optimizer_state_bytes= instead of optimizer="

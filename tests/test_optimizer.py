@@ -149,12 +149,17 @@ def test_master_weights_the_optimizer_trains_are_counted_as_its_state():
 
 @pytest.mark.parametrize(
     "optimizer, why",
-    [(torch.optim.Adafactor, "reads tensor values"), (torch.optim.LBFGS, "needs a closure")],
+    [
+        (torch.optim.Adafactor, "reads tensor values"),
+        (torch.optim.LBFGS, "needs a closure"),
+        (torch.optim.SparseAdam, "takes sparse gradients"),
+    ],
 )
 def test_an_optimizer_planning_cannot_step_is_refused_with_what_to_pass(optimizer, why):
     """Adafactor's step calls ``.item()``, which the meta tensors planning steps cannot answer;
     LBFGS's step needs a closure that runs the model: a bare RuntimeError and TypeError from
-    inside torch before (found trying the library)."""
+    inside torch before (found trying the library). SparseAdam refuses the dense gradients of
+    the meta copies: the message spoke of reading values."""
     model, inputs = planner.zoo.gpt(layers=1, d_model=16, seq=8, batch=2)
     with pytest.raises(planner.PlanningError, match=f"{why}.*optimizer_state_bytes="):
         planner.plan(model, inputs, budget_gb=1, optimizer=optimizer)
