@@ -460,6 +460,8 @@ class _Replay:
         seconds = flops = 0.0
         ran_at: list[int] = []  # the steps where a node runs in a recompute, and the node
         ran: list[int] = []
+        stopped_at: list[int] = []  # those where the recompute stops inside it
+        stopped: list[int] = []
         for segment, (first, stop) in self.runs.items():
             end = self.end[segment]
             for q in range(segment.start, stop):
@@ -468,6 +470,9 @@ class _Replay:
                     continue  # it saved its inputs and the recompute stopped: it never ran
                 ran_at.append(step)
                 ran.append(q)
+                if q == end:  # stopped inside it: its temporaries as at its last save
+                    stopped_at.append(step)
+                    stopped.append(q)
                 seconds += node_seconds[q]
                 flops += node_flops[q]
                 for s, crossings in by_producer.get(q, ()):
@@ -486,6 +491,7 @@ class _Replay:
                         gone_phase.append(self._gone(s, q, True, graph=False))
                         gone_bytes.append(s.nbytes)
         transient[ran_at] = problem.workspace[ran]
+        transient[stopped_at] = problem.stop_workspace[stopped]
         np.add.at(alloc, made_at, np.array(made, dtype=np.int64))
         np.add.at(free, freed_at, np.array(freed, dtype=np.int64))
         self._buffer_copies(alloc, free)

@@ -211,6 +211,9 @@ class Problem:
     # What backward step i has allocated when it first unpacks a saved tensor: a recompute it
     # triggers runs on top of it. Left out: none.
     grad_before_unpack: np.ndarray = None  # type: ignore[assignment]
+    # A node's transient when a recompute stops inside it, at its last save: the most its
+    # forward held until then beyond what it had made and keeps. Left out: workspace.
+    stop_workspace: np.ndarray = None  # type: ignore[assignment]
 
     def __post_init__(self):
         defaults = {
@@ -220,6 +223,7 @@ class Problem:
             "grad_complete_at": lambda: self.grad_bytes_at,
             "backward_phases": lambda: BackwardPhases.single(self.size),
             "grad_before_unpack": lambda: np.zeros(self.size, dtype=np.int64),
+            "stop_workspace": lambda: self.workspace,
         }
         for name, default in defaults.items():
             if getattr(self, name) is None:
@@ -484,6 +488,7 @@ def build_problem(
     saved = [require_meta(node, "planner.saved") for node in nodes]
     writes = [require_meta(node, "planner.writes") for node in nodes]
     made_before_last_save = [require_meta(nd, "planner.made_before_last_save") for nd in nodes]
+    made_before = [{k: c[k] for k in made} for c, made in zip(created, made_before_last_save)]
     context_saved = set().union(*(require_meta(nd, "planner.context_saved") for nd in nodes))
 
     producer = {key: i for i, c in enumerate(created) for key in c}
@@ -593,6 +598,13 @@ def build_problem(
         bytes_moved=moved,
         seconds=cost_model.seconds(flops, moved, [node.name for node in nodes]),
         workspace=np.array([require_meta(nd, "planner.workspace") for nd in nodes], np.int64),
+        stop_workspace=np.array(
+            [
+                max(require_meta(nd, "planner.high_before_last_save") - sum(made.values()), 0)
+                for nd, made in zip(nodes, made_before)
+            ],
+            np.int64,
+        ),
         created_bytes=np.array([sum(c.values()) for c in created], dtype=np.int64),
         saves=np.array([bool(s) for s in saved], dtype=bool),
         saves_own=np.array([bool(made) for made in made_before_last_save], dtype=bool),

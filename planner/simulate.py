@@ -291,9 +291,13 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     # nor does the early stop's node when it saves only inputs.
     runs = recomputed_nodes(problem, choice)
     forward_transient = np.where(kept, np.maximum(problem.workspace - held, 0), problem.workspace)
+    # A recompute stopping inside a node holds its temporaries as they were at its last save.
+    recompute_transient = problem.workspace.copy()
+    stops = ends[ends >= 0]
+    recompute_transient[stops] = problem.stop_workspace[stops]
     transient = np.select(
         [phase == 0, recompute & runs[position]],
-        [forward_transient[position], problem.workspace[position]],
+        [forward_transient[position], recompute_transient[position]],
         0,
     )
     alloc = alloc + np.concatenate(extra_alloc)

@@ -680,3 +680,65 @@ def test_a_node_with_many_backward_functions_frees_its_saved_tensors_one_by_one(
     model, x = nn.Sequential(*[block() for _ in range(3)]).train(), torch.randn(*shape)
     predicted, measured = _predicted_and_measured(model, (x,), choice)
     assert measured == predicted
+
+
+class _KeptOnContext(torch.autograd.Function):
+    """A matmul that keeps its inputs as attributes of its context, not through
+    ``save_for_backward`` (the older pattern): the graph holds them as long as the function."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.x, ctx.w = x, w
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        return g @ ctx.w.t(), ctx.x.t() @ g
+
+
+class _ContextBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(48, 48) * 0.1)
+        self.l1, self.l2 = nn.Linear(48, 96), nn.Linear(96, 48)
+
+    def forward(self, x):
+        return x + self.l2(F.gelu(self.l1(_KeptOnContext.apply(x, self.w))))
+
+
+@pytest.mark.parametrize("choice", [(), ((1, 3),)])
+def test_tensors_a_function_inside_a_module_kept_whole_keeps_on_its_context_are_held(choice):
+    """Such tensors were counted only for functions whose output the node returns: inside a
+    module kept whole they were not held at all (found by review: 3-5% under the measured
+    peak once its saved tensors were freed function by function)."""
+    from planner import CaptureOptions
+    from planner.pipeline import prepare
+    from planner.rewrite import rewrite
+    from planner.simulate import simulate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_ContextBlock() for _ in range(3)], nn.LayerNorm(48))
+    x = torch.randn(40, 48)
+    options = CaptureOptions(leaf_modules=(_ContextBlock,))
+    captured, problem = prepare(model, (x,), capture_options=options)
+    planned = rewrite(captured.graph_module, model, choice)
+    assert peak_memory(planned, (x,)).peak_bytes == simulate(problem, choice).peak_bytes
+
+
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.gru, self.b = nn.Linear(32, 32), nn.GRU(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.b(self.gru(torch.tanh(self.a(x)))[0]).tanh()
+
+
+def test_a_recompute_stopping_inside_a_node_holds_its_temporaries_as_at_its_last_save():
+    """A recompute stops at a node's last save, inside the GRU here, before it makes its
+    outputs: its temporaries are then as they were at that moment, not as at the forward's
+    high point less all it keeps (found trying the library: 2 KiB under the measured peak)."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_Recurrent(), _Recurrent()).train(), torch.randn(12, 16, 32)
+    predicted, measured = _predicted_and_measured(model, (x,), ((0, 4), (4, 7), (7, 9), (9, 12)))
+    assert measured == predicted

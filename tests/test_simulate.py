@@ -161,7 +161,9 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
                 elif j == end and not problem.saves_own[j]:  # stops as it saves the inputs
                     step("recompute", j, made, 0, gone)
                 else:
-                    step("recompute", j, made, problem.workspace[j], gone)
+                    # stopped inside it: its temporaries as at its last save
+                    transient = problem.stop_workspace[j] if j == end else problem.workspace[j]
+                    step("recompute", j, made, transient, gone)
                     seconds += float(problem.seconds[j])
         step(
             "backward",
