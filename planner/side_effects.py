@@ -59,6 +59,7 @@ _TRACER_CONSTANT = re.compile(
 _APPLY = torch.autograd.Function.__dict__["apply"]
 _REGISTER_HOOK = torch.Tensor.register_hook
 _ENTER_SAVED_HOOKS = torch.autograd.graph.saved_tensors_hooks.__enter__
+_CHECKPOINT = torch.utils.checkpoint.__name__
 
 
 def _attributes(model: nn.Module) -> dict[tuple[str, str], object]:
@@ -247,7 +248,12 @@ def _noting_saved_tensor_hooks(entered: list[str]):
     thread = threading.get_ident()
 
     def entering(manager):
-        if _models_code(thread, sys._getframe(1)):
+        # planner's own profile and torch's checkpoint enter hooks of their own (a checkpoint
+        # is refused apart while capturing, measured in a module kept whole); any other, the
+        # model's or a wrapper's (torch's offload_wrapper enters save_on_cpu), is noted.
+        caller = sys._getframe(1).f_globals.get("__name__", "").split(".")[0]
+        ours = caller == _OURS[1] or type(manager).__module__ == _CHECKPOINT
+        if threading.get_ident() == thread and not ours:
             entered.append(type(manager).__name__)
         return _ENTER_SAVED_HOOKS(manager)
 
@@ -525,11 +531,13 @@ def repeated_effects(module: nn.Module):
 
 
 def _torch_modules_only(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs only torch's own modules' forwards, with no hook."""
+    """Whether calling ``module`` runs only the forwards of ``torch.nn``'s modules, with no
+    hook (torch's wrappers elsewhere, such as ``offload_wrapper``, may enter saved-tensor
+    hooks)."""
     if process_wide_hook_count():
         return False
     return all(
-        type(sub).__module__.startswith("torch.")
+        type(sub).__module__.startswith("torch.nn.")
         and not any(getattr(sub, table, None) for table in HOOK_TABLES)
         for sub in module.modules()
     )

@@ -464,3 +464,24 @@ def test_saved_tensor_hooks_entered_in_forward_are_refused(kept_whole):
         planner.PlanningError, match=r"enters saved-tensor hooks.*around the training step"
     ):
         planner.plan(model, (torch.randn(8, 32),), budget_gb=1, leaf_modules=leaves)
+
+
+def test_torchs_offload_wrapper_in_forward_is_refused_too():
+    """``offload_wrapper`` enters ``save_on_cpu`` from torch's own code: kept whole, its
+    hooks took the place of the profile's (found by review: 20% under the measured peak)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        OffloadWrapper,
+        offload_wrapper,
+    )
+
+    class Block(nn.Module):  # the user's: watched (torch's own modules enter no hooks)
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(32, 32)
+
+        def forward(self, x):
+            return torch.tanh(self.linear(x))
+
+    model = nn.Sequential(offload_wrapper(Block()), nn.ReLU(), nn.Linear(32, 32))
+    with pytest.raises(planner.PlanningError, match=r"enters saved-tensor hooks \(save_on_cpu:"):
+        planner.plan(model, (torch.randn(8, 32),), budget_gb=1, leaf_modules=(OffloadWrapper,))
