@@ -109,7 +109,7 @@ class StorageArrays:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BackwardPhases:
     """Each node's backward in phases (``planner.profile``: one more each time one of its
     functions returns or is released), as flat arrays: node ``i``'s phases are
@@ -121,6 +121,12 @@ class BackwardPhases:
     start: np.ndarray
     high: np.ndarray
     released: np.ndarray
+
+    def __eq__(self, other) -> bool:  # arrays compare element by element
+        return isinstance(other, BackwardPhases) and all(
+            np.array_equal(getattr(self, name), getattr(other, name))
+            for name in ("start", "high", "released")
+        )
 
     @classmethod
     def single(cls, n: int) -> BackwardPhases:
