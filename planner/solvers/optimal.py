@@ -682,7 +682,7 @@ def _keep_family(
     until = np.zeros((len(member), steps + 1), dtype=np.int64)
     np.add.at(until.T, nodes - c, -made.T)
     np.add.at(until.T, nodes - c + 1, -held.T)
-    until[:, 0] = (made + held).sum(axis=1)
+    until[:, 0] += (made + held).sum(axis=1)
     return _KeepSets(
         nodes=nodes,
         keeps=keeps,
