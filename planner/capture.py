@@ -538,12 +538,25 @@ def _keeping_buffers(model: nn.Module):
         yield changed
     finally:
         for module, qualified, name, tensor, version, value in kept:
-            if module._buffers.get(name) is not tensor or tensor._version != version:
+            # A batch norm's kernel updates its running statistics without bumping their
+            # version (eager runs of the model here: planner.attention, export_leaves).
+            rewritten = tensor._version != version or not _same_bits(tensor, value)
+            if module._buffers.get(name) is not tensor or rewritten:
                 changed.append(qualified)
                 module._buffers[name] = tensor
-                if tensor._version != version:
+                if rewritten:
                     with torch.no_grad():
                         tensor.copy_(value)
+
+
+def _same_bits(tensor: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``tensor`` still holds ``value``, its copy (NaN equal to NaN; a meta tensor
+    holds no values)."""
+    if tensor.is_meta or torch.equal(tensor, value):
+        return True
+    if tensor.shape != value.shape or not (tensor.is_floating_point() or tensor.is_complex()):
+        return False
+    return bool(((tensor == value) | (tensor.isnan() & value.isnan())).all())
 
 
 def more_than_one_value_per_channel(x: torch.Tensor) -> None:

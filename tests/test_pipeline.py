@@ -11,6 +11,8 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import planner
 import planner.pipeline
@@ -164,6 +166,35 @@ def test_planning_leaves_the_model_exactly_as_it_was():
     for m in model.modules():
         assert m.training
         assert not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
+
+
+class _CountingAttention(nn.Module):
+    """Updates a root buffer in forward (so capture takes torch.export), and attends with a
+    mask, which capture compares with one eager forward of the model."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.embed = nn.Sequential(nn.Linear(d, d), nn.BatchNorm1d(4), nn.Tanh())
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        self.steps.add_(1)
+        h = self.embed(x)
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        return self.head(F.scaled_dot_product_attention(h, h, h, attn_mask=causal))
+
+
+@pytest.mark.parametrize("leaf_modules", [(), (nn.Linear,)], ids=["export", "export-leaves"])
+def test_planning_through_export_leaves_batch_norm_statistics_as_they_were(leaf_modules):
+    """Capture runs the model eagerly once to compare calls with the graph; a batch norm's
+    kernel updates its running statistics without bumping their version, and a plan left them
+    moved by that run (found trying the library)."""
+    model = _CountingAttention().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    planner.plan(model, (torch.randn(2, 4, 8),), budget_gb=1, leaf_modules=leaf_modules)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
 
 
 def test_generated_code_calls_non_reentrant_checkpoint():
