@@ -1237,7 +1237,8 @@ def profile(
         # A loss_fn's labels, saved for backward, are the user's: replaced there as well.
         labels = _StandIns(copies) if loss_fn is not None else contextlib.nullcontext()
         with _grads_left_alone(loss):
-            with recorder.backward, labels:
+            # Anomaly mode's NaN check reads values, which fake tensors have not.
+            with recorder.backward, labels, torch.autograd.set_detect_anomaly(False):
                 try:
                     loss.backward()
                 except (DynamicOutputShapeException, DataDependentOutputException) as error:

@@ -197,6 +197,20 @@ def test_planning_through_export_leaves_batch_norm_statistics_as_they_were(leaf_
         assert torch.equal(value, before[key]), key
 
 
+def test_planning_under_anomaly_detection_gives_the_plan_made_without_it():
+    """Anomaly mode checks every gradient for NaN, a read of values that the profile's fake
+    tensors cannot give: planning under it failed, blaming an .item() in the model."""
+    model, inputs = SMALL["mlp"]()
+    budget = midpoint_budget(model, inputs)
+    expected = planner.plan(model, inputs, budget_bytes=budget)
+    with torch.autograd.detect_anomaly():
+        plan = planner.plan(model, inputs, budget_bytes=budget)
+        assert torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
+        training_step(plan.module, inputs)
+    assert (plan.segments, plan.keep) == (expected.segments, expected.keep)
+    assert plan.predicted_peak_bytes == expected.predicted_peak_bytes
+
+
 def test_generated_code_calls_non_reentrant_checkpoint():
     model, inputs = SMALL["mlp"]()
     plan = planner.plan(model, inputs, budget_bytes=midpoint_budget(model, inputs))
