@@ -13,9 +13,11 @@ import inspect
 import logging
 import operator
 import threading
+import traceback
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -423,6 +425,22 @@ def _export(
     return gm
 
 
+def _raised_by_model_code(error: Exception) -> str | None:
+    """``file:line`` where ``error`` was raised when that is the model's own code (or its
+    library's), not torch's or planner's: a check of the inputs in forward, which fails on
+    the example whatever captures it."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return None
+    last = Path(frames[-1].filename).resolve()
+    if any(last.is_relative_to(package) for package in _OWN_PACKAGES):
+        return None
+    return f"{last.name}:{frames[-1].lineno}"
+
+
+_OWN_PACKAGES = (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parent)
+
+
 def _unaliased(tree):
     """``tree`` with each tensor that shares storage with an earlier one replaced by a copy.
 
@@ -722,6 +740,14 @@ def _trace_or_export(
                 "torch.set_grad_enabled(...) instead",
             ) from inexact
         except Exception as export_error:
+            if (line := _raised_by_model_code(export_error)) is not None:
+                raise PlanningError(
+                    f"{type(model).__name__}'s forward raised {type(export_error).__name__}: "
+                    f"{export_error} (at {line}) on the example inputs, while torch.export "
+                    "ran it: the model refuses them, capture is not at fault. Check the "
+                    "example inputs and keyword arguments against what the model expects: "
+                    "they must be those of a training step."
+                ) from export_error
             labels = [k for k in kwargs if k == "labels" or k.endswith("_labels")]
             raise PlanningError(
                 f"cannot capture {type(model).__name__} as a graph.\n"

@@ -71,6 +71,13 @@ def _check_type(name: str, value, expected: type) -> None:
 def _check_model(model: nn.Module, args: tuple, kwargs: dict) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, PlannedModule):
+        raise PlanningError(
+            f"{type(model).__name__} is already a plan (the module planner.plan returns as "
+            "plan.module). Plan the model it was planned from instead, with the new budget: "
+            "plan.module shares that model's parameters, so the new plan trains the same "
+            "weights."
+        )
     lazy = [
         name
         for name, p in [*model.named_parameters(), *model.named_buffers()]

@@ -237,6 +237,32 @@ def test_untraceable_model_says_why_and_what_to_try():
     assert_same_state(before, model_state(model))
 
 
+class RefusesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape[-1] != 16:
+            raise ValueError(f"expected 16 features, got {x.shape[-1]}")
+        return self.linear(x)
+
+
+def test_a_forward_refusing_the_example_says_so_without_capture_advice():
+    """Capture reported the model's own ValueError as a capture failure, with advice about
+    caches and torch.cond that cannot help."""
+    model = RefusesItsInput()
+    before = model_state(model)
+    with pytest.raises(PlanningError) as info:
+        plan_of(model, (torch.randn(4, 8),), {}, budget_gb=1)
+    message = str(info.value)
+    assert message.startswith("RefusesItsInput's forward raised ValueError: expected 16")
+    assert "test_bad_inputs.py:" in message and "example inputs" in message
+    assert "use_cache" not in message and "torch.cond" not in message
+    assert isinstance(info.value.__cause__, ValueError)
+    assert_same_state(before, model_state(model))
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
@@ -272,12 +298,14 @@ def test_manual_checkpoint_is_detected_not_dropped(how):
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_a_planned_module_cannot_be_planned_again():
-    """Its forward calls torch.utils.checkpoint: planning it again would drop the plan."""
+@pytest.mark.parametrize("solver", ["sqrt_n", "auto"])  # with segments, and none
+def test_a_planned_module_cannot_be_planned_again(solver):
+    """Planning it again would drop the plan, or plan a graph of a graph: the message says to
+    plan the model instead (it said the module calls torch.utils.checkpoint)."""
     model, args, kwargs = small()
-    p = plan_of(model, args, kwargs, budget_gb=1, solver="sqrt_n")
-    assert p.segments
-    with pytest.raises(PlanningError, match=r"already calls torch\.utils\.checkpoint"):
+    p = plan_of(model, args, kwargs, budget_gb=1, solver=solver)
+    assert bool(p.segments) == (solver == "sqrt_n")
+    with pytest.raises(PlanningError, match=r"already a plan .*Plan the model it was planned"):
         plan_of(p.module, args, kwargs, budget_gb=1)
 
 
