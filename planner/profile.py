@@ -382,6 +382,16 @@ class _CostMode(TorchDispatchMode):
         return out
 
 
+def _grad_fn(tensor: torch.Tensor):
+    """``tensor.grad_fn``; None for a view made under no_grad whose base was then written in
+    place (``weight[:, :4].clamp_()`` in a no_grad block of forward): autograd refuses to
+    read its grad_fn, and no gradient can flow through it."""
+    try:
+        return tensor.grad_fn
+    except RuntimeError:
+        return None
+
+
 def _written_through_view(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a view written in place (``h.view(...).mul_(s)``, a Linear's 3-d
     output updated in place): its base's backward is a ``CopySlices``."""
@@ -830,7 +840,7 @@ class _Recorder(fx.Interpreter):
         self.cost.caching_casts = caching_casts()
         self.saved_by_current = set()
         self.made_before_last_save = set()
-        makers = [(t, t.grad_fn) for t in passed if isinstance(t, torch.Tensor)]
+        makers = [(t, _grad_fn(t)) for t in passed if isinstance(t, torch.Tensor)]
         self.high_before_last_save = 0
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             out = run()
@@ -872,18 +882,18 @@ class _Recorder(fx.Interpreter):
         node.meta["planner.requires_grad"] = any(t.requires_grad for t in tensors)
         node.meta["planner.tensor_output"] = bool(tensors)
         for t in tensors:
-            if t.grad_fn is not None and _written_through_view(t):
+            if _grad_fn(t) is not None and _written_through_view(t):
                 t.grad_fn.register_hook(_as_strided_gradient)
         # A node that returns a tensor it was given (dropout with p=0, ``to`` to the same dtype)
         # shares its grad_fn: that backward is the maker's, and runs where the maker's does
         # (after the maker's recompute when it is checkpointed), so it is charged to the maker.
-        outputs = {t.grad_fn for t in tensors if t.grad_fn is not None} - self.hooked
+        outputs = {_grad_fn(t) for t in tensors} - {None} - self.hooked
         for grad_fn in outputs:
             self.hooked.add(grad_fn)
             grad_fn.register_prehook(lambda grads, node=node: self.backward.enter(node))
         # A tensor passed in and updated in place (``x.mul_(s)``) has a backward function of
         # this node's that its later readers reach, whenever they run: nothing is released.
-        if all(t.grad_fn is grad_fn for t, grad_fn in makers):
+        if all(_grad_fn(t) is grad_fn for t, grad_fn in makers):
             self._hook_release(node, outputs, {grad_fn for _, grad_fn in makers})
         return out
 
@@ -956,7 +966,7 @@ def _context_tensors(outputs: list[torch.Tensor], stops: set) -> list[torch.Tens
     the function's backward, like saved tensors. Every function of the node's own backward
     (reached from its outputs, short of ``stops``: a module kept whole may apply one inside;
     found by review, 3-5% under the measured peak)."""
-    functions = _backward_functions({t.grad_fn for t in outputs}, stops)
+    functions = _backward_functions({_grad_fn(t) for t in outputs}, stops)
     contexts = {f for f in functions if isinstance(f, BackwardCFunction)}
     return [
         t
