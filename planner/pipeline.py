@@ -13,7 +13,7 @@ from typing import cast
 
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from planner.capture import capture
 from planner.costs import CostModel, captured_node_seconds
@@ -66,6 +66,21 @@ def _check_type(name: str, value, expected: type) -> None:
             f"{name} must be a planner.{expected.__name__} or None, got {type(value).__name__} "
             f"{value!r}"
         )
+
+
+def _cut_from_their_graph(example):
+    """``example`` with each tensor that an autograd graph made (an encoder's output given to
+    the head planned, a generator's to a discriminator) detached, ``requires_grad`` kept: the
+    plan is of the model's step, and the fake profile cannot differentiate into a graph it
+    was not given. One tensor passed twice stays one tensor."""
+    leaves, spec = tree_flatten(example)
+    cut: dict[int, torch.Tensor] = {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+            if id(leaf) not in cut:
+                cut[id(leaf)] = leaf.detach().requires_grad_(leaf.requires_grad)
+            leaves[i] = cut[id(leaf)]
+    return tree_unflatten(leaves, spec) if cut else example
 
 
 def _check_model(model: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -213,6 +228,7 @@ def prepare(
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = _keyword_arguments(example_kwargs)
     _check_model(model, args, kwargs)
+    args, kwargs = _cut_from_their_graph((args, kwargs))
     captured = capture(
         model,
         args,

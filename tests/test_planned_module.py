@@ -1688,3 +1688,40 @@ def test_a_call_form_the_examples_sizes_do_not_suit_is_planned_at_its_own():
     with pytest.warns(UserWarning, match="planned this call form once.*at this call's sizes"):
         out = p.module(x, 16)
     assert torch.equal(out, model(x, 16))
+
+
+def _head_and_encoder():
+    torch.manual_seed(0)
+    head = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    return head, nn.Linear(8, 8), torch.randn(4, 8)
+
+
+def test_an_example_another_modules_graph_made_plans_and_trains_that_graph_too():
+    """A head planned on an encoder's output (a discriminator on a generator's): the profile
+    failed trying to differentiate into the encoder ("Tried to backward() through example
+    input"). The plan is of the head's step; the encoder still gets its gradients."""
+    head, encoder, x = _head_and_encoder()
+    reference_head, reference_encoder = copy.deepcopy(head), copy.deepcopy(encoder)
+    p = planner.plan(head, (encoder(x),), budget_gb=1)
+    p.module(encoder(x)).sum().backward()
+    reference_head(reference_encoder(x)).sum().backward()
+    for got, expected in zip(
+        [*head.parameters(), *encoder.parameters()],
+        [*reference_head.parameters(), *reference_encoder.parameters()],
+    ):
+        assert torch.equal(got.grad, expected.grad)
+
+
+def test_a_call_form_first_seen_with_an_input_another_graph_made_is_planned():
+    """Found trying the library: a GAN's generator step, D(G(z)) under autocast, failed
+    planning its call form (the same profile error), at every call."""
+    head, encoder, x = _head_and_encoder()
+    p = planner.plan(head, (x,), budget_gb=1)
+    with torch.autocast("cpu", torch.bfloat16):
+        with pytest.warns(UserWarning, match="planned this call form once"):
+            out = p.module(encoder(x))
+        with torch.no_grad():
+            expected = copy.deepcopy(head)(encoder(x))
+    out.float().sum().backward()
+    assert torch.equal(out, expected)
+    assert all(q.grad is not None for q in encoder.parameters())
