@@ -1,6 +1,6 @@
 """Memory and time of one training step: planner against the alternatives users would pick.
 
-    .venv/bin/python benchmarks/compare.py --mode short    # a few minutes
+    .venv/bin/python benchmarks/compare.py --mode short    # 10 min or more on 2 cores
     .venv/bin/python benchmarks/compare.py --mode full     # the run behind docs/benchmarks.md
 
 On a CUDA machine whose ``python3`` has torch, transformers, networkx and scipy (no venv: the

@@ -509,7 +509,8 @@ def render_page(results: dict, page: Path, img_dir: Path) -> None:
         "",
         "Regenerate: `.venv/bin/python benchmarks/compare.py --mode full` (writes "
         "`benchmarks/results/full.json`, this page and `docs/img/benchmarks_*.png`); "
-        "`--mode short` takes a few minutes.",
+        "`--mode short` took 9.3 min on a 2-core CPU for the four models of the command above; "
+        "its eight default models take longer.",
         "",
         "## Targets",
         "",

@@ -1,6 +1,6 @@
 """Choose micro-batch size, accumulation steps and checkpointing for a global batch, then train.
 
-Run: python examples/plan_batch.py   (CPU, a few seconds)
+Run: python examples/plan_batch.py   (CPU: under a minute on a 2-core machine; 12.5 s, 32 s)
 
 The budget is set between what micro-batches of 4 and of 8 need without checkpointing, so the
 table shows the trade-off: small micro-batches fit as they are but take more steps; the whole

@@ -85,8 +85,9 @@ def _parser() -> argparse.ArgumentParser:
         "--solver",
         default="auto",
         metavar="NAME",
-        help="solver name (default: auto, the cheapest fitting plan of all "
-        "registered solvers); e.g. sqrt_n, greedy, optimal",
+        help="solver name (default: auto, the cheapest fitting plan of optimal, greedy "
+        "and sqrt_n, rotor's nested plan when none fits; not milp nor solvers you "
+        "register); e.g. sqrt_n, greedy, optimal, milp",
     )
     p.add_argument(
         "--arg",
