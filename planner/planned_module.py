@@ -699,7 +699,7 @@ class Snapshot:
             return
         call = _CallGraph()
         for grad_fn in functions:
-            grad_fn.metadata[_CallGraph] = call  # lives as long as the graph does
+            cast(dict, grad_fn.metadata)[_CallGraph] = call  # lives as long as the graph
             grad_fn.register_prehook(call.reach)
         self.earlier_calls.append(weakref.ref(call))
 

@@ -882,8 +882,8 @@ class _Recorder(fx.Interpreter):
         node.meta["planner.requires_grad"] = any(t.requires_grad for t in tensors)
         node.meta["planner.tensor_output"] = bool(tensors)
         for t in tensors:
-            if _grad_fn(t) is not None and _written_through_view(t):
-                t.grad_fn.register_hook(_as_strided_gradient)
+            if (grad_fn := _grad_fn(t)) is not None and _written_through_view(t):
+                grad_fn.register_hook(_as_strided_gradient)
         # A node that returns a tensor it was given (dropout with p=0, ``to`` to the same dtype)
         # shares its grad_fn: that backward is the maker's, and runs where the maker's does
         # (after the maker's recompute when it is checkpointed), so it is charged to the maker.
