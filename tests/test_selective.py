@@ -8,6 +8,7 @@ simulator predicts against what the CPU tracker measures, and how plans show the
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 import warnings
@@ -17,9 +18,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_map_only
+from torch.utils.checkpoint import checkpoint
 
 from planner.pipeline import assemble, plan, prepare
-from planner.rewrite import rewrite
+from planner.rewrite import _aliases, rewrite
 from planner.simulate import Choice, recompute_stop, simulate, validate_choice
 from planner.step import peak_memory, training_loss
 from strategies import assert_equivalent, build, inputs, model_specs, random_choices
@@ -82,6 +86,78 @@ def test_fact_the_refused_random_keep_would_change_gradients():
     )
     with pytest.raises(AssertionError):
         assert_equivalent(reference, model, planned, args, {})
+
+
+class _Recomputing:
+    """Dispatch modes for the fact below, active in a checkpoint's recompute only: ``Replay``
+    returns a storage-less result (a 0-d tensor expanded to the op's output) instead of
+    computing; ``Cached`` answers the ops the forward cached."""
+
+    def __init__(self):
+        self.on, self.cache, self.replayed = False, [], []
+        owner = self
+
+        class Replay(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not owner.on or _aliases(func):  # views stay views of real inputs
+                    return func(*args, **(kwargs or {}))
+                owner.replayed.append(func)
+                with _disable_current_modes():
+                    meta = func(*tree_map_only(torch.Tensor, lambda t: t.to("meta"), args))
+                    return torch.empty((), dtype=meta.dtype).expand(meta.shape)
+
+        class Cached(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is not torch.ops.aten._softmax.default:
+                    return func(*args, **(kwargs or {}))
+                if owner.on:
+                    return owner.cache.pop(0)
+                out = func(*args, **(kwargs or {}))
+                owner.cache.append(out.detach())
+                return out
+
+        self.replay, self.cached = Replay, Cached
+
+    @contextlib.contextmanager
+    def recompute(self):
+        self.on = True
+        try:
+            yield
+        finally:
+            self.on = False
+
+
+def test_fact_a_recompute_can_replay_an_op_without_computing_what_nothing_saves():
+    """What per-op recompute beyond keeps would rest on (not built; docs/solvers.md, "At
+    torch.compile's peaks"): with the softmax's output kept, the attention scores feeding it
+    are saved by nothing, yet their matmul must run in the recompute, whose autograd record
+    saves its inputs for its own backward. Run under a mode that returns a storage-less
+    result, it costs no FLOPs and no memory, and the gradients stay bit-equal."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(8, 24, requires_grad=True), torch.randn(2, 16, 8, requires_grad=True)
+    modes = _Recomputing()
+
+    def attention(x, weight, replay, cached):
+        q, k, v = (x @ weight).split(8, dim=-1)
+        with replay():
+            scores = q @ k.transpose(1, 2) / 8**0.5
+        with cached():
+            probabilities = torch.softmax(scores, -1)
+        return probabilities @ v
+
+    attention(x, weight, contextlib.nullcontext, contextlib.nullcontext).pow(2).sum().backward()
+    expected = x.grad, weight.grad
+    x.grad = weight.grad = None
+    checkpoint(
+        attention, x, weight, modes.replay, modes.cached, use_reentrant=False,
+        context_fn=lambda: (contextlib.nullcontext(), modes.recompute()),
+    ).pow(2).sum().backward()  # fmt: skip
+    assert modes.replayed == [  # in the recompute only
+        torch.ops.aten.bmm.default,
+        torch.ops.aten._unsafe_view.default,
+        torch.ops.aten.div.Tensor,
+    ]
+    assert torch.equal(x.grad, expected[0]) and torch.equal(weight.grad, expected[1])
 
 
 @pytest.mark.parametrize("kept", ["second", "both"])
