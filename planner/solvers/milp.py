@@ -19,7 +19,11 @@ exactly; docs/solvers.md derives it. In short:
   freed bytes plus workspace, plus the storages kept for backward), a backward node (gradients,
   storages held, and recomputed copies kept by a saver at or before it in the same segment),
   and the recompute of each segment (what is held then plus the segment's own recompute peak,
-  a constant of the segment).
+  a constant of the segment). Buffer copies (``Problem.buffer_copy_bytes``) weigh on the
+  forward rows from the segment's start and on the backward rows until its recompute (running
+  sums over the chosen segments), and twice on its recompute, which also holds what its
+  triggering backward has allocated (``grad_before_unpack``) and, when it runs before the
+  first backward step, the loss (``loss_bytes``).
 * With keeps, ``y[k]`` (binary) is 1 when node ``k`` is kept, within the rules of
   ``validate_choice`` (rows); ``t[b, k]`` (continuous, bounded below like ``a``) when it is
   kept in the segment ending at ``b``. A kept node's cache is held from its forward to its
@@ -86,6 +90,10 @@ class MilpResult:
         A lower bound on the least recompute time of any plan that fits the budget: the
         solver's dual bound, valid even when stopped by the time limit; ``inf`` when no plan
         fits.
+    program_peak_bytes
+        The program's own peak for the plan (fixed memory included), found only when the plan
+        does not fit (``None`` otherwise): the program accepted it within the budget, so a
+        value other than ``peak_bytes`` means the formulation and ``simulate`` disagree, a bug.
     """
 
     segments: Segments
@@ -95,6 +103,7 @@ class MilpResult:
     recompute_seconds: float
     bound_seconds: float
     keep: frozenset[int] = frozenset()
+    program_peak_bytes: int | None = None
 
     @property
     def choice(self) -> Choice:
@@ -311,6 +320,32 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
     kept_forward = new_columns(n)
     kept_backward = new_columns(n)
     cached = new_columns(n) if y else None
+    # Buffer copies (Problem.buffer_copy_bytes) of the segments a plan may choose: a segment
+    # copies them when its forward starts and again when its recompute starts, and both copies
+    # go when the recompute ends. Running sums again: ``copies_forward[i]``, the copies of the
+    # chosen segments starting at or before i (forward rows); ``copies_backward[i]``, those of
+    # the chosen segments whose recompute ends (at their last saving node) before i, not yet
+    # recomputed when backward reaches i (backward and recompute rows).
+    copy_bytes = {
+        (c, b): problem.buffer_copy_bytes(c, b)
+        for (c, b), end in segment_end.items()
+        if end >= c and problem.buffer_copies
+    }
+    copy_bytes = {key: nbytes for key, nbytes in copy_bytes.items() if nbytes}
+    # What a segment's recompute holds on top of its own steps (``planner.simulate``): both
+    # copies; what the backward that triggers it (its last saving node's) has allocated when it
+    # unpacks (``Problem.grad_before_unpack``); and the loss and backward's seed when it runs
+    # before the first backward step, its last saving node being the graph's last node
+    # (``Problem.loss_bytes``).
+    recompute_extra = {
+        (c, b): 2 * copy_bytes.get((c, b), 0)
+        + int(problem.grad_before_unpack[end])
+        + (problem.loss_bytes if end == n - 1 else 0)
+        for (c, b), end in segment_end.items()
+        if end >= c
+    }
+    copies_forward = new_columns(n) if copy_bytes else None
+    copies_backward = new_columns(n) if copy_bytes else None
     peak = new_columns(1)[0]
 
     rows = _Rows()
@@ -444,6 +479,25 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
             ]
             rows.add(terms, 0.0, 0.0)
 
+    if copies_forward is not None and copies_backward is not None:
+        for i in range(n):
+            terms = [(copies_forward[i], 1.0)] + ([(copies_forward[i - 1], -1.0)] if i else [])
+            terms += [
+                tm
+                for (c, b), nbytes in copy_bytes.items()
+                if c == i
+                for tm in segment_terms(c, b, -nbytes / scale)
+            ]
+            rows.add(terms, 0.0, 0.0)
+            terms = [(copies_backward[i], 1.0)] + ([(copies_backward[i - 1], -1.0)] if i else [])
+            terms += [
+                tm
+                for (c, b), nbytes in copy_bytes.items()
+                if segment_end[c, b] == i - 1
+                for tm in segment_terms(c, b, -nbytes / scale)
+            ]
+            rows.add(terms, 0.0, 0.0)
+
     # Plan-independent parts of the replay, in bytes above fixed memory.
     created = np.cumsum(problem.created_bytes)
     freed_before = np.zeros(n + 1, dtype=np.int64)
@@ -467,7 +521,9 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
         """The recompute of the segment ending at ``b``, on top of what is held then."""
         if not keep:  # one row at the recompute's peak
             recompute = [
-                tm for c, steps in ending_at[b] for tm in segment_terms(c, b, steps.max() / scale)
+                tm
+                for c, steps in ending_at[b]
+                for tm in segment_terms(c, b, (steps.max() + recompute_extra[c, b]) / scale)
             ]
             memory_row(before + recompute, grads_alive)
             return
@@ -481,7 +537,7 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
                 tm
                 for c, steps in ending_at[b]
                 if c <= q
-                for tm in segment_terms(c, b, steps[q - c] / scale)
+                for tm in segment_terms(c, b, (steps[q - c] + recompute_extra[c, b]) / scale)
             ]
             for k in range(q, b):
                 if (b, k) in t:
@@ -499,9 +555,13 @@ def _formulate(problem: Problem, keep: bool = False) -> _Formulation:
         forward = [(kept_forward[i], 1.0)]
         if i in y:  # a kept node's temporaries replace its workspace, where larger
             forward.append((y[i], max(0, held[i] - problem.workspace[i]) / scale))
+        if copies_forward is not None and copies_backward is not None:
+            forward.append((copies_forward[i], 1.0))
         memory_row(forward, created[i] - freed_before[i] + problem.workspace[i])
         before = [(column, nbytes / scale) for column, nbytes in held_at[i]]
         before.append((kept_backward[i], 1.0))
+        if copies_backward is not None:
+            before.append((copies_backward[i], 1.0))
         if cached is not None:
             before.append((cached[i], 1.0))
         before += leaks
@@ -554,6 +614,32 @@ def _run(form: _Formulation, objective: np.ndarray, peak_limit: float, time_limi
 _STATUS = {0: "optimal", 1: "time limit", 2: "infeasible"}
 
 
+def _program_peak(problem: Problem, form: _Formulation, choice: Choice, time_limit: float):
+    """The program's lowest peak (bytes, fixed memory included) with its segment and keep
+    variables pinned to ``choice``: what the formulation says the plan's peak is. None when
+    HiGHS does not find it in time."""
+    milp, Bounds, LinearConstraint, _ = _scipy_milp()
+    inside = {(c, i) for c, b in choice.segments for i in range(c, b)}
+    lower = np.zeros(len(form.seconds))
+    upper = np.where(form.integrality > 0, 1.0, math.inf)
+    for key, column in form.z.items():
+        lower[column] = upper[column] = float(key in inside)
+    for node, column in form.y.items():
+        lower[column] = upper[column] = float(node in choice.keep)
+    objective = np.zeros(len(lower))
+    objective[form.peak] = 1.0
+    answer = milp(
+        objective,
+        integrality=form.integrality,
+        bounds=Bounds(lower, upper),
+        constraints=LinearConstraint(form.matrix, form.row_lower, form.row_upper),
+        options={"time_limit": max(time_limit, 0.01)},
+    )
+    if answer.status != 0:
+        return None
+    return round(problem.fixed_bytes + answer.fun * form.scale)
+
+
 def _least_recompute(
     problem: Problem, form: _Formulation, budget_bytes: int, deadline: float, retries: int
 ) -> MilpResult:
@@ -578,14 +664,24 @@ def _least_recompute(
         answer = _run(form, form.seconds, limit / form.scale, deadline - time.perf_counter())
     if simulated is None:
         return MilpResult((), status, False, 0, 0.0, bound)
+    fits = simulated.peak_bytes <= budget_bytes
+    program_peak = None
+    if not fits:
+        # Every decoded plan met the program's rows at a peak within the budget (a few bytes
+        # over at most: HiGHS's tolerance, which the retries take off), so one that still does
+        # not fit is one where the program and simulate disagree: find by how much. An LP once
+        # the plan is pinned, quick; it runs even when the time is spent.
+        remaining = max(deadline - time.perf_counter(), 5.0)
+        program_peak = _program_peak(problem, form, choice, remaining)
     return MilpResult(
         choice.segments,
         status,
-        simulated.peak_bytes <= budget_bytes,
+        fits,
         simulated.peak_bytes,
         simulated.recompute_seconds,
         bound,
         choice.keep,
+        program_peak,
     )
 
 
@@ -673,7 +769,9 @@ def solve(
     time_limit
         Seconds for HiGHS. When it finds no plan that fits in time (or none exists), the answer
         is the MILP's lowest-peak plan, or, when that too fails, the greedy solver's, with a
-        warning: a plan is never passed off as fitting without ``simulate`` agreeing.
+        warning: a plan is never passed off as fitting without ``simulate`` agreeing. The
+        warning tells apart a plan HiGHS proved optimal that ``simulate`` refuses (the program
+        and the replay disagree: both peaks) from running out of time.
     keep
         Choose kept nodes too (see ``milp_plan``).
     """
@@ -686,9 +784,19 @@ def solve(
             return lowest.choice if lowest.keep else lowest.segments
     from planner.solvers.greedy import solve as greedy
 
-    warnings.warn(
-        f"the MILP found no plan within {time_limit:g} s (status: {result.status}); using the "
-        "greedy solver's plan instead. Raise time_limit= or use solver='optimal'.",
-        stacklevel=2,
-    )
+    if result.program_peak_bytes not in (None, result.peak_bytes):  # a plan, refused: a bug
+        message = (
+            f"the MILP's optimal plan does not fit the budget of {budget_bytes} bytes: the "
+            f"program puts its peak at {result.program_peak_bytes} bytes, planner.simulate at "
+            f"{result.peak_bytes} ({result.choice}). The formulation and the replay disagree "
+            "(a bug in planner.solvers.milp); using the greedy solver's plan instead. Use "
+            "solver='optimal'."
+        )
+    else:
+        message = (
+            f"the MILP found no plan that fits within {time_limit:g} s (status: "
+            f"{result.status}); using the greedy solver's plan instead. Raise time_limit= or "
+            "use solver='optimal'."
+        )
+    warnings.warn(message, stacklevel=2)
     return greedy(problem, budget_bytes)
