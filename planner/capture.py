@@ -426,16 +426,22 @@ def _export(
 
 
 def _raised_by_model_code(error: Exception) -> str | None:
-    """``file:line`` where ``error`` was raised when that is the model's own code (or its
-    library's), not torch's or planner's: a check of the inputs in forward, which fails on
-    the example whatever captures it."""
+    """``file:line`` where ``error`` was raised when that is a ``raise`` or ``assert`` statement
+    of the model's own code (or its library's), not torch's or planner's: a check of the
+    inputs in forward, which fails on the example whatever captures it. (A kernel of the
+    model's that fails under tracing raises below a line of the model's too, but that line is
+    a call: a capture failure.)"""
     frames = traceback.extract_tb(error.__traceback__)
     if not frames:
         return None
-    last = Path(frames[-1].filename).resolve()
-    if any(last.is_relative_to(package) for package in _OWN_PACKAGES):
+    last = frames[-1]
+    where = Path(last.filename).resolve()
+    if any(where.is_relative_to(package) for package in _OWN_PACKAGES):
         return None
-    return f"{last.name}:{frames[-1].lineno}"
+    statement = (last.line or "").lstrip()
+    if not statement.startswith(("raise", "assert")):
+        return None
+    return f"{where.name}:{last.lineno}"
 
 
 _OWN_PACKAGES = (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parent)
@@ -569,12 +575,18 @@ def _keeping_buffers(model: nn.Module):
 
 def _same_bits(tensor: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether ``tensor`` still holds ``value``, its copy (NaN equal to NaN; a meta tensor
-    holds no values)."""
-    if tensor.is_meta or torch.equal(tensor, value):
+    holds no values). Kinds ``torch.equal`` does not take (sparse, nested, complex32) count as
+    unchanged: their version alone tells."""
+    if tensor.is_meta:
         return True
-    if tensor.shape != value.shape or not (tensor.is_floating_point() or tensor.is_complex()):
-        return False
-    return bool(((tensor == value) | (tensor.isnan() & value.isnan())).all())
+    try:
+        if torch.equal(tensor, value):
+            return True
+        if tensor.shape != value.shape or not (tensor.is_floating_point() or tensor.is_complex()):
+            return False
+        return bool(((tensor == value) | (tensor.isnan() & value.isnan())).all())
+    except (RuntimeError, NotImplementedError):
+        return True
 
 
 def more_than_one_value_per_channel(x: torch.Tensor) -> None:

@@ -30,6 +30,7 @@ from planner.serialize import input_spec
 from planner.simulate import Choice, Simulation, as_choice, simulate
 from planner.solvers.auto import choose, lowest_peak
 from planner.solvers.rotor import replay
+from planner.step import grad_fn_of
 from planner.units import GIB, mib
 
 MAX_BUDGET_BYTES = 2**63  # byte counts are int64
@@ -76,7 +77,7 @@ def _cut_from_their_graph(example):
     leaves, spec = tree_flatten(example)
     cut: dict[int, torch.Tensor] = {}
     for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+        if isinstance(leaf, torch.Tensor) and grad_fn_of(leaf) is not None:
             if id(leaf) not in cut:
                 cut[id(leaf)] = leaf.detach().requires_grad_(leaf.requires_grad)
             leaves[i] = cut[id(leaf)]

@@ -41,6 +41,7 @@ from planner.hooks import (
 )
 from planner.model_code import codes, global_loads, loaded_attributes, method_codes
 from planner.model_state import ModelStateDict
+from planner.step import grad_fn_of
 from planner.units import mib
 
 # One call form is planned at a time, in whichever thread first makes that call.
@@ -676,9 +677,10 @@ class Snapshot:
         budget without a word). Each call holds its own activations until its backward."""
         waiting = [c for ref in self.earlier_calls if (c := ref()) is not None and not c.reached]
         self.earlier_calls = [weakref.ref(c) for c in waiting]
-        if not waiting or self.warned_two_forwards:
+        if not waiting:
             return
         self.warned_two_forwards = True
+        self.earlier_calls = []  # warned: nothing more to watch (a cell called 10,000 times)
         warnings.warn(
             f"the planned {type(self.model).__name__} is called while the graph of an earlier "
             "call waits for its backward: each call holds its activations until its backward "
@@ -692,9 +694,10 @@ class Snapshot:
     def note_graph(self, output) -> None:
         """Remember the call that made ``output`` until backward reaches it or its graph dies
         (``warn_if_earlier_graph_waits``)."""
-        functions = {
-            t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn
-        }
+        if self.warned_two_forwards:
+            return
+        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+        functions = {grad_fn_of(t) for t in tensors} - {None}
         if not functions:
             return
         call = _CallGraph()
@@ -1167,7 +1170,14 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
             )
         snapshot.warn_if_gradients_held(args, kwargs)
         snapshot.warn_if_saved_tensor_hooks()
-        watch = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        # Under saved-tensor hooks (the user's own checkpoint around the call, offloading)
+        # the activations may not be held: nothing to warn of.
+        watch = (
+            not snapshot.warned_two_forwards
+            and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and _top_saved_tensor_hooks()() is None
+        )
         if watch:
             snapshot.warn_if_earlier_graph_waits()
         try:

@@ -126,7 +126,7 @@ from planner.fakes import (
 from planner.gcpause import paused_collection
 from planner.regions import closing_regions, enter_autocast
 from planner.side_effects import keeping_random_states, repeated_effects
-from planner.step import nothing_to_differentiate, training_loss
+from planner.step import grad_fn_of, nothing_to_differentiate, training_loss
 
 META_KEYS = (
     "planner.created",
@@ -380,16 +380,6 @@ class _CostMode(TorchDispatchMode):
             self.bytes_moved += sum(t.nbytes for t in inputs + outputs)
         self.just_saved.clear()
         return out
-
-
-def _grad_fn(tensor: torch.Tensor):
-    """``tensor.grad_fn``; None for a view made under no_grad whose base was then written in
-    place (``weight[:, :4].clamp_()`` in a no_grad block of forward): autograd refuses to
-    read its grad_fn, and no gradient can flow through it."""
-    try:
-        return tensor.grad_fn
-    except RuntimeError:
-        return None
 
 
 def _written_through_view(tensor: torch.Tensor) -> bool:
@@ -840,7 +830,7 @@ class _Recorder(fx.Interpreter):
         self.cost.caching_casts = caching_casts()
         self.saved_by_current = set()
         self.made_before_last_save = set()
-        makers = [(t, _grad_fn(t)) for t in passed if isinstance(t, torch.Tensor)]
+        makers = [(t, grad_fn_of(t)) for t in passed if isinstance(t, torch.Tensor)]
         self.high_before_last_save = 0
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             out = run()
@@ -882,18 +872,18 @@ class _Recorder(fx.Interpreter):
         node.meta["planner.requires_grad"] = any(t.requires_grad for t in tensors)
         node.meta["planner.tensor_output"] = bool(tensors)
         for t in tensors:
-            if (grad_fn := _grad_fn(t)) is not None and _written_through_view(t):
+            if (grad_fn := grad_fn_of(t)) is not None and _written_through_view(t):
                 grad_fn.register_hook(_as_strided_gradient)
         # A node that returns a tensor it was given (dropout with p=0, ``to`` to the same dtype)
         # shares its grad_fn: that backward is the maker's, and runs where the maker's does
         # (after the maker's recompute when it is checkpointed), so it is charged to the maker.
-        outputs = {_grad_fn(t) for t in tensors} - {None} - self.hooked
+        outputs = {grad_fn_of(t) for t in tensors} - {None} - self.hooked
         for grad_fn in outputs:
             self.hooked.add(grad_fn)
             grad_fn.register_prehook(lambda grads, node=node: self.backward.enter(node))
         # A tensor passed in and updated in place (``x.mul_(s)``) has a backward function of
         # this node's that its later readers reach, whenever they run: nothing is released.
-        if all(_grad_fn(t) is grad_fn for t, grad_fn in makers):
+        if all(grad_fn_of(t) is grad_fn for t, grad_fn in makers):
             self._hook_release(node, outputs, {grad_fn for _, grad_fn in makers})
         return out
 
@@ -966,7 +956,7 @@ def _context_tensors(outputs: list[torch.Tensor], stops: set) -> list[torch.Tens
     the function's backward, like saved tensors. Every function of the node's own backward
     (reached from its outputs, short of ``stops``: a module kept whole may apply one inside;
     found by review, 3-5% under the measured peak)."""
-    functions = _backward_functions({_grad_fn(t) for t in outputs}, stops)
+    functions = _backward_functions({grad_fn_of(t) for t in outputs}, stops)
     contexts = {f for f in functions if isinstance(f, BackwardCFunction)}
     return [
         t
@@ -1247,8 +1237,14 @@ def profile(
         # A loss_fn's labels, saved for backward, are the user's: replaced there as well.
         labels = _StandIns(copies) if loss_fn is not None else contextlib.nullcontext()
         with _grads_left_alone(loss):
-            # Anomaly mode's NaN check reads values, which fake tensors have not.
-            with recorder.backward, labels, torch.autograd.set_detect_anomaly(False):
+            # Anomaly mode's NaN check reads values, which fake tensors have not. (The mode
+            # is process-wide: switched only when on, and only its NaN check.)
+            nan_check = (
+                torch.autograd.set_detect_anomaly(True, check_nan=False)
+                if torch.is_anomaly_enabled()
+                else contextlib.nullcontext()
+            )
+            with recorder.backward, labels, nan_check:
                 try:
                     loss.backward()
                 except (DynamicOutputShapeException, DataDependentOutputException) as error:

@@ -73,6 +73,16 @@ def _tensors_in(output):
                 stack.extend(reversed(leaves))
 
 
+def grad_fn_of(tensor: torch.Tensor):
+    """``tensor.grad_fn``; None for a view made under no_grad whose base was then written in
+    place with grad mode on (``weight[:, :4].clamp_()`` in a no_grad block of forward):
+    autograd refuses to read its grad_fn, and no gradient can flow through it."""
+    try:
+        return tensor.grad_fn
+    except RuntimeError:
+        return None
+
+
 def training_loss(output) -> torch.Tensor:
     """Reduce a model's output to the scalar whose ``backward()`` is one training step.
 

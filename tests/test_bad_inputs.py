@@ -263,6 +263,25 @@ def test_a_forward_refusing_the_example_says_so_without_capture_advice():
     assert_same_state(before, model_state(model))
 
 
+class LooksUpBySize(nn.Module):
+    """Fails on a line that calls (a lookup, as a kernel bound from C++ fails under tracing),
+    not on a raise statement: capture cannot tell the model's fault from its own there."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.scales = {16: 0.5}
+
+    def forward(self, x):
+        return self.linear(x) * self.scales[x.shape[-1]]
+
+
+def test_an_error_on_a_line_that_calls_keeps_both_capture_reasons_and_the_advice():
+    with pytest.raises(PlanningError, match="cannot capture LooksUpBySize") as info:
+        plan_of(LooksUpBySize(), (torch.randn(4, 8),), {}, budget_gb=1)
+    assert "KeyError" in str(info.value) and "What to try" in str(info.value)
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()

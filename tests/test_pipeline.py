@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import planner
+import planner.capture
 import planner.pipeline
 from planner import zoo
 from planner.pipeline import prepare
@@ -195,6 +196,17 @@ def test_planning_through_export_leaves_batch_norm_statistics_as_they_were(leaf_
     planner.plan(model, (torch.randn(2, 4, 8),), budget_gb=1, leaf_modules=leaf_modules)
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_buffers_of_kinds_torch_equal_does_not_take_are_put_back_by_their_version():
+    """Found by review: comparing values raised for a sparse buffer, and the buffers after it
+    were not put back."""
+    model = nn.Module()
+    model.register_buffer("adjacency", torch.eye(3).to_sparse())
+    model.register_buffer("count", torch.zeros(()))
+    with planner.capture._keeping_buffers(model) as changed:
+        model.count.data.add_(1)  # no version bump: the value tells
+    assert changed == ["count"] and model.count.item() == 0
 
 
 def test_planning_under_anomaly_detection_gives_the_plan_made_without_it():
