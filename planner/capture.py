@@ -930,7 +930,9 @@ def _wrappers() -> list[tuple[type, str, str, str, str]]:
             "an nn.DataParallel wrapper",
             "wraps",
             "module",
-            "wrap the planned module (nn.DataParallel(plan.module))",
+            "wrap the planned module in DistributedDataParallel(plan.module, ...) (on several "
+            "GPUs nn.DataParallel replicates modules by a shallow copy, which a planned module "
+            "refuses: it would share the model yet escape its checks)",
         ),
         (
             nn.parallel.DistributedDataParallel,
