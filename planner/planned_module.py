@@ -683,10 +683,10 @@ class Snapshot:
         self.earlier_calls = []  # warned: nothing more to watch (a cell called 10,000 times)
         warnings.warn(
             f"the planned {type(self.model).__name__} is called while the graph of an earlier "
-            "call waits for its backward: each call holds its activations until its backward "
-            "runs, and the plan counts one call's, so this step holds about one more call's "
-            "than the budget. Concatenate the inputs into one call (plan at that size), or "
-            "run backward between the calls.",
+            "call (this thread's or another's) waits for its backward: each call holds its "
+            "activations until its backward runs, and the plan counts one call's, so memory "
+            "holds about one more call's than the budget. Concatenate the inputs into one "
+            "call (plan at that size), or run backward between the calls.",
             UserWarning,
             stacklevel=_callers_stacklevel(),
         )
@@ -1147,6 +1147,13 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
 
     def _checked_call(self, graph_forward, args: tuple, kwargs: dict):
         snapshot = self._planner
+        if snapshot.checkpoints and torch.jit.is_tracing():
+            raise PlanningError(
+                f"torch.jit.trace cannot record {type(self).__name__}'s plan: it records the "
+                "ops its checkpointed segments run, not the checkpoints, so the traced module "
+                "would hold every activation (found trying the library: 67% over the budget). "
+                "Use torch.compile on the planned module, or trace the model itself."
+            )
         self._read_root_state(snapshot)
         if snapshot.mode_changed():
             return self._in_the_models_place(snapshot, snapshot.run_model, args, kwargs)

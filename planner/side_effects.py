@@ -612,7 +612,8 @@ def _reasons(
             f"it updates parameters in place ({', '.join(updated[:4])}"
             f"{', ...' if len(updated) > 4 else ''}): planning ran that update once (their "
             "values have moved by one update) and the planned module would never run it. Make "
-            "the update outside forward, e.g. after optimizer.step()"
+            "the update outside forward, e.g. after optimizer.step(). (Or another thread "
+            "updated them while this one planned: plan between training steps.)"
         )
     return reasons
 

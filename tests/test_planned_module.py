@@ -1734,11 +1734,11 @@ def test_a_second_call_before_the_first_calls_backward_warns_that_the_step_holds
     head, _, x = _head_and_encoder()
     p = planner.plan(head, (x,), budget_gb=1)
     first = p.module(x)
-    with pytest.warns(UserWarning, match="graph of an earlier call waits for its backward"):
+    with pytest.warns(UserWarning, match="graph of an earlier call .*waits for its backward"):
         second = p.module(x)
     (first - second).pow(2).sum().backward()
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", "the planned .* earlier call waits")
+        warnings.filterwarnings("error", "the planned .* earlier call .*waits")
         p.module(x), p.module(x)  # once only
 
 
@@ -1746,7 +1746,7 @@ def test_calls_whose_backward_ran_or_whose_graph_is_gone_do_not_warn():
     head, _, x = _head_and_encoder()
     p = planner.plan(head, (x,), budget_gb=1)
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", "the planned .* earlier call waits")
+        warnings.filterwarnings("error", "the planned .* earlier call .*waits")
         for _ in range(2):  # gradient accumulation: a backward after each call
             p.module(x).sum().backward()
         p.module(x)  # a forward whose result is dropped: its graph dies with it
@@ -1765,7 +1765,7 @@ def test_once_warned_a_cell_called_many_times_before_backward_is_watched_no_more
     head, _, x = _head_and_encoder()
     p = planner.plan(head, (x,), budget_gb=1)
     h = x
-    with pytest.warns(UserWarning, match="earlier call waits"):
+    with pytest.warns(UserWarning, match="earlier call .*waits"):
         for _ in range(50):
             h = p.module(h)
     assert p.module._planner.earlier_calls == []
@@ -1793,3 +1793,14 @@ def test_an_output_whose_grad_fn_autograd_refuses_to_read_is_returned_as_the_mod
     out, statistic = p.module(x)
     expected = copy.deepcopy(model)(x)
     assert torch.equal(out, expected[0]) and torch.equal(statistic, expected[1])
+
+
+def test_torch_jit_trace_of_a_plan_is_refused_as_script_is():
+    """Tracing recorded the segments' ops without their checkpoints: a module holding every
+    activation, 67% over the budget, with only torch's generic TracerWarning (found trying the
+    library)."""
+    head, _, x = _head_and_encoder()
+    p = planner.plan(head, (x,), budget_gb=1, solver="sqrt_n")
+    assert p.segments
+    with pytest.raises(planner.PlanningError, match=r"torch\.jit\.trace cannot record"):
+        torch.jit.trace(p.module, (x,))
