@@ -1147,13 +1147,6 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
 
     def _checked_call(self, graph_forward, args: tuple, kwargs: dict):
         snapshot = self._planner
-        if snapshot.checkpoints and torch.jit.is_tracing():
-            raise PlanningError(
-                f"torch.jit.trace cannot record {type(self).__name__}'s plan: it records the "
-                "ops its checkpointed segments run, not the checkpoints, so the traced module "
-                "would hold every activation (found trying the library: 67% over the budget). "
-                "Use torch.compile on the planned module, or trace the model itself."
-            )
         self._read_root_state(snapshot)
         if snapshot.mode_changed():
             return self._in_the_models_place(snapshot, snapshot.run_model, args, kwargs)
@@ -1170,6 +1163,13 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         ):
             snapshot.warn_vmapped()
             return self._in_the_models_place(snapshot, snapshot.call_model, args, kwargs)
+        if snapshot.checkpoints and torch.is_grad_enabled() and torch.jit.is_tracing():
+            raise PlanningError(
+                f"torch.jit.trace cannot record {type(self).__name__}'s plan: it records the "
+                "ops its checkpointed segments run, not the checkpoints, so the traced module "
+                "would hold every activation (found trying the library: 67% over the budget). "
+                "Use torch.compile on the planned module, or trace the model itself."
+            )
         form = snapshot.call_form(args, kwargs)
         if form is not None:
             return self._in_the_models_place(
