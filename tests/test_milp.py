@@ -29,10 +29,9 @@ from planner.solvers import (
 )
 
 pytest.importorskip("scipy")
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from planner.solvers import milp as milp_solver
-from planner.solvers.milp import milp_plan
+from planner.solvers.milp import _program_peak, milp_plan
 from problems import all_plans, budgets, random_problem
 
 SEEDS = range(16)
@@ -63,25 +62,7 @@ def pinned_peak(problem: Problem, form, choice) -> int | None:
     choice = as_choice(choice)
     if not choice.keep <= form.y.keys():
         return None
-    inside = {(c, i) for c, b in choice.segments for i in range(c, b)}
-    lower = np.zeros(form.matrix.shape[1])
-    upper = np.where(form.integrality > 0, 1.0, math.inf)
-    for key, column in form.z.items():
-        lower[column] = upper[column] = float(key in inside)
-    for node, column in form.y.items():
-        lower[column] = upper[column] = float(node in choice.keep)
-    objective = np.zeros(len(lower))
-    objective[form.peak] = 1.0
-    result = milp(
-        objective,
-        integrality=form.integrality,
-        bounds=Bounds(lower, upper),
-        constraints=LinearConstraint(form.matrix, form.row_lower, form.row_upper),
-    )
-    if result.status == 2:
-        return None
-    assert result.status == 0, result.message
-    return round(problem.fixed_bytes + result.fun * form.scale)
+    return _program_peak(problem, form, choice, time_limit=60.0)
 
 
 def program_peak(problem: Problem, choice) -> int | None:
