@@ -178,6 +178,19 @@ def test_infeasible_budget_states_the_minimum():
     assert_same_state(before, model_state(model))
 
 
+class ReturnsItsInput(nn.Module):
+    def forward(self, x):
+        return x
+
+
+def test_a_graph_of_no_op_below_its_minimum_states_the_minimum():
+    """Found trying the library: the nested solver's tables failed on an empty graph with
+    numpy's "zero-size array to reduction operation maximum"."""
+    x = torch.randn(8, 32, requires_grad=True)
+    with pytest.raises(PlanningError, match=r"budget_bytes=\d+"):
+        plan_of(ReturnsItsInput(), (x,), {}, budget_bytes=1)
+
+
 def test_infeasible_budget_names_gradients_and_what_helps_when_they_set_the_floor():
     """A wide layer on a tiny batch: parameters and their gradients are nearly all the peak, so
     a smaller batch cannot help; the message says what can."""

@@ -244,6 +244,8 @@ def solve(
     them when none fits (see the module docstring)."""
     if flat is None:
         flat = SOLVERS["optimal"](problem, budget_bytes, **options)
+    if not problem.size:  # a graph of no op (the model returns an input): nothing to nest
+        return flat
     # Each distinct plan once, in order: the first of equals wins.
     candidates = dict.fromkeys([flat, *_known(problem).candidates])
     best: NestedChoice | Choice | Segments = flat
