@@ -670,6 +670,9 @@ class Snapshot:
             stacklevel=_callers_stacklevel(),
         )
 
+    # Never compiled: called eagerly only, where Dynamo may still compile the frames an
+    # eager frame calls (after a frame of the planned module fell back to eager).
+    @torch.compiler.disable
     def warn_if_earlier_graph_waits(self) -> None:
         """Once: a call with gradients starts while the graph of an earlier call lives on and
         its backward has not begun (two forwards before one backward: contrastive pairs, a
@@ -691,6 +694,7 @@ class Snapshot:
             stacklevel=_callers_stacklevel(),
         )
 
+    @torch.compiler.disable  # as above
     def note_graph(self, output) -> None:
         """Remember the call that made ``output`` until backward reaches it or its graph dies
         (``warn_if_earlier_graph_waits``)."""
