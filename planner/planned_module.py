@@ -458,7 +458,7 @@ class Snapshot:
         # call starts with gradients held.
         self.gradients_held = False
         self.warned_gradients = False
-        self.earlier_calls: list[weakref.ref[_CallGraph]] = []  # graphs backward may not reach
+        self.earlier_calls: list[weakref.ref[_CallGraph]] = []  # the last call's graph, if any
         self.warned_two_forwards = False
         self.attribute_dicts = [a[1] for a in self.attributes]
         self.attribute_keys = [a[2] for a in self.attributes]
@@ -678,12 +678,12 @@ class Snapshot:
         its backward has not begun (two forwards before one backward: contrastive pairs, a
         discriminator's real and fake batches; found trying the library, 74% over the
         budget without a word). Each call holds its own activations until its backward."""
-        waiting = [c for ref in self.earlier_calls if (c := ref()) is not None and not c.reached]
-        self.earlier_calls = [weakref.ref(c) for c in waiting]
+        # Only the last call can wait: an earlier one was dead or reached when the last began.
+        waiting = any((c := ref()) is not None and not c.reached for ref in self.earlier_calls)
+        self.earlier_calls = []
         if not waiting:
             return
-        self.warned_two_forwards = True
-        self.earlier_calls = []  # warned: nothing more to watch (a cell called 10,000 times)
+        self.warned_two_forwards = True  # nothing more to watch (a cell called 10,000 times)
         warnings.warn(
             f"the planned {type(self.model).__name__} is called while the graph of an earlier "
             "call (this thread's or another's) waits for its backward: each call holds its "
