@@ -287,7 +287,7 @@ def bench_model(
             key = (segments, kept, nested and chosen)
             if key not in by_segments:
                 begin = time.perf_counter()
-                module = rewrite(captured.graph_module, model, choice)
+                module = rewrite(captured.graph_module, model, choice, problem=problem)
                 rewrite_seconds = time.perf_counter() - begin
                 v = Variant(
                     f"planner#{len(by_segments)}",

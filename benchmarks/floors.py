@@ -53,7 +53,7 @@ def _plan_row(problem, captured, model, args, budget: int) -> dict:
     predicted = simulate(problem, choice, record=True)
     assert predicted.timeline is not None
     phase, position, _ = max(predicted.timeline, key=lambda step: step[2])
-    planned = rewrite(captured.graph_module, model, choice)
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
     nested = isinstance(choice, NestedChoice) and choice.flat() is None
     segments = choice.segments if hasattr(choice, "segments") else choice
     return {

@@ -87,7 +87,7 @@ def bench(name: str, config: dict, budgets: list[float], reps: int) -> dict:
         for objective, planned in (("time", by_time), ("flops", by_flops)):
             choice = _plan(planned, v.measured["peak"])
             predicted = simulate(by_time, choice)  # both judged by the measured node times
-            module = rewrite(captured.graph_module, model, choice)
+            module = rewrite(captured.graph_module, model, choice, problem=problem)
             key = f"planner {objective} @ {v.key}"
             variants.append(compare.Variant(key, "planner", module))
             variants[-1].measured["peak"] = step.peak_memory(module, args).peak_bytes

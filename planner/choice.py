@@ -2,9 +2,10 @@
 
 A flat plan is a ``Choice``: checkpointed segments and nodes kept inside them (nested plans,
 ``planner.nested``, build on it). ``validate_choice`` states which choices are valid (see
-``planner.simulate`` for why: the early stop, the random-number rule), ``recomputed_nodes`` what
-a recompute runs, the one definition of its cost, and ``call_seconds`` what the checkpoint calls
-cost themselves; ``Simulation`` is what ``planner.simulate`` reports.
+``planner.simulate`` for why: the early stop, the random-number rule), ``recomputed_nodes`` and
+``replayed_nodes`` what a recompute computes and what it replays, ``recompute_costs`` the one
+definition of its cost, and ``call_seconds`` what the checkpoint calls cost themselves;
+``Simulation`` is what ``planner.simulate`` reports.
 """
 
 from __future__ import annotations
@@ -187,24 +188,114 @@ def recompute_stop(problem: Problem, start: int, stop: int) -> int:
     return end + 1 if problem.saves_own[end] else end
 
 
-def call_seconds(problem: Problem, choice) -> float:
+def call_seconds(problem: Problem, choice, replayed: np.ndarray | None = None) -> float:
     """What ``choice``'s checkpoint calls and kept nodes cost beyond the nodes they recompute:
     ``Problem.checkpoint_seconds`` per segment (it saves the random state, installs hooks and
-    starts and stops a recompute, whatever it runs) and ``Problem.keep_seconds`` per kept node
-    (the selective cache's work)."""
+    starts and stops a recompute, whatever it runs) and ``Problem.keep_seconds`` per kept or
+    replayed node (the selective cache's work, or the replay's). ``replayed``: its
+    ``replayed_nodes``, when the caller has them."""
     choice = as_choice(choice)
-    return problem.checkpoint_seconds * len(choice.segments) + problem.keep_seconds * len(
-        choice.keep
-    )
+    if replayed is None:
+        replayed = replayed_nodes(problem, choice)
+    marked = len(choice.keep) + int(replayed.sum())
+    return problem.checkpoint_seconds * len(choice.segments) + problem.keep_seconds * marked
 
 
-def recomputed_nodes(problem: Problem, choice) -> np.ndarray:
-    """Per node, whether backward runs it again under ``choice``: the nodes each segment's
-    recompute runs (``recompute_stop``) that are not kept. What a recompute costs is their
-    ``Problem.seconds`` and ``Problem.flops``."""
+def _runs_to(problem: Problem, segments: Segments) -> np.ndarray:
+    """``recompute_stop`` of every segment at once."""
+    if not segments:
+        return np.zeros(0, dtype=np.int64)
+    starts, stops = np.array(segments, dtype=np.int64).T
+    last = problem.last_saving[stops - 1]
+    return np.where(last < starts, starts, last + problem.saves_own[np.maximum(last, 0)])
+
+
+def _run_by_recompute(problem: Problem, choice: Choice) -> np.ndarray:
+    """Per node, whether a recompute runs it (kept, replayed or computed)."""
+    change = np.zeros(problem.size + 1, dtype=np.int64)
+    if choice.segments:
+        np.add.at(change, np.array(choice.segments, dtype=np.int64)[:, 0], 1)
+        np.add.at(change, _runs_to(problem, choice.segments), -1)
+    return np.cumsum(change)[: problem.size] > 0
+
+
+def recomputed_nodes(problem: Problem, choice, replayed: np.ndarray | None = None) -> np.ndarray:
+    """Per node, whether backward computes it again under ``choice``: the nodes each segment's
+    recompute runs (``recompute_stop``) that are neither kept nor replayed
+    (``replayed_nodes``; ``replayed``, when the caller has them)."""
     choice = as_choice(choice)
-    runs = np.zeros(problem.size, dtype=bool)
-    for start, stop in choice.segments:
-        runs[start : recompute_stop(problem, start, stop)] = True
+    if replayed is None:
+        replayed = replayed_nodes(problem, choice)
+    runs = _run_by_recompute(problem, choice)
     runs[list(choice.keep)] = False
-    return runs
+    return runs & ~replayed
+
+
+def recompute_costs(
+    problem: Problem, choice, replayed: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per node, the seconds and FLOPs backward spends on it again under ``choice``, the one
+    definition of a recompute's cost: ``Problem.seconds`` and ``Problem.flops`` where it is
+    recomputed (``recomputed_nodes``), ``Problem.replay_seconds`` and ``replay_flops`` where
+    it is replayed (``replayed_nodes``; ``replayed``, when the caller has them), nothing
+    elsewhere."""
+    choice = as_choice(choice)
+    if replayed is None:
+        replayed = replayed_nodes(problem, choice)
+    runs = recomputed_nodes(problem, choice, replayed)
+    seconds = np.where(runs, problem.seconds, np.where(replayed, problem.replay_seconds, 0.0))
+    flops = np.where(runs, problem.flops, np.where(replayed, problem.replay_flops, 0.0))
+    return seconds, flops
+
+
+def replayed_nodes(problem: Problem, choice) -> np.ndarray:
+    """Per node, whether a recompute under ``choice`` replays it: runs it through autograd,
+    which saves its inputs, but fakes the ops whose results nothing needs
+    (``planner.rewrite._Replaying``, ``planner.profile.replay_ops``).
+
+    A recompute exists to hand backward the tensors autograd saves; a value is needed only
+    where a node of the recompute saves it or computes from it. So a replayable node
+    (``Problem.replayable``) the recompute runs and does not keep is replayed when no other
+    node of its segment saves what it makes, and every node the recompute computes that reads
+    what it makes (beside what it saves itself, which its replay computes) is kept (the cache
+    answers) or replayed itself: the scores ``q @ k.T`` when the softmax over them is kept. A
+    replay that still computes something (a copy the node saves for its own backward) reads
+    the node's inputs (``Problem.replay_reads``).
+    """
+    choice = as_choice(choice)
+    replayed = _run_by_recompute(problem, choice) & problem.replayable
+    replayed[list(choice.keep)] = False
+    if not replayed.any():
+        return replayed
+    a = problem.storage_arrays
+    kept = np.zeros(problem.size, dtype=bool)
+    kept[list(choice.keep)] = True
+    segment_of = np.full(problem.size, -1, dtype=np.int64)
+    for k, (start, stop) in enumerate(choice.segments):
+        segment_of[start:stop] = k
+    runs_to = np.append(_runs_to(problem, choice.segments), 0)
+    home = segment_of[a.producer]
+    # Saved by another node of the same segment (every such saver is one the recompute
+    # reaches); what its producer saves, its replay computes.
+    same = (home[a.save_storage] >= 0) & (segment_of[a.save_node] == home[a.save_storage])
+    own = a.save_node == a.producer[a.save_storage]
+    saved = np.zeros(a.nbytes.size, dtype=bool)
+    saved[a.save_storage[same & ~own]] = True
+    computed_by_replay = np.zeros(a.nbytes.size, dtype=bool)
+    computed_by_replay[a.save_storage[own]] = True
+    reader_home = home[a.read_storage]
+    inside = (reader_home >= 0) & (segment_of[a.read_node] == reader_home)
+    inside &= a.read_node < runs_to[reader_home]
+    read_storage, read_node = a.read_storage[inside], a.read_node[inside]
+    # A node's replay needs its readers' replays: from all candidates down to the set that
+    # holds (as many rounds as the longest chain of replayed nodes, plus one).
+    while True:
+        needed = saved.copy()
+        computing = ~kept[read_node] & (~replayed[read_node] | problem.replay_reads[read_node])
+        needed[read_storage[computing]] = True
+        blocked = np.zeros(problem.size, dtype=bool)
+        blocked[a.producer[needed & ~computed_by_replay]] = True
+        still = replayed & ~blocked
+        if (still == replayed).all():
+            return replayed
+        replayed = still

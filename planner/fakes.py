@@ -41,6 +41,9 @@ class OpFacts(NamedTuple):
     cacheable: bool  # a pure function of its arguments' metadata (see MetaKernels)
     random: bool  # draws random numbers
     several_outputs: bool  # returns more than one tensor (see FakeCall)
+    # Returns only new tensors whose metadata its arguments' metadata decide, and draws no
+    # random numbers: a recompute may replay it on meta tensors (``planner.rewrite._Replaying``)
+    replayable: bool
 
 
 @functools.cache
@@ -62,6 +65,9 @@ def op_facts(func: torch._ops.OpOverload) -> OpFacts:
     several_outputs = len(schema.returns) > 1 or any(
         isinstance(r.type, torch.ListType) for r in schema.returns
     )
+    returns_tensors = bool(schema.returns) and all(
+        isinstance(r.type, torch.TensorType) for r in schema.returns
+    )
     return OpFacts(
         written,
         aliasing,
@@ -69,6 +75,23 @@ def op_facts(func: torch._ops.OpOverload) -> OpFacts:
         cacheable,
         random,
         several_outputs,
+        cacheable and not random and returns_tensors,
+    )
+
+
+def casts_a_leaf(func, args) -> bool:
+    """Whether an op copies a leaf tensor that requires grad (a weight), as autocast casts one.
+
+    Autocast's cache answers such a cast without dispatching it once the region has made it, so
+    two runs of the same code (a segment's forward and its recompute, which may run under a
+    fresh region; a profile and a recompute) can dispatch different numbers of them.
+    """
+    return (
+        func is torch.ops.aten._to_copy.default
+        and bool(args)
+        and isinstance(args[0], torch.Tensor)
+        and args[0].is_leaf
+        and args[0].requires_grad
     )
 
 

@@ -495,7 +495,7 @@ def assemble(
         capture_method=captured.method,
         solve_seconds=solve_seconds,
         planning_seconds=time.perf_counter() - started,
-        module=rewrite(captured.graph_module, model, choice),
+        module=rewrite(captured.graph_module, model, choice, problem=problem),
         problem=problem,
         input_spec=input_spec,
         capture_options=capture_options or CaptureOptions(),

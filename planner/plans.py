@@ -11,7 +11,14 @@ from planner import serialize, viz
 from planner.nested import NestedChoice
 from planner.options import CaptureOptions
 from planner.problem import Problem
-from planner.simulate import Choice, Segments, call_seconds, recomputed_nodes, simulate
+from planner.simulate import (
+    Choice,
+    Segments,
+    call_seconds,
+    recompute_costs,
+    replayed_nodes,
+    simulate,
+)
 from planner.units import mib
 
 
@@ -53,6 +60,14 @@ class Plan:
         return self.nesting if self.nesting is not None else Choice(self.segments, self.keep)
 
     @property
+    def replayed(self) -> frozenset[int]:
+        """Positions of the nodes the recomputes replay, computing nothing their values need
+        (``planner.choice.replayed_nodes``); none in a nested plan."""
+        if self.nesting is not None:
+            return frozenset()
+        return frozenset(np.flatnonzero(replayed_nodes(self.problem, self.choice)).tolist())
+
+    @property
     def baseline_fixed_bytes(self) -> int:
         """Parameters, buffers, inputs and optimizer state: memory no plan can remove."""
         return self.problem.fixed_bytes
@@ -66,12 +81,14 @@ class Plan:
         nodes are not among them. Every rendering of the plan (``str``, the notebook HTML, the
         graph drawing) shows these rows. Kept nodes (``keep``) are neither dropped nor
         recomputed: ``kept`` names them and ``kept_bytes`` is what their cache holds from the
-        forward to the recompute.
+        forward to the recompute. ``replayed`` names the nodes the recompute replays
+        (``replayed``).
         """
+        replayed = self.replayed
         saved = self.problem.saved_bytes_per_node()
         saved[list(self.keep)] = 0
         top = Choice(self.segments, self.keep)  # a nested plan's top level
-        seconds = np.where(recomputed_nodes(self.problem, top), self.problem.seconds, 0.0)
+        seconds, _ = recompute_costs(self.problem, top)
         nests = self.nesting.segments if self.nesting is not None else (None,) * len(self.segments)
         rows = []
         for k, ((start, stop), nest) in enumerate(zip(self.segments, nests)):
@@ -99,12 +116,17 @@ class Plan:
                     "kept_bytes": int(
                         sum(int(self.problem.kept_bytes[i]) for i in self.keep if start <= i < stop)
                     ),
+                    "replayed": [
+                        self.problem.names[i] for i in sorted(replayed) if start <= i < stop
+                    ],
                 }
             )
         return rows
 
     def __str__(self) -> str:
         kept = f", {len(self.keep)} nodes kept inside them" if self.keep else ""
+        replayed = self.replayed
+        kept += f", {len(replayed)} replayed in their recomputes" if replayed else ""
         if self.nesting is not None:
             inner = sum(1 for _ in self.nesting.walk()) - len(self.segments)
             kept += f", holding {inner} nested segments ({self.nesting.depth} levels)"
@@ -127,6 +149,7 @@ class Plan:
                 f"  {'seg':>4} {'nodes':>6} {'from':<24} {'to':<24} {'inputs':>10} {'dropped':>10}"
             )
             header += f" {'kept':>5} {'kept bytes':>10}" if self.keep else ""
+            header += f" {'replayed':>8}" if replayed else ""
             lines.append(header + (f" {'nested':>6}" if self.nesting is not None else ""))
             for r in rows:
                 line = (
@@ -136,6 +159,8 @@ class Plan:
                 )
                 if self.keep:
                     line += f" {len(r['kept']):>5} {mib(r['kept_bytes']):>10}"
+                if replayed:
+                    line += f" {len(r['replayed']):>8}"
                 if self.nesting is not None:
                     line += f" {r['nested']:>6}"
                 lines.append(line)

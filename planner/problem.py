@@ -206,6 +206,16 @@ class Problem:
     kept_bytes: np.ndarray = None  # type: ignore[assignment]
     random: np.ndarray = None  # type: ignore[assignment]
     keepable: np.ndarray = None  # type: ignore[assignment]
+    # Per node, whether a recompute may replay it where nothing needs its values
+    # (``planner.choice.replayed_nodes``): keepable, drawing no random numbers, making no
+    # weight cast autocast caches and nothing an autograd context holds, with ops a replay
+    # fakes (profile key ``planner.replay_ops``); what a replay still computes (copies the
+    # node saves for its own backward) costs replay_seconds and replay_flops, and reads the
+    # node's inputs where replay_reads. Left out: none replayable.
+    replayable: np.ndarray = None  # type: ignore[assignment]
+    replay_seconds: np.ndarray = None  # type: ignore[assignment]
+    replay_flops: np.ndarray = None  # type: ignore[assignment]
+    replay_reads: np.ndarray = None  # type: ignore[assignment]
     # Parameter gradient bytes complete at backward step i: its parameter's first reader in
     # forward, whose backward brings the last contribution (AccumulateGrad runs there). The
     # same as grad_bytes_at but for a parameter several nodes read (tied embeddings), whose
@@ -226,6 +236,10 @@ class Problem:
             "kept_bytes": lambda: self.created_bytes + self.workspace,
             "random": lambda: np.zeros(self.size, dtype=bool),
             "keepable": lambda: self.kept_bytes > 0,
+            "replayable": lambda: np.zeros(self.size, dtype=bool),
+            "replay_seconds": lambda: np.zeros(self.size),
+            "replay_flops": lambda: np.zeros(self.size),
+            "replay_reads": lambda: np.zeros(self.size, dtype=bool),
             "grad_complete_at": lambda: self.grad_bytes_at,
             "backward_phases": lambda: BackwardPhases.single(self.size),
             "grad_before_unpack": lambda: np.zeros(self.size, dtype=np.int64),
@@ -597,12 +611,29 @@ def build_problem(
     moved = np.array([require_meta(node, "planner.bytes_moved") for node in nodes], np.float64)
     fixed_bytes = sum(profile.storage_bytes[k] for k in profile.fixed_kind)
     kept_bytes = np.array([require_meta(nd, "planner.kept_bytes") for nd in nodes], np.int64)
+    keepable = _keepable(created, writes, kept_bytes) & ~pinned & ~inside_call
+    random = np.array([bool(require_meta(nd, "planner.random")) for nd in nodes], dtype=bool)
+    replays = [require_meta(nd, "planner.replay_ops") for nd in nodes]
+    unusual = set(cast_exits) | context_saved  # storages autocast's cache or a context holds
+    replayable = (
+        keepable
+        & ~random
+        & np.array([bool(ops) for ops in replays], dtype=bool)
+        & np.array([unusual.isdisjoint(c) for c in created], dtype=bool)
+    )
+    computed = np.array(
+        [[sum(op[k] for op in ops if not op[1]) for k in (2, 3)] for ops in replays], np.float64
+    ).reshape(n, 2)
+    seconds = cost_model.seconds(flops, moved, [node.name for node in nodes])
+    # A node's measured time, scaled by the roofline's share of what a replay still computes.
+    roofline, part = cost_model.seconds(flops, moved), cost_model.seconds(*computed.T)
+    share = np.divide(part, roofline, out=np.zeros(n), where=roofline > 0)
     return Problem(
         names=tuple(node.name for node in nodes),
         labels=tuple("loss_fn" if node is profile.loss else _label(node) for node in nodes),
         flops=flops,
         bytes_moved=moved,
-        seconds=cost_model.seconds(flops, moved, [node.name for node in nodes]),
+        seconds=seconds,
         workspace=np.array([require_meta(nd, "planner.workspace") for nd in nodes], np.int64),
         stop_workspace=np.array(
             [
@@ -630,8 +661,12 @@ def build_problem(
         gradient_bytes=profile.gradient_bytes,
         optimizer_state_bytes=optimizer_state_bytes,
         kept_bytes=kept_bytes,
-        random=np.array([bool(require_meta(nd, "planner.random")) for nd in nodes], dtype=bool),
-        keepable=_keepable(created, writes, kept_bytes) & ~pinned & ~inside_call,
+        random=random,
+        keepable=keepable,
+        replayable=replayable,
+        replay_seconds=np.where(replayable, seconds * np.minimum(share, 1.0), 0.0),
+        replay_flops=np.where(replayable, computed[:, 0], 0.0),
+        replay_reads=replayable & np.array([not all(op[1] for op in ops) for ops in replays]),
         optimizer_step_bytes=optimizer_step_bytes,
         has_loss=profile.loss is not None,
         module_paths=module_paths(nodes),

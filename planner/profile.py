@@ -38,6 +38,12 @@ Keys written into ``node.meta`` (the one place they are documented):
 ``planner.random``
     whether one of its ops draws random numbers (tagged ``torch.Tag.nondeterministic_seeded``:
     dropout, ``rand_like``...).
+``planner.replay_ops``
+    how a recompute may replay the node where nothing needs its values
+    (``planner.choice.replayed_nodes``): per op that makes tensors (views and weight casts
+    left out), in order, its name, whether the replay fakes it, and its FLOPs and bytes
+    moved (``replay_ops``); () for a node that draws random numbers or writes in place, or
+    whose every op must compute.
 ``planner.repeated_effects``
     what running the node again would repeat beyond its tensor operations, which a recompute
     would then do twice: a draw from a generator passed to an op (``torch.rand(...,
@@ -118,6 +124,7 @@ from planner.fakes import (
     MetaCopies,
     MetaKernels,
     all_on_meta,
+    casts_a_leaf,
     op_facts,
     quiet_fake_failures,
     real_cpu_allocations,
@@ -140,6 +147,7 @@ META_KEYS = (
     "planner.tensor_output",
     "planner.kept_bytes",
     "planner.random",
+    "planner.replay_ops",
     "planner.repeated_effects",
     "planner.backward_high",
     "planner.backward_net",
@@ -288,6 +296,25 @@ def _shapes(value):
     return type(value), value
 
 
+def replay_ops(ops: list, saved: set) -> tuple[tuple[str, bool, int, int], ...]:
+    """How a recompute replays a node whose outputs nothing needs (``planner.choice.
+    replayed_nodes``), from its ``ops`` as ``_CostMode`` recorded them: per op, (name, whether
+    to fake it, FLOPs and bytes moved when computed). An op is computed where it cannot be
+    replayed (``OpFacts.replayable``), where the node saves what it makes (``saved``:
+    autograd saves an op's inputs, which may be copies the node made, and outputs), and where
+    an op that is computed reads what it makes; the others return stand-ins
+    (``planner.rewrite._Replaying``). () when none would be faked."""
+    needed = set(saved)
+    replayed = []
+    for name, replayable, read, made, flops, moved in reversed(ops):
+        fake = replayable and not made & needed
+        if not fake:
+            needed |= read
+        replayed.append((name, fake, flops, moved))
+    replayed.reverse()
+    return tuple(replayed) if any(fake for _, fake, _, _ in replayed) else ()
+
+
 class _CostMode(TorchDispatchMode):
     """Counts FLOPs and bytes moved of every ATen op, and which storages each op creates."""
 
@@ -329,6 +356,10 @@ class _CostMode(TorchDispatchMode):
         self.reads: set[int | None] = set()  # None for tensors without a storage
         self.writes: set[int] = set()
         self.random = False
+        # Per op making tensors of its own (views and weight casts left out), in order:
+        # (name, replayable, storages read, storages made, FLOPs, bytes moved); see
+        # ``replay_ops``.
+        self.ops: list[tuple[str, bool, set, set, int, int]] = []
         self.own_generator = False  # an op drew from a generator passed to it (not a default)
         # The tensors saved since the last op ran (``_Recorder.pack``): autograd saves an op's
         # inputs right before the op runs.
@@ -374,10 +405,16 @@ class _CostMode(TorchDispatchMode):
             cast = key(outputs[0])
             if cast is not None:
                 self.casts.add(cast)
-        if facts.flops is not None:
-            self.flops += self._flops(func, facts.flops, args, kwargs, out)
-        if not facts.aliasing:
-            self.bytes_moved += sum(t.nbytes for t in inputs + outputs)
+        flops = 0 if facts.flops is None else self._flops(func, facts.flops, args, kwargs, out)
+        moved = 0 if facts.aliasing else sum(t.nbytes for t in inputs + outputs)
+        self.flops += flops
+        self.bytes_moved += moved
+        if not facts.aliasing and not casts_a_leaf(func, args):
+            # made: what its results hold, its inputs' storages too (``_unsafe_view``)
+            made = {key(t) for t in outputs}
+            self.ops.append(
+                (str(func), facts.replayable, {key(t) for t in inputs}, made, flops, moved)
+            )
         self.just_saved.clear()
         return out
 
@@ -861,6 +898,11 @@ class _Recorder(fx.Interpreter):
         node.meta["planner.workspace"] = max(self.cost.high - sum(nbytes[k] for k in kept), 0)
         node.meta["planner.kept_bytes"] = sum(nbytes[k] for k in new)
         node.meta["planner.random"] = self.cost.random
+        node.meta["planner.replay_ops"] = (
+            ()
+            if self.cost.random or self.cost.writes
+            else replay_ops(self.cost.ops, self.saved_by_current)
+        )
         # A recompute stops once the last tensor is saved (non-reentrant checkpoint's early
         # stop): an op that then writes into what it saved (RReLU fills the noise it saved)
         # would hand backward the tensor unwritten.

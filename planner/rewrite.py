@@ -25,9 +25,13 @@ import contextlib
 import functools
 import operator
 import threading
+from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import fx, nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     _CachedTorchDispatchMode,
@@ -38,13 +42,14 @@ from torch.utils.checkpoint import (
 
 from planner.errors import PlanningError
 from planner.export_leaves import CALLS_KEY, positions
+from planner.fakes import casts_a_leaf, op_facts, tensors_in
 from planner.gcpause import paused_collection
 from planner.model_call import CALL_KEY
 from planner.nested import Nest, NestedChoice
 from planner.planned_module import PlannedModule, Snapshot, argument_positions, share_user_state
-from planner.problem import buffer_read, compute_nodes
+from planner.problem import Problem, buffer_read, compute_nodes
 from planner.regions import REGION_ENTRIES, closing_regions, enter_inference_mode
-from planner.simulate import Choice, as_choice
+from planner.simulate import Choice, as_choice, replayed_nodes
 
 # The cache scope of the selective segment running now (its forward or its recompute); per
 # thread, as autograd may recompute a segment on a thread of its own.
@@ -112,22 +117,6 @@ def _keep_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE if _aliases(op) else CheckpointPolicy.MUST_SAVE
 
 
-def _casts_a_leaf(func, args) -> bool:
-    """Whether an op copies a leaf tensor that requires grad (a weight), as autocast casts one.
-
-    Autocast's cache answers such a cast without dispatching it once the region has made it, so
-    a segment's forward and its recompute (which may run under a fresh region, or under the
-    forward's, whose cache holds the casts) can dispatch different numbers of them.
-    """
-    return (
-        func is torch.ops.aten._to_copy.default
-        and bool(args)
-        and isinstance(args[0], torch.Tensor)
-        and args[0].is_leaf
-        and args[0].requires_grad
-    )
-
-
 class _Caching(_CachingTorchDispatchMode):
     """The forward side of the selective-checkpoint cache, blind to leaf casts.
 
@@ -138,7 +127,7 @@ class _Caching(_CachingTorchDispatchMode):
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _casts_a_leaf(func, args):
+        if casts_a_leaf(func, args):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -166,9 +155,116 @@ class _Cached(_CachedTorchDispatchMode):
         self.func_counter.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.recomputes > 1 or _casts_a_leaf(func, args):
+        if self.recomputes > 1 or casts_a_leaf(func, args):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _replay_on(ops: tuple[tuple[str, bool], ...]) -> None:
+    mode = getattr(_REPLAYING, "mode", None)
+    if mode is not None:  # None: in the forward, or not under checkpoint
+        mode.start(ops)
+
+
+def _replay_off() -> None:
+    mode = getattr(_REPLAYING, "mode", None)
+    if mode is not None and mode.entered:
+        mode.__exit__(None, None, None)
+
+
+# The replay mode of the recompute running now, per thread (as _KEEPING).
+_REPLAYING = threading.local()
+
+
+class _Replaying(TorchDispatchMode):
+    """Around a replayed node in a recompute (``planner.choice.replayed_nodes``): of the ops
+    that make tensors, those its profile marked (``planner.profile.replay_ops``) return
+    stand-ins of their results' size and dtype holding one element, computed on meta tensors;
+    the others (copies the node saves for its own backward), views and weight casts run.
+
+    Autograd sits above this mode: it saves each op's inputs, which are real, for backward,
+    which is all a recompute is for; nothing saves the stand-ins or computes from them. Should
+    the ops differ from the profile's, the rest run; one that would compute from a stand-in
+    raises rather than hand backward a wrong tensor.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.entered = False
+        self.ops: tuple[tuple[str, bool], ...] = ()
+        self.next = 0
+        self.stand_ins: list[torch.Tensor] = []  # held, so that no address is reused
+        self.addresses: set[int] = set()
+
+    def start(self, ops: tuple[tuple[str, bool], ...]) -> None:
+        self.ops, self.next = ops, 0
+        self.__enter__()
+
+    def __enter__(self):
+        self.entered = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.entered = False
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if op_facts(func).aliasing or casts_a_leaf(func, args):
+            return func(*args, **kwargs)
+        expected = self.ops[self.next] if self.next < len(self.ops) else ("", False)
+        self.next += 1
+        tensors = tensors_in(args) + tensors_in(tuple(kwargs.values()))
+        if expected[0] != str(func):
+            self.ops = ()  # not the profile's ops: the rest run
+        elif expected[1] and tensors and "device" not in kwargs:
+            return self._stand_ins(func, args, kwargs, tensors)
+        if any(t.untyped_storage().data_ptr() in self.addresses for t in tensors):
+            raise RuntimeError(
+                f"planner: a replayed node of a recompute ran {func} on a value it did not "
+                "compute, as its profile said it would not: the plan's recompute cannot be "
+                "trusted for this call. Plan for these inputs again, and report it."
+            )
+        return func(*args, **kwargs)
+
+    def _stand_ins(self, func, args, kwargs, tensors):
+        device = next((t.device for t in tensors if t.dim()), tensors[0].device)
+
+        def stand_in(meta: torch.Tensor) -> torch.Tensor:
+            one = torch.empty((), dtype=meta.dtype, device=device)
+            self.stand_ins.append(one)
+            self.addresses.add(one.untyped_storage().data_ptr())
+            return one.expand(meta.shape)
+
+        with _disable_current_modes():  # outer modes (a FLOP counter) see nothing run
+            on_meta = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+            return tree_map_only(torch.Tensor, stand_in, func(*on_meta[0], **on_meta[1]))
+
+
+@contextlib.contextmanager
+def _replay_scope(recomputes: list):
+    """The first recompute of a segment's call replays; a later one (``retain_graph=True``,
+    ``create_graph=True``) computes its kept nodes (``_Cached``), which read what a replay
+    would not compute, so it replays nothing."""
+    recomputes.append(None)
+    if len(recomputes) > 1:
+        yield
+        return
+    outer = getattr(_REPLAYING, "mode", None)
+    _REPLAYING.mode = mode = _Replaying()
+    try:
+        yield
+    finally:
+        if mode.entered:  # a replayed node stopped by the recompute's early stop
+            mode.__exit__(None, None, None)
+        _REPLAYING.mode = outer
+
+
+# What a segment's body calls around a kept or replayed node.
+_MARKERS: dict[str, tuple[Callable[..., None], Callable[[], None]]] = {
+    "keep": (_keep_on, _keep_off),
+    "replay": (_replay_on, _replay_off),
+}
 
 
 def _selective_contexts():
@@ -259,7 +355,8 @@ class Segment:
     ``.to(device)`` on the model replace buffer tensors after planning, so they are looked up
     through ``root`` (the planned module) when the segment runs and when it is recomputed.
     A segment that keeps nodes (``selective``) also caches their ops' results in the forward
-    and hands them to the recompute (``_keep_policy``).
+    and hands them to the recompute (``_keep_policy``); one that replays nodes (``replays``)
+    replays them in its recompute (``_Replaying``).
 
     The parameters of the modules it calls (``called``) are not checkpoint inputs, which
     autograd saves: the model without the plan computes its backward with the tensors the
@@ -282,6 +379,7 @@ class Segment:
         tensors: tuple[str, ...],
         selective: bool = False,
         called: tuple[nn.Module, ...] = (),
+        replays: bool = False,
     ):
         self.body = body
         self.modules = modules  # targets of the called modules that have buffers
@@ -289,6 +387,7 @@ class Segment:
         self.called = called  # every module it calls and their submodules, inner segments' too
         self.root: nn.Module | None = None  # the planned module, set once it is built
         self.selective = selective
+        self.replays = replays  # its body marks replayed nodes (``_Replaying``)
         # Only a body that enters regions (autocast, grad mode) can leave one open when the
         # recompute stops early; the others skip closing_regions (a few us per call).
         entries = {n.target for n in body.graph.nodes if n.op == "call_function"}
@@ -354,6 +453,8 @@ class Segment:
             caching, cached = _selective_contexts()
             forward.append(caching)
             recompute.append(cached)
+        if self.replays:
+            recompute.append(_Reenterable(_replay_scope, []))
         return _together(forward), _together(recompute)
 
     @contextlib.contextmanager
@@ -597,22 +698,34 @@ def _segment_buffers(
 # One GraphModule per segment: the collector's passes over their nodes took half the rewrite
 # of 400 segments (0.25 of 0.52 CPU s; benchmarks/planning_time.py, the residual family).
 @paused_collection()
-def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule:
+def rewrite(
+    captured: fx.GraphModule, model: nn.Module, choice, *, problem: Problem | None = None
+) -> PlannedModule:
     """A GraphModule computing what ``captured`` computes, with ``choice`` checkpointed.
 
     ``choice`` is a ``planner.simulate.Choice`` or plain segments: ``(start, stop)`` positions
-    over ``planner.problem.compute_nodes(captured)``, and positions of kept nodes.
+    over ``planner.problem.compute_nodes(captured)``, and positions of kept nodes. Given
+    ``problem`` (``captured``'s, from ``prepare``), the recomputes replay the nodes whose
+    values nothing needs (``planner.choice.replayed_nodes``), as ``simulate`` predicts;
+    without it, they compute every node they run.
     """
-    captured, choice = _calls_view(captured, choice)
+    replay: dict[int, tuple[tuple[str, bool], ...]] = {}
+    if problem is not None and not isinstance(choice, NestedChoice):
+        profiled = compute_nodes(captured)
+        for k in np.flatnonzero(replayed_nodes(problem, choice)).tolist():
+            ops = profiled[k].meta["planner.replay_ops"]
+            replay[k] = tuple((name, fake) for name, fake, _, _ in ops)
+    captured, choice, replay = _calls_view(captured, choice, replay)
     captured = _constants_on_top(captured, model)
     holder = _holder(captured, model)
     nodes = compute_nodes(captured)
     if isinstance(choice, NestedChoice):  # segments holding segments: see planner.nested
-        kept: set[fx.Node] = set()
+        marks: dict[fx.Node, tuple] = {}
         nests = choice.segments
     else:
         choice = as_choice(choice)
-        kept = {nodes[k] for k in choice.keep}
+        marks = {nodes[k]: ("replay", ops) for k, ops in replay.items()}
+        marks.update({nodes[k]: ("keep",) for k in choice.keep})
         nests = tuple(Nest(start, stop) for start, stop in choice.segments)
     first = {nodes[s.start]: (k, s) for k, s in enumerate(nests)}
     inside = {node for s in nests for node in nodes[s.start : s.stop]}
@@ -626,7 +739,7 @@ def rewrite(captured: fx.GraphModule, model: nn.Module, choice) -> PlannedModule
         if node in first:
             k, nest = first[node]
             name = f"segment_{k}"
-            _checkpoint_segment(graph, env, holder, name, nodes, nest, kept, built, buffered)
+            _checkpoint_segment(graph, env, holder, name, nodes, nest, marks, built, buffered)
         elif node not in inside and node not in env:
             env[node] = graph.node_copy(node, lambda n: env[n])
 
@@ -661,7 +774,7 @@ def _checkpoint_segment(
     name: str,
     nodes: list[fx.Node],
     nest: Nest,
-    kept: set[fx.Node],
+    marks: dict[fx.Node, tuple],
     built,
     buffered: dict[str, bool],
 ) -> None:
@@ -694,33 +807,36 @@ def _checkpoint_segment(
     for a in inputs:
         if a in boxed:
             body_env[a] = body.call_function(_unbox, (body_env[a],))
-    selective = any(m in kept for m in members)
+    selective = any(marks.get(m, ("",))[0] == "keep" for m in members)
+    replays = any(marks.get(m, ("",))[0] == "replay" for m in members)
     for m in members:
         if m in inner:
             child = inner[m]
             child_name = f"{name}_{nest.inner.index(child)}"
             _checkpoint_segment(
-                body, body_env, holder, child_name, nodes, child, kept, built, buffered
+                body, body_env, holder, child_name, nodes, child, marks, built, buffered
             )
             continue
         if m in inner_members or m not in member_set:
             continue
-        if m in kept:
-            body.call_function(_keep_on)
+        mark = marks.get(m)
+        if mark is not None:  # ("keep",) or ("replay", the node's ops)
+            on, off = _MARKERS[mark[0]]
+            body.call_function(on, mark[1:])
         body_env[m] = body.node_copy(m, lambda n: body_env[n])
-        if m in kept:
-            body.call_function(_keep_off)
+        if mark is not None:
+            body.call_function(off)
     body.output(tuple(body_env[m] for m in outputs))
     modules, tensors = _segment_buffers(holder, members, inputs, buffered)
     targets = dict.fromkeys(str(m.target) for m in members if m.op == "call_module")
     called = tuple({id(m): m for t in targets for m in holder.get_submodule(t).modules()}.values())
-    segment = Segment(fx.GraphModule(holder, body), modules, tensors, selective, called)
+    segment = Segment(fx.GraphModule(holder, body), modules, tensors, selective, called, replays)
     holder.__dict__[name] = segment  # a plain attribute, not a child: state_dict stays the user's
 
     _define(graph, env, inputs)
     callee = graph.get_attr(name)
     kwargs = {"use_reentrant": False, "preserve_rng_state": True}
-    if segment.restores_buffers or selective or called:
+    if segment.restores_buffers or selective or replays or called:
         kwargs["context_fn"] = graph.call_function(_context_fn, (callee,))
     args = (
         callee,
@@ -747,13 +863,14 @@ def _define(graph: fx.Graph, env: dict[fx.Node, fx.Node], used: list[fx.Node]) -
             env[node] = graph.node_copy(node, lambda n: env[n])
 
 
-def _calls_view(captured: fx.GraphModule, choice):
-    """The graph to rewrite and ``choice`` on it: for an export that keeps ``leaf_modules``
-    (see ``planner.export_leaves``), the graph calling them, with the positions of the graph
-    profiled (every op inlined; no cut or keep falls inside a call) moved onto it."""
+def _calls_view(captured: fx.GraphModule, choice, replay: dict):
+    """The graph to rewrite, ``choice`` and ``replay`` on it: for an export that keeps
+    ``leaf_modules`` (see ``planner.export_leaves``), the graph calling them, with the
+    positions of the graph profiled (every op inlined; no cut, keep or replay falls inside a
+    call) moved onto it."""
     calls = captured.meta.get(CALLS_KEY)
     if calls is None:
-        return captured, choice
+        return captured, choice, replay
     calls.meta.update({k: v for k, v in captured.meta.items() if k != CALLS_KEY})
     first, last = positions(compute_nodes(captured), compute_nodes(calls))
 
@@ -761,7 +878,8 @@ def _calls_view(captured: fx.GraphModule, choice):
         return Nest(first[nest.start], last[nest.stop - 1] + 1, tuple(map(moved, nest.inner)))
 
     if isinstance(choice, NestedChoice):
-        return calls, NestedChoice(tuple(map(moved, choice.segments)))
+        return calls, NestedChoice(tuple(map(moved, choice.segments))), {}
     choice = as_choice(choice)
     segments = tuple((first[a], last[b - 1] + 1) for a, b in choice.segments)
-    return calls, Choice(segments, frozenset(first[k] for k in choice.keep))
+    keep = frozenset(first[k] for k in choice.keep)
+    return calls, Choice(segments, keep), {first[k]: ops for k, ops in replay.items()}

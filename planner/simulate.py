@@ -40,12 +40,18 @@ among the random nodes the recompute runs, the kept ones must come after all rec
 the recompute restores the random state of the segment's start, and a kept node draws nothing,
 so a random node after it would draw different numbers.
 
+A recompute also *replays* the nodes whose values nothing in it needs
+(``planner.choice.replayed_nodes``: nothing of the segment saves what they make, and only
+kept or replayed nodes of the recompute read it): they run through autograd on stand-ins
+(``planner.rewrite._Replaying``), re-creating no storage and holding no workspace.
+
 What a recompute costs is the time (``Problem.seconds``) and FLOPs of the nodes it runs and
-does not take from the cache (``recomputed_nodes``), one definition that the solvers, the
-segment table and the plots share. The node where the early stop happens runs only when it
-saves something it creates: a matmul that saves only its inputs is never run again. The
-checkpoint calls cost time of their own (``call_seconds``): ``Problem.checkpoint_seconds`` per
-segment and ``Problem.keep_seconds`` per kept node, added to the recompute's seconds.
+neither takes from the cache nor replays (``recomputed_nodes``), one definition that the
+solvers, the segment table and the plots share. The node where the early stop happens runs
+only when it saves something it creates: a matmul that saves only its inputs is never run
+again. The checkpoint calls cost time of their own (``call_seconds``):
+``Problem.checkpoint_seconds`` per segment and ``Problem.keep_seconds`` per kept or replayed
+node, added to the recompute's seconds.
 """
 
 from __future__ import annotations
@@ -59,8 +65,10 @@ from planner.choice import (
     as_choice,
     call_seconds,
     last_recomputed,
+    recompute_costs,
     recompute_stop,
     recomputed_nodes,
+    replayed_nodes,
     validate_choice,
     validate_segments,
 )
@@ -74,8 +82,10 @@ __all__ = [
     "as_choice",
     "call_seconds",
     "last_recomputed",
+    "recompute_costs",
     "recompute_stop",
     "recomputed_nodes",
+    "replayed_nodes",
     "simulate",
     "validate_choice",
     "validate_segments",
@@ -89,7 +99,13 @@ def _total_at(positions: np.ndarray, nbytes: np.ndarray, n: int) -> np.ndarray:
     return total
 
 
-def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept: np.ndarray):
+def _releases(
+    problem: Problem,
+    segments: Segments,
+    segment_of: np.ndarray,
+    kept: np.ndarray,
+    replayed: np.ndarray,
+):
     """Where each storage is freed: bytes freed after each node's forward and backward, and
     after each node of a recompute, plus the bytes each recompute node re-creates; and per node,
     the part of what its backward frees that its high point does not hold, gone by then as its
@@ -99,7 +115,8 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     or the start of another segment that saves or reads it. Recomputed copies are freed by
     their first saver inside the segment, else after their last reader the recompute runs.
     Storages of kept nodes (``kept``, per node) live from the forward to the recompute, which
-    re-creates nothing for them and then frees them as recomputed copies.
+    re-creates nothing for them and then frees them as recomputed copies. Replayed nodes
+    (``replayed``, per node) re-create nothing either.
     """
     n, a = problem.size, problem.storage_arrays
     never = n  # beyond every position: "no such node"
@@ -188,6 +205,10 @@ def _releases(problem: Problem, segments: Segments, segment_of: np.ndarray, kept
     np.maximum.at(last_read, a.read_storage, np.minimum(a.read_node, end[a.read_storage]))
     to_end = (a.cast_cache | a.is_output | a.held_by_context) & recomputed
     last_read = np.where(to_end, np.maximum(last_read, end), last_read)
+    # A replay makes stand-ins, but for what its node saves itself (``replayed_nodes``).
+    own = np.zeros(a.nbytes.size, dtype=bool)
+    own[a.save_storage[a.save_node == a.producer[a.save_storage]]] = True
+    recomputed &= ~replayed[a.producer] | own
     by_reader = recomputed & (inner_saver == never)
     created = recomputed & ~cached
     recompute_alloc = _total_at(a.producer[created], a.nbytes[created], n)
@@ -238,7 +259,8 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
     segment_of = np.full(n, -1, dtype=np.int64)
     for k, (start, stop) in enumerate(segments):
         segment_of[start:stop] = k
-    releases = _releases(problem, segments, segment_of, kept)
+    replayed = replayed_nodes(problem, choice)
+    releases = _releases(problem, segments, segment_of, kept, replayed)
     forward_free, backward_free, credit, *recomputes, ends, outputs = releases
     recompute_alloc, recompute_free = recomputes
 
@@ -288,15 +310,16 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
         (problem.activation_grad_free + backward_free)[position],
     )
     # A kept node's forward holds its temporaries (no transient on top); its recompute runs none,
-    # nor does the early stop's node when it saves only inputs.
-    runs = recomputed_nodes(problem, choice)
+    # nor does the early stop's node when it saves only inputs, nor a replay computing nothing.
+    runs = recomputed_nodes(problem, choice, replayed)
+    computes = runs | (replayed & problem.replay_reads)
     forward_transient = np.where(kept, np.maximum(problem.workspace - held, 0), problem.workspace)
     # A recompute stopping inside a node holds its temporaries as they were at its last save.
     recompute_transient = problem.workspace.copy()
     stops = ends[ends >= 0]
     recompute_transient[stops] = problem.stop_workspace[stops]
     transient = np.select(
-        [phase == 0, recompute & runs[position]],
+        [phase == 0, recompute & computes[position]],
         [forward_transient[position], recompute_transient[position]],
         0,
     )
@@ -318,12 +341,12 @@ def simulate(problem: Problem, choice, *, record: bool = False) -> Simulation:
 
     # Summed in the order backward meets them (last segment first).
     recomputed = [slice(start, stop) for start, stop in segments][::-1]
-    seconds, flops = np.where(runs, problem.seconds, 0.0), np.where(runs, problem.flops, 0.0)
+    seconds, flops = recompute_costs(problem, choice, replayed)
     timeline = None
     if record:
         names = ("forward", "recompute", "backward")
         timeline = tuple(zip([names[p] for p in phase.tolist()], position.tolist(), live.tolist()))
-    calls = call_seconds(problem, choice)
+    calls = call_seconds(problem, choice, replayed)
     return Simulation(
         peak_bytes=int(problem.fixed_bytes + peak),
         optimizer_step_bytes=int(problem.fixed_bytes + step),

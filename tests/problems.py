@@ -13,7 +13,12 @@ from planner.simulate import simulate
 
 
 def random_problem(
-    seed: int, nodes: int | None = None, *, chain: bool = False, phased: bool = False
+    seed: int,
+    nodes: int | None = None,
+    *,
+    chain: bool = False,
+    phased: bool = False,
+    replays: bool = False,
 ) -> Problem:
     """A small random graph: node i makes storage i, reads i-1 and maybe an earlier one.
 
@@ -24,7 +29,9 @@ def random_problem(
     output: storage i is read by node i + 1 alone (the same draws otherwise).
     ``phased=True`` runs each node's backward in one to three phases, with the storages its
     step frees gone from some phase on (``Problem.backward_phases``, ``Storage.saver_ends``;
-    the same draws before it).
+    the same draws before it). ``replays=True`` makes about half the nodes replayable
+    (``Problem.replayable``), some of whose replays still compute a quarter of their time and
+    read their inputs (the same draws before it).
     """
     rng = np.random.default_rng(seed)
     n = nodes or int(rng.integers(3, 8))
@@ -70,7 +77,18 @@ def random_problem(
         keepable=rng.random(n) > 0.2,
         **arrays,
     )
-    return with_random_phases(problem, rng) if phased else problem
+    problem = with_random_phases(problem, rng) if phased else problem
+    if replays:
+        replayable = (rng.random(n) < 0.5) & problem.keepable & ~problem.random
+        reads = replayable & (rng.random(n) < 0.5)
+        problem = dataclasses.replace(
+            problem,
+            replayable=replayable,
+            replay_reads=reads,
+            replay_seconds=np.where(reads, problem.seconds / 4, 0.0),
+            replay_flops=np.where(reads, problem.flops / 4, 0.0),
+        )
+    return problem
 
 
 def with_random_phases(problem: Problem, rng) -> Problem:

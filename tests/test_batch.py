@@ -137,7 +137,7 @@ def test_accumulation_memory_model_bounds_a_measured_later_micro_batch(solver):
         if solver is None
         else planner.plan(model, inputs, budget_bytes=2**30, solver=solver).segments
     )
-    module = rewrite(captured.graph_module, model, segments)
+    module = rewrite(captured.graph_module, model, segments, problem=problem)
     measured = measured_peak_with_gradients_present(module, inputs)
     predicted = simulate(accumulation_problem(problem), segments).peak_bytes
     # The gradients held between micro-batches matter: one step from scratch underestimates.

@@ -239,10 +239,10 @@ def test_a_kept_layer_holds_what_it_is_given_as_the_profile_predicts():
     budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
     _, segments = choose(problem, budget)
     assert segments
-    whole = rewrite(captured.graph_module, model, segments)
+    whole = rewrite(captured.graph_module, model, segments, problem=problem)
     profiled = copy.copy(captured.graph_module)  # the same graph, without the layers' calls
     profiled.meta = {k: v for k, v in profiled.meta.items() if k != CALLS_KEY}
-    op_by_op = rewrite(profiled, model, segments)
+    op_by_op = rewrite(profiled, model, segments, problem=problem)
     measured = peak_memory(whole, args, kwargs).peak_bytes
     assert measured == peak_memory(op_by_op, args, kwargs).peak_bytes
     assert 0 <= measured - simulate(problem, segments).peak_bytes <= 24

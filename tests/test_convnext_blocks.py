@@ -102,5 +102,7 @@ def test_a_tiny_convnext_trains_like_the_model_under_any_plan(data, size, seed):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         captured, problem = prepare(model, (images,), loss_fn=loss_fn)
-    planned = rewrite(captured.graph_module, model, data.draw(random_choices(problem)))
+    planned = rewrite(
+        captured.graph_module, model, data.draw(random_choices(problem)), problem=problem
+    )
     assert_equivalent(reference, model, planned, (images,), {}, seed=seed, loss_fn=loss_fn)

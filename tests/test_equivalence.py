@@ -93,7 +93,7 @@ def _check(spec, solver, fraction, data, device="cpu"):
             # plan() promises any budget down to lowest_peak, the minimum its error states.
             peak = simulate(problem, segments).peak_bytes
             assert peak <= budget, f"{name}: simulated peak {peak} > budget {budget}"
-    planned = rewrite(captured.graph_module, model, segments)
+    planned = rewrite(captured.graph_module, model, segments, problem=problem)
     assert_equivalent(reference, model, planned, args, kwargs, seed=spec.seed)
 
 
@@ -262,7 +262,7 @@ def test_exported_batchnorm_update_inside_a_segment():
     model, reference, args, kwargs, captured, problem = _prepared(spec)
     add = problem.names.index("add_")
     segments = ((add - 2, add + 1), (add + 1, problem.size))
-    planned = rewrite(captured.graph_module, model, segments)
+    planned = rewrite(captured.graph_module, model, segments, problem=problem)
     assert_equivalent(reference, model, planned, args, kwargs)
 
 
@@ -307,7 +307,9 @@ def test_state_shared_across_layers_trains_exactly_under_any_segments(shared, un
     captured, problem = prepare(model, (x,))
     assert captured.method == ("export" if untraceable else "symbolic_trace")
     segments = data.draw(random_segments(problem), label="segments")
-    assert_equivalent(reference, model, rewrite(captured.graph_module, model, segments), (x,), {})
+    assert_equivalent(
+        reference, model, rewrite(captured.graph_module, model, segments, problem=problem), (x,), {}
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -411,7 +411,7 @@ def _predicted_and_measured(model, args, choice=()):
     from planner.simulate import simulate
 
     captured, problem = prepare(model, args)
-    planned = rewrite(captured.graph_module, model, choice)
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
     return simulate(problem, choice).peak_bytes, peak_memory(planned, args).peak_bytes
 
 
@@ -634,7 +634,7 @@ def test_a_gradient_a_custom_function_saved_in_forward_is_held_until_it_is_consu
     options = CaptureOptions(leaf_modules=(_Squares,))
     captured, problem = prepare(model, (x,), capture_options=options)
     assert problem.names[4] == "square"  # the blocks' nodes: layer, square or tanh, add
-    planned = rewrite(captured.graph_module, model, choice)
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
     assert peak_memory(planned, (x,)).peak_bytes == simulate(problem, choice).peak_bytes
 
 
@@ -721,7 +721,7 @@ def test_tensors_a_function_inside_a_module_kept_whole_keeps_on_its_context_are_
     x = torch.randn(40, 48)
     options = CaptureOptions(leaf_modules=(_ContextBlock,))
     captured, problem = prepare(model, (x,), capture_options=options)
-    planned = rewrite(captured.graph_module, model, choice)
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
     assert peak_memory(planned, (x,)).peak_bytes == simulate(problem, choice).peak_bytes
 
 

@@ -167,14 +167,14 @@ def test_nested_plans_train_exactly_like_the_original(spec, data):
         warnings.simplefilter("ignore", FutureWarning)
         model, reference, args, kwargs, captured, problem = _prepared(spec)
         choice = data.draw(nested_choices(problem), label="choice")
-        planned = rewrite(captured.graph_module, model, choice)
+        planned = rewrite(captured.graph_module, model, choice, problem=problem)
         assert_equivalent(reference, model, planned, args, kwargs, seed=spec.seed)
 
 
 def _measured_and_simulated(spec, choice_of):
     model, _, args, kwargs, captured, problem = _prepared(spec)
     choice = choice_of(problem)
-    planned = rewrite(captured.graph_module, model, choice)
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
     return peak_memory(planned, args, kwargs).peak_bytes, simulate(problem, choice).peak_bytes
 
 
@@ -200,7 +200,7 @@ def test_simulated_peak_equals_the_measured_peak_on_chains_nested_at_any_depth(d
     captured, problem = prepare(model, args)
     offset = _offset(model, args, problem)
     choice = data.draw(nested_choices(problem), label="choice")
-    planned = rewrite(captured.graph_module, model, choice)
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
     assert peak_memory(planned, args).peak_bytes - offset == simulate(problem, choice).peak_bytes
 
 
@@ -230,7 +230,7 @@ def test_a_recompute_triggered_inside_copy_slices_runs_on_its_buffers():
     assert [problem.names[k] for k in (3, 4)] == ["_0_fc2", "mul_"]
     assert problem.grad_before_unpack[4] > 0
     choice = nested_choice([(0, 5, [(0, 2)]), (6, 11, [(6, 8)]), (12, 14)])
-    planned = rewrite(captured.graph_module, model, choice)
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
     torch.manual_seed(1)
     assert peak_memory(planned, (x,)).peak_bytes == simulate(problem, choice).peak_bytes
 
@@ -259,7 +259,7 @@ def test_simulated_peak_equals_the_measured_peak_on_a_resnet(spec):
     model, args = zoo.build("resnet")
     captured, problem = prepare(model, args)
     offset = _offset(model, args, problem)
-    planned = rewrite(captured.graph_module, model, nested_choice(spec))
+    planned = rewrite(captured.graph_module, model, nested_choice(spec), problem=problem)
     measured = peak_memory(planned, args).peak_bytes - offset
     assert measured == simulate(problem, nested_choice(spec)).peak_bytes
 
@@ -284,7 +284,7 @@ def test_replay_never_reads_under_the_measured_peak_on_zoo_dags(name, data):
     ``test_replay_equals_the_measured_peak_where_backward_accumulates``."""
     model, args, captured, problem, offset = _zoo(name)
     choice = data.draw(nested_choices(problem), label="choice")
-    planned = rewrite(captured.graph_module, model, choice)
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
     measured = peak_memory(planned, args).peak_bytes - offset
     assert measured <= simulate_nested(problem, choice).peak_bytes
 
@@ -297,7 +297,7 @@ def test_a_checkpoint_call_holds_its_arguments_until_it_returns():
     property above, 1,020,672 bytes under the measured peak before the replay knew it."""
     model, args, captured, problem, offset = _zoo("unet")
     choice = nested_choice([(29, 38, [(32, 36, [(33, 36, [(34, 36)])])])])
-    planned = rewrite(captured.graph_module, model, choice)
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
     assert peak_memory(planned, args).peak_bytes - offset == simulate(problem, choice).peak_bytes
 
 
@@ -315,7 +315,7 @@ def test_replay_equals_the_measured_peak_on_a_chain_nested_three_deep():
     captured, problem = prepare(model, args)
     offset = _offset(model, args, problem)
     choice = nested_choice([(0, 13, [(3, 5), (9, 11, [(9, 10)])])])
-    planned = rewrite(captured.graph_module, model, choice)
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
     assert peak_memory(planned, args).peak_bytes - offset == simulate(problem, choice).peak_bytes
 
 
@@ -327,7 +327,7 @@ def test_replay_equals_the_measured_peak_where_the_engine_reduces_a_bias_gradien
     offset (the baseline's 4 bytes over, now no offset) made it read 4 under."""
     model, args, captured, problem, offset = _zoo("gpt")
     choice = nested_choice([(131, 154)])
-    planned = rewrite(captured.graph_module, model, choice)
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
     assert offset == 0
     assert peak_memory(planned, args).peak_bytes == simulate(problem, choice).peak_bytes
 
@@ -341,7 +341,9 @@ def test_replay_equals_the_measured_peak_where_backward_accumulates(nested):
     model, args, captured, problem, offset = _zoo("unet")
     choice = nested_choice([(0, 15)])
     replay = simulate_nested if nested else simulate
-    measured = peak_memory(rewrite(captured.graph_module, model, choice), args).peak_bytes
+    measured = peak_memory(
+        rewrite(captured.graph_module, model, choice, problem=problem), args
+    ).peak_bytes
     phases, pool = problem.backward_phases, problem.names.index("max_pool2d_2")
     highs = phases.high[phases.start[pool] : phases.start[pool + 1]]
     assert highs[-1] > highs[0]  # its high point comes after the release
@@ -462,7 +464,7 @@ def test_the_chain_front_predicts_the_measured_peak_of_a_real_chain():
     plans = _Front(problem).plans()
     assert len(plans) > 1 and any(plan.depth == 2 for _, _, plan in plans)
     for peak, _, plan in plans:
-        planned = rewrite(captured.graph_module, model, plan)
+        planned = rewrite(captured.graph_module, model, plan, problem=problem)
         assert peak_memory(planned, args).peak_bytes - offset == peak
 
 

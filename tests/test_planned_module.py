@@ -654,7 +654,9 @@ def test_any_model_moved_or_switched_after_planning_trains_like_the_model(spec, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         captured, problem = prepare(model, args, kwargs)
-    planned = rewrite(captured.graph_module, model, data.draw(random_segments(problem)))
+    planned = rewrite(
+        captured.graph_module, model, data.draw(random_segments(problem)), problem=problem
+    )
     p = type("P", (), {"module": planned})
     AFTER_PLANNING[change](p, model, reference)
     if "double" in change:
@@ -1430,7 +1432,7 @@ def _kept_linears(model, args, kwargs):
         for k, node in enumerate(compute_nodes(gm))
         if node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.Linear)
     ]
-    return rewrite(gm, model, Choice(((0, problem.size),), frozenset(keep[:2])))
+    return rewrite(gm, model, Choice(((0, problem.size),), frozenset(keep[:2])), problem=problem)
 
 
 def _lowest(model, args, kwargs):

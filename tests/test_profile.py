@@ -131,7 +131,7 @@ def test_a_batch_norm_whose_input_needs_no_gradient_allocates_none_in_backward()
     norm = problem.labels.index("0")
     assert problem.activation_grad_alloc[norm] == 0  # its weight and bias gradients only
     whole = Choice(((norm, problem.size),))
-    module = rewrite(captured.graph_module, model, whole)
+    module = rewrite(captured.graph_module, model, whole, problem=problem)
     measured = peak_memory(module, args).activation_peak_bytes
     predicted = simulate(problem, whole).peak_bytes - problem.fixed_bytes
     assert abs(predicted - measured) <= 16, (predicted, measured)
@@ -151,7 +151,7 @@ def test_the_backward_of_a_tensor_passed_through_unchanged_is_charged_to_its_mak
     assert problem.activation_grad_alloc[gelu] == 128 * 256 * 4
     assert problem.activation_grad_alloc[dropout] == 0
     linear_and_gelu = Choice(((0, dropout),))
-    module = rewrite(captured.graph_module, model, linear_and_gelu)
+    module = rewrite(captured.graph_module, model, linear_and_gelu, problem=problem)
     measured = peak_memory(module, args).activation_peak_bytes
     predicted = simulate(problem, linear_and_gelu).peak_bytes - problem.fixed_bytes
     assert abs(predicted - measured) <= 16, (predicted, measured)
@@ -225,7 +225,7 @@ def test_tensors_a_custom_function_keeps_on_its_context_are_predicted_exactly(pl
     offsets = problem.storages[problem.names.index("cumsum")]
     assert offsets.savers == (problem.names.index("grouped_mm_default"),)
     assert offsets.held_by_context
-    module = rewrite(captured.graph_module, model, plan)
+    module = rewrite(captured.graph_module, model, plan, problem=problem)
     measured = peak_memory(module, args).peak_bytes
     assert measured == simulate(problem, plan).peak_bytes
 

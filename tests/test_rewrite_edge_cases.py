@@ -130,7 +130,9 @@ def test_constants_made_in_a_submodules_forward_are_read_at_every_segment():
     captured, problem = prepare(model, args)
     assert captured.method == "export"
     for segment in _valid_segments(problem):
-        _assert_same_step(model, rewrite(captured.graph_module, model, [segment]), args)
+        _assert_same_step(
+            model, rewrite(captured.graph_module, model, [segment], problem=problem), args
+        )
 
 
 def _longest_segment(problem, budget_bytes):
@@ -162,7 +164,7 @@ def test_a_parameter_stepped_before_backward_is_refused_as_the_model_refuses_it(
     model, args = _mlp()
     captured, problem = prepare(model, args)
     assert problem.size == 5, "Linear, Tanh, Linear, Tanh, Linear"
-    planned = rewrite(captured.graph_module, model, nested_choice(segments))
+    planned = rewrite(captured.graph_module, model, nested_choice(segments), problem=problem)
     for module, refusal in (
         (model, "modified by an inplace operation"),
         (planned, "parameter '2.weight' was modified in place"),

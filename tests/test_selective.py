@@ -13,6 +13,7 @@ import copy
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -22,9 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
-from planner.pipeline import assemble, plan, prepare
+from planner.pipeline import assemble, lowest_peak, plan, prepare
 from planner.rewrite import _aliases, rewrite
-from planner.simulate import Choice, recompute_stop, simulate, validate_choice
+from planner.simulate import Choice, recompute_stop, replayed_nodes, simulate, validate_choice
 from planner.step import peak_memory, training_loss
 from strategies import assert_equivalent, build, inputs, model_specs, random_choices
 
@@ -82,7 +83,10 @@ def test_fact_the_refused_random_keep_would_change_gradients():
     model, args, captured, problem, first, _ = _random_nodes()
     reference = copy.deepcopy(model)
     planned = rewrite(
-        captured.graph_module, model, Choice(((0, problem.size),), frozenset({first}))
+        captured.graph_module,
+        model,
+        Choice(((0, problem.size),), frozenset({first})),
+        problem=problem,
     )
     with pytest.raises(AssertionError):
         assert_equivalent(reference, model, planned, args, {})
@@ -128,8 +132,8 @@ class _Recomputing:
 
 
 def test_fact_a_recompute_can_replay_an_op_without_computing_what_nothing_saves():
-    """What per-op recompute beyond keeps would rest on (not built; docs/solvers.md, "At
-    torch.compile's peaks"): with the softmax's output kept, the attention scores feeding it
+    """What replayed nodes rest on (``planner.choice.replayed_nodes``; the tests below run
+    them through plans): with the softmax's output kept, the attention scores feeding it
     are saved by nothing, yet their matmul must run in the recompute, whose autograd record
     saves its inputs for its own backward. Run under a mode that returns a storage-less
     result, it costs no FLOPs and no memory, and the gradients stay bit-equal."""
@@ -160,12 +164,120 @@ def test_fact_a_recompute_can_replay_an_op_without_computing_what_nothing_saves(
     assert torch.equal(x.grad, expected[0]) and torch.equal(weight.grad, expected[1])
 
 
+class Attention(nn.Module):
+    """Attention blocks whose scores (``q @ k.T``, scaled) feed only a softmax, which saves
+    its own output: keep the softmax, and nothing needs the scores in a recompute."""
+
+    def __init__(self, width=32, blocks=2, squared=False, heads=1):
+        super().__init__()
+        self.qkv = nn.ModuleList(nn.Linear(width, 3 * width) for _ in range(blocks))
+        self.width, self.squared, self.heads = width, squared, heads
+
+    def forward(self, x):
+        batch, length, _ = x.shape
+        for qkv in self.qkv:
+            q, k, v = qkv(x).split(self.width, dim=-1)
+            if self.heads > 1:  # (batch, heads, length, width / heads), not contiguous
+                q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+            scores = q @ k.transpose(-2, -1) / self.width**0.5
+            if self.squared:  # a multiplication saves the scores for its own backward
+                scores = scores * scores
+            x = torch.softmax(scores, -1) @ v
+            if self.heads > 1:
+                x = x.transpose(1, 2).reshape(batch, length, self.width)
+        return x
+
+
+def _attention(batch=4, **options):
+    torch.manual_seed(0)
+    model, args = Attention(**options), (torch.randn(batch, 64, 32, requires_grad=True),)
+    captured, problem = prepare(model, args)
+    softmaxes = frozenset(k for k in range(problem.size) if problem.labels[k] == "softmax")
+    return model, args, captured, problem, Choice(((0, problem.size),), softmaxes)
+
+
+def _named(problem, positions) -> list[str]:
+    return [problem.names[k] for k in sorted(positions)]
+
+
+def test_keeping_a_softmax_replays_the_scores_that_feed_it():
+    """The recompute runs the scores' matmul and scaling through autograd, which saves ``q``
+    and ``k`` for the matmul's backward, but computes neither: the planned step runs exactly
+    the FLOPs the simulator predicts, its peak is the predicted peak, and it trains exactly
+    like the model."""
+    model, args, captured, problem, choice = _attention()
+    replayed = np.flatnonzero(replayed_nodes(problem, choice))
+    assert _named(problem, replayed) == ["matmul", "truediv", "matmul_2", "truediv_1"]
+    scores = problem.flops[replayed].sum()
+    recomputing_all = simulate(problem, Choice(choice.segments))
+    assert simulate(problem, choice).recompute_flops == recomputing_all.recompute_flops - scores
+
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
+    extra = _step_flops(planned, args) - _step_flops(model, args)
+    assert extra == simulate(problem, choice).recompute_flops
+    args[0].grad = None
+    assert peak_memory(planned, args).peak_bytes == simulate(problem, choice).peak_bytes
+    assert_equivalent(copy.deepcopy(model), model, planned, args, {})
+
+
+def test_a_replay_computes_the_copies_a_matmul_saves_for_its_own_backward():
+    """With heads, ``q @ k.T`` multiplies 4-d tensors that are not contiguous: the matmul
+    copies them into 3-d ones, which its ``bmm`` saves. Its replay computes the copies and
+    fakes the ``bmm``: FLOPs and peak as predicted, gradients exact."""
+    model, args, captured, problem, choice = _attention(heads=4)
+    replayed = np.flatnonzero(replayed_nodes(problem, choice))
+    assert "matmul" in _named(problem, replayed)
+    assert problem.replay_reads[replayed].any() and problem.replay_flops[replayed].sum() == 0
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
+    extra = _step_flops(planned, args) - _step_flops(model, args)
+    assert extra == simulate(problem, choice).recompute_flops
+    assert extra < simulate(problem, Choice(choice.segments)).recompute_flops
+    args[0].grad = None
+    assert peak_memory(planned, args).peak_bytes == simulate(problem, choice).peak_bytes
+    assert_equivalent(copy.deepcopy(model), model, planned, args, {})
+
+
+def test_nothing_is_replayed_where_the_recompute_needs_the_values():
+    """Not without the kept softmax (it recomputes from the scores), and not where a node of
+    the segment saves the scores (``scores * scores``): backward would get the stand-in. The
+    multiplication itself, which only the kept softmax reads, is replayed."""
+    model, args, captured, problem, choice = _attention()
+    assert not replayed_nodes(problem, Choice(choice.segments)).any()
+    model, args, captured, problem, choice = _attention(squared=True)
+    assert _named(problem, np.flatnonzero(replayed_nodes(problem, choice))) == ["mul", "mul_1"]
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
+    assert_equivalent(copy.deepcopy(model), model, planned, args, {})
+
+
+def test_a_plan_replays_what_its_kept_nodes_leave_unneeded():
+    """``plan`` rewrites with the replays its prediction counts, and ``optimal`` keeps a
+    softmax for them (at 80% of the way from the lowest peak to the unplanned one, measured);
+    the plan names them where it names its kept nodes."""
+    model, args, _, problem, _ = _attention(batch=32, blocks=4)
+    lowest, unplanned = lowest_peak(problem).peak_bytes, simulate(problem, ()).peak_bytes
+    planned = plan(model, args, budget_bytes=int(lowest + 0.8 * (unplanned - lowest)))
+    replayed = replayed_nodes(problem, planned.choice)
+    assert replayed.any()
+    names = _named(problem, np.flatnonzero(replayed))
+    assert planned.replayed == frozenset(np.flatnonzero(replayed).tolist())
+    assert sorted(n for row in planned.segment_table() for n in row["replayed"]) == names
+    assert f"{len(names)} replayed in their recomputes" in str(planned)
+    assert f"replaying {len(names)} in their recomputes" in planned._repr_html_()
+    assert planned.recompute_flops == simulate(problem, planned.choice).recompute_flops
+    extra = _step_flops(planned.module, args) - _step_flops(model, args)
+    assert extra == planned.recompute_flops
+    args[0].grad = None
+    assert peak_memory(planned.module, args).peak_bytes == planned.predicted_peak_bytes
+
+
 @pytest.mark.parametrize("kept", ["second", "both"])
 def test_allowed_random_keeps_train_exactly_like_the_original(kept):
     model, args, captured, problem, first, second = _random_nodes()
     reference = copy.deepcopy(model)
     keep = {second} if kept == "second" else {first, second}
-    planned = rewrite(captured.graph_module, model, Choice(((0, problem.size),), frozenset(keep)))
+    planned = rewrite(
+        captured.graph_module, model, Choice(((0, problem.size),), frozenset(keep)), problem=problem
+    )
     assert_equivalent(reference, model, planned, args, {})
 
 
@@ -220,7 +332,9 @@ def test_batchnorm_statistics_are_updated_once_under_a_partial_recompute():
     batchnorms = [k for k, label in enumerate(problem.labels) if label in ("1", "4")]
     assert not problem.keepable[batchnorms].any()
     linears = frozenset(k for k, label in enumerate(problem.labels) if label in ("0", "3"))
-    planned = rewrite(captured.graph_module, model, Choice(((0, problem.size),), linears))
+    planned = rewrite(
+        captured.graph_module, model, Choice(((0, problem.size),), linears), problem=problem
+    )
     assert_equivalent(reference, model, planned, args, {})
     assert int(model[1].num_batches_tracked) == 2  # one per step of assert_equivalent
 
@@ -306,7 +420,9 @@ def _step_flops(module, args) -> int:
         (Choice(((0, 2), (2, 4))), 2),
         (Choice(((0, 4),), frozenset({0})), 1),  # the first Linear comes from the cache
         (Choice(((0, 5),), frozenset({2})), 1),  # a kept Linear, then a stop at a Linear
-        (Choice(((0, 4),), frozenset({3})), 2),  # the stop node itself kept
+        # the stop node itself kept: the Linear feeding it is replayed (nothing needs its
+        # values: planner.choice.replayed_nodes)
+        (Choice(((0, 4),), frozenset({3})), 1),
     ],
 )
 def test_predicted_recompute_flops_equal_what_backward_really_runs(choice, linears):
@@ -315,9 +431,9 @@ def test_predicted_recompute_flops_equal_what_backward_really_runs(choice, linea
     model, args = _three_linears()
     captured, problem = prepare(model, args)
     assert problem.labels == ("0", "1", "2", "3", "4")
-    extra = _step_flops(rewrite(captured.graph_module, model, choice), args) - _step_flops(
-        model, args
-    )
+    extra = _step_flops(
+        rewrite(captured.graph_module, model, choice, problem=problem), args
+    ) - _step_flops(model, args)
     assert extra == linears * 2 * 32 * 64 * 64
     assert simulate(problem, choice).recompute_flops == extra
 
@@ -392,10 +508,10 @@ def _prediction_error(model, args, kwargs, captured, problem, choice) -> tuple[i
     """(predicted minus measured peak, bytes the segments copy to restore buffers), the
     measurement taken against the rewritten graph's with nothing checkpointed (its loss
     scalars are not in the replay)."""
-    plain = rewrite(captured.graph_module, model, ())
+    plain = rewrite(captured.graph_module, model, (), problem=problem)
     peak_memory(plain, args, kwargs)
     offset = peak_memory(plain, args, kwargs).peak_bytes - simulate(problem, ()).peak_bytes
-    planned = rewrite(captured.graph_module, model, choice)
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
     peak_memory(planned, args, kwargs)  # warm up: first steps allocate lazily
     measured = peak_memory(planned, args, kwargs).peak_bytes - offset
     return simulate(problem, choice).peak_bytes - measured, _restored_bytes(planned)

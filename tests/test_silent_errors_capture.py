@@ -64,7 +64,7 @@ def _check_random_segments(spec: RegionSpec, data) -> None:
     assert captured.method == ("export" if _exported(spec) else "symbolic_trace")
     assert_same_state(before, model_state(model))  # planning ran nothing on the user's buffers
     segments = data.draw(random_segments(problem), label="segments")
-    planned = rewrite(captured.graph_module, model, segments)
+    planned = rewrite(captured.graph_module, model, segments, problem=problem)
     assert_equivalent(reference, model, planned, args, kwargs, seed=spec.seed)
 
 
@@ -157,7 +157,7 @@ def test_regions_in_forward_are_kept_in_every_segment(make):
     ]
     assert len(segments) > n
     for segment in segments:
-        planned = rewrite(captured.graph_module, model, (segment,))
+        planned = rewrite(captured.graph_module, model, (segment,), problem=problem)
         assert_equivalent(reference, model, planned, (x,), {})
 
 
@@ -266,7 +266,7 @@ def test_regions_nested_in_autocast_are_captured_exactly_through_export(dtype):
     ]
     assert len(segments) > n
     for segment in segments:
-        planned = rewrite(captured.graph_module, model, (segment,))
+        planned = rewrite(captured.graph_module, model, (segment,), problem=problem)
         assert_equivalent(reference, model, planned, (x,), {})
     model.zero_grad(set_to_none=True)
     sum(t.sum() for t in planned(x)).backward()
@@ -338,7 +338,7 @@ def test_torch_compile_of_a_plan_with_regions_trains_like_the_compiled_model(mak
     captured, problem = prepare(model, (x,))
     plans = [()] if make is InferenceScale else [(), (_longest_segment(problem),)]
     for segments in plans:
-        planned = rewrite(captured.graph_module, model, segments)
+        planned = rewrite(captured.graph_module, model, segments, problem=problem)
         _compiled_step_equals_the_compiled_models(model, planned, x, fullgraph=True)
 
 
@@ -349,7 +349,7 @@ def test_torch_compile_of_a_segment_holding_an_inference_mode_block_says_so():
     torch.manual_seed(0)  # recompile limit, and Dynamo would refuse for that reason instead
     model, x = InferenceScale(), torch.randn(4, 8)
     captured, problem = prepare(model, (x,))
-    planned = rewrite(captured.graph_module, model, (_longest_segment(problem),))
+    planned = rewrite(captured.graph_module, model, (_longest_segment(problem),), problem=problem)
     strict = copy.deepcopy(planned)
     strict.compile(backend="aot_eager", fullgraph=True)
     with pytest.raises(Exception, match=r"(?s)PlanningError.*cannot checkpoint a torch\.inf"):
@@ -975,7 +975,7 @@ def test_what_reads_an_input_before_the_forward_writes_it_is_never_recomputed(me
     reads_x = next(i for i, name in enumerate(problem.names) if name.startswith("mul"))  # x * 2.0
     assert not problem.checkpointable[reads_x]
     segments = data.draw(random_segments(problem), label="segments")
-    planned = rewrite(captured.graph_module, model, segments)
+    planned = rewrite(captured.graph_module, model, segments, problem=problem)
     reference = copy.deepcopy(model)
     expected_input, input_ = x.clone(), x.clone()
     reference(expected_input).backward()
@@ -1091,7 +1091,9 @@ def test_a_module_kept_whole_whose_forward_does_more_than_tensor_operations_is_n
     assert random.getstate() == python_state
     blocks = [i for i, name in enumerate(problem.names) if name.startswith("blocks")]
     assert len(blocks) == 4 and not problem.checkpointable[blocks].any()
-    planned = rewrite(captured.graph_module, model, data.draw(random_segments(problem)))
+    planned = rewrite(
+        captured.graph_module, model, data.draw(random_segments(problem)), problem=problem
+    )
     for _ in range(2):
         for parameter in (*model.parameters(), *reference.parameters()):
             parameter.grad = None

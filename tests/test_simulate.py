@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.problem import NEVER, Problem
-from planner.simulate import Choice, last_recomputed, simulate, validate_choice
+from planner.simulate import Choice, last_recomputed, replayed_nodes, simulate, validate_choice
 from problems import random_problem
 from strategies import random_choices, random_segments
 
@@ -25,6 +25,9 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
     choice = validate_choice(problem, choice)
     segments, keep = choice.segments, choice.keep
     n = problem.size
+    # Replayed nodes (their definition is checked against measurements in test_selective.py)
+    # re-create only what they save themselves, and cost what they still compute.
+    replayed = replayed_nodes(problem, choice)
     # What a kept node's cache holds beyond the storages it creates (its temporaries).
     held = [
         int(problem.kept_bytes[i] - problem.created_bytes[i]) if i in keep else 0 for i in range(n)
@@ -92,6 +95,8 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
             s.producer == end and not (problem.saves_own[end] and s.before_last_save)
         ):
             continue  # the recompute stops before re-creating it
+        if replayed[s.producer] and s.producer not in s.savers:
+            continue  # a stand-in
         if not cached:
             recompute_alloc[s.producer] += s.nbytes
         inner_savers = [j for j in s.savers if start <= j < stop]
@@ -160,6 +165,10 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
                     step("recompute", j, made, 0, gone + held[j])
                 elif j == end and not problem.saves_own[j]:  # stops as it saves the inputs
                     step("recompute", j, made, 0, gone)
+                elif replayed[j]:  # what it still computes may need its temporaries
+                    transient = problem.workspace[j] if problem.replay_reads[j] else 0
+                    step("recompute", j, made, transient, gone)
+                    seconds += float(problem.replay_seconds[j])
                 else:
                     # stopped inside it: its temporaries as at its last save
                     transient = problem.stop_workspace[j] if j == end else problem.workspace[j]
@@ -206,6 +215,13 @@ def test_agrees_with_the_step_by_step_replay_on_random_problems(seed, nodes, dat
 @given(st.integers(0, 10**6), st.integers(3, 40), st.data())
 def test_agrees_with_the_step_by_step_replay_with_kept_nodes(seed, nodes, data):
     problem = random_problem(seed, nodes)
+    assert_agree(problem, data.draw(random_choices(problem)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 10**6), st.integers(3, 40), st.data())
+def test_agrees_with_the_step_by_step_replay_with_replayed_nodes(seed, nodes, data):
+    problem = random_problem(seed, nodes, replays=True, phased=True)
     assert_agree(problem, data.draw(random_choices(problem)))
 
 
@@ -277,7 +293,9 @@ def test_a_segment_that_saves_nothing_holds_its_inputs_until_it_returns():
     captured, problem = prepare(model, args)
     segment = (1, 5)
     assert not problem.saves[slice(*segment)].any()
-    measured = peak_memory(rewrite(captured.graph_module, model, [segment]), args).peak_bytes
+    measured = peak_memory(
+        rewrite(captured.graph_module, model, [segment], problem=problem), args
+    ).peak_bytes
     for predicted in (
         simulate(problem, [segment]).peak_bytes,
         simulate_nested(problem, nested_choice([segment])).peak_bytes,
@@ -312,7 +330,9 @@ def test_the_loss_and_the_seed_of_backward_are_replayed_to_the_byte(spec):
     model, args = _TwoBranchesConcatenated(), (torch.randn(256, 64),)
     captured, problem = prepare(model, args)
     choice = nested_choice(spec)
-    measured = peak_memory(rewrite(captured.graph_module, model, choice), args).peak_bytes
+    measured = peak_memory(
+        rewrite(captured.graph_module, model, choice, problem=problem), args
+    ).peak_bytes
     assert simulate_nested(problem, choice).peak_bytes == measured
     if choice.flat() is not None:
         assert simulate(problem, choice).peak_bytes == measured

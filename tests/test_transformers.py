@@ -81,7 +81,7 @@ def test_planned_transformer_trains_exactly_like_the_original(name, device):
     for solver, budget in [("greedy", (low + high) // 2), ("auto", low), ("sqrt_n", high)]:
         _, segments = choose(problem, budget, solver)
         assert segments, f"{solver} checkpointed nothing: the test would prove nothing"
-        planned = rewrite(captured.graph_module, model, segments)
+        planned = rewrite(captured.graph_module, model, segments, problem=problem)
         assert_equivalent(reference, model, planned, args, kwargs)
 
 

@@ -15,7 +15,8 @@ from planner.simulate import (
     Simulation,
     as_choice,
     call_seconds,
-    recomputed_nodes,
+    recompute_costs,
+    replayed_nodes,
     validate_choice,
     validate_segments,
 )
@@ -36,16 +37,17 @@ def rank(result: Simulation, budget_bytes: int) -> tuple[bool, float]:
 
 def least_recompute_seconds(problem: Problem, choice) -> float:
     """A lower bound on ``simulate(problem, choice).recompute_seconds``, without the replay: the
-    same terms (``recomputed_nodes``, ``call_seconds``) summed in another order, so lowered by
+    same terms (``recompute_costs``, ``call_seconds``) summed in another order, so lowered by
     far more than rounding can move either sum (``1e-9`` of the sum of every term's size).
     A candidate whose bound is at least the cost of a plan that fits cannot rank before it."""
     choice = as_choice(choice)
-    runs = recomputed_nodes(problem, choice)
+    replayed = replayed_nodes(problem, choice)
+    seconds, _ = recompute_costs(problem, choice, replayed)
     rounding = 1e-9 * (
         float(np.abs(problem.seconds).sum())
         + problem.size * (abs(problem.checkpoint_seconds) + abs(problem.keep_seconds))
     )
-    return float(problem.seconds[runs].sum()) + call_seconds(problem, choice) - rounding
+    return float(seconds.sum()) + call_seconds(problem, choice, replayed) - rounding
 
 
 def checked_result(name: str, result, problem: Problem) -> Segments | Choice | NestedChoice:

@@ -151,6 +151,9 @@ class _Tables:
     # per node x: (positions, bytes) where keeping x adds to forward's live bytes: its storages
     # after their last reader, its temporaries in place of its workspace at x and after it
     cache_steps: tuple[tuple[np.ndarray, np.ndarray], ...]
+    # per node x: nodes a recompute replays once x is kept (_replayed_with), wherever x's
+    # segment starts at or before the first of them
+    replayed_with: tuple[tuple[int, ...], ...]
 
 
 _TABLES: weakref.WeakKeyDictionary[Problem, _Tables] = weakref.WeakKeyDictionary()
@@ -209,7 +212,8 @@ def _new_tables(problem: Problem) -> _Tables:
     read_until = np.full(n, -1, dtype=np.int64)
     np.maximum.at(read_until, producer, last_use)
     buffer_uses = [(x, *use) for x, uses in enumerate(problem.buffer_copies) for use in uses]
-    value = _keep_value(problem)
+    replayed_with = _replayed_with(problem, made_at, read_at)
+    value = _keep_value(problem, replayed_with)
     makes_cast = np.zeros(n, dtype=bool)
     makes_cast[producer[arrays.cast_cache]] = True
     remade = np.ones(n, dtype=bool)
@@ -244,7 +248,54 @@ def _new_tables(problem: Problem) -> _Tables:
         read_until=read_until,
         buffer_uses=tuple(np.array(buffer_uses, dtype=np.int64).reshape(-1, 4).T),
         cache_steps=tuple(_cache_steps(problem, x, made_at[x], last_use, nbytes) for x in range(n)),
+        replayed_with=replayed_with,
     )
+
+
+def _replayed_with(problem: Problem, made_at: list, read_at: list) -> tuple[tuple[int, ...], ...]:
+    """Per node x, the nodes that keeping x lets every recompute running x replay
+    (``planner.choice.replayed_nodes``) whatever else it keeps: replayable nodes before x
+    whose storages nothing but themselves saves and only x or others of them read, none of
+    those others computing from them in its replay (the scores ``q @ k.T`` and their scaling,
+    under a kept softmax). A lower bound on what a keep set replays, which
+    the search counts as spared (``_replay_credit``); ``simulate`` counts it all."""
+    arrays = problem.storage_arrays
+    readers: list[set[int]] = [set() for _ in range(problem.size)]
+    unsaved = np.ones(problem.size, dtype=bool)  # saved by nothing but its maker
+    for s in problem.storages:
+        readers[s.producer].update(s.readers)
+        unsaved[s.producer] &= set(s.savers) <= {s.producer} and not s.is_output
+    open_ = problem.replayable & unsaved
+    result: list[tuple[int, ...]] = []
+    for x in range(problem.size):
+        group, members = {x}, []
+        waiting = sorted({int(arrays.producer[k]) for k in read_at[x]}, reverse=True)
+        while waiting:
+            p = waiting.pop(0)
+            if p in group or not open_[p] or not readers[p] <= group:
+                continue
+            if any(problem.replay_reads[r] for r in readers[p] - {x}):
+                continue  # a member whose replay computes from it
+            group.add(p)
+            members.append(p)
+            more = {int(arrays.producer[k]) for k in read_at[p]} - group
+            waiting = sorted(set(waiting) | more, reverse=True)
+        result.append(tuple(sorted(members)))
+    return tuple(result)
+
+
+def _replay_credit(problem: Problem, t: _Tables, c: int, keeps) -> np.ndarray:
+    """Per keep set of a segment starting at ``c``: the recompute seconds its replays spare
+    (``_Tables.replayed_with``), less what replaying costs (``call_seconds``)."""
+    credit = np.zeros(len(keeps))
+    for r, kept in enumerate(keeps):
+        chosen = set(kept)
+        replayed = {p for x in kept for p in t.replayed_with[x] if p >= c} - chosen
+        if replayed:
+            nodes = np.fromiter(replayed, np.int64)
+            spared = problem.seconds - problem.replay_seconds - problem.keep_seconds
+            credit[r] = float(spared[nodes].sum())
+    return credit
 
 
 def _bits(storages) -> int:
@@ -637,7 +688,8 @@ def _keep_sets(problem: Problem, t: _Tables, c: int, b: int) -> _KeepSets | None
         forward=member @ forward,
         recompute=(profile + member @ recompute).max(axis=1),
         cache=member @ t.cache[nodes],
-        saved=member @ (problem.seconds[nodes] - problem.keep_seconds),  # call_seconds
+        saved=member @ (problem.seconds[nodes] - problem.keep_seconds)  # call_seconds
+        + _replay_credit(problem, t, c, rows),
     )
 
 
@@ -689,7 +741,8 @@ def _keep_family(
         forward=np.cumsum(forward, axis=0)[:width].T,
         recompute=(profile[:steps] + np.cumsum(until, axis=1)[:, :steps]).max(axis=1),
         cache=(made + held).sum(axis=1),
-        saved=member @ (problem.seconds[nodes] - problem.keep_seconds),  # call_seconds
+        saved=member @ (problem.seconds[nodes] - problem.keep_seconds)  # call_seconds
+        + _replay_credit(problem, t, c, keeps),
     )
 
 
@@ -1399,13 +1452,20 @@ def solve(
 # Keeping nodes inside segments (selective checkpointing)
 
 
-def _keep_value(problem: Problem) -> np.ndarray:
-    """Recompute seconds a kept node saves per byte it holds; 0 where keeping is never tried.
+def _keep_value(problem: Problem, replayed_with=None) -> np.ndarray:
+    """Recompute seconds a kept node saves per byte it holds, its own and those of the nodes
+    it lets a recompute replay (``_Tables.replayed_with``); 0 where keeping is never tried.
 
     Random nodes (dropout) are left to the recompute: they are cheap, and keeping one is only
     valid after every random node the recompute runs (``validate_choice``).
     """
+    if replayed_with is None:
+        replayed_with = _tables(problem).replayed_with
     spared = problem.seconds - problem.keep_seconds  # a kept node costs the cache's work
+    replaying = problem.seconds - problem.replay_seconds - problem.keep_seconds
+    for x, replayed in enumerate(replayed_with):
+        if replayed:
+            spared[x] += float(replaying[list(replayed)].sum())
     worth = problem.keepable & ~problem.random & (spared > 0)
     return np.where(worth, spared / np.maximum(problem.kept_bytes, 1), 0.0)
 

@@ -102,8 +102,8 @@ def _short(key: str, parts: int = 3) -> str:
 class Layout:
     """Where ``draw`` puts things: the boxes in reading order, their centres, and the data flow
     between them (``edges``: (from box, to box, {"boundary": enters a segment, "nbytes"})).
-    ``saved`` and ``kept`` are per position: bytes autograd saves, and whether the node is kept
-    inside its segment."""
+    ``saved``, ``kept`` and ``replayed`` are per position: bytes autograd saves, whether the
+    node is kept inside its segment, and whether its recompute replays it."""
 
     boxes: list[Box]
     depth: int  # module depth the paths were collapsed to
@@ -114,6 +114,7 @@ class Layout:
     saved: np.ndarray
     kept: np.ndarray
     keep: frozenset[int]
+    replayed: np.ndarray
 
 
 def layout(plan, *, max_groups: int = 60, columns: int | None = None) -> Layout:
@@ -130,6 +131,8 @@ def layout(plan, *, max_groups: int = 60, columns: int | None = None) -> Layout:
     keep: frozenset[int] = getattr(plan, "keep", frozenset())
     kept = np.zeros(problem.size, dtype=bool)
     kept[list(keep)] = True
+    replayed = np.zeros(problem.size, dtype=bool)
+    replayed[list(getattr(plan, "replayed", ()))] = True
 
     graph: nx.DiGraph[int] = nx.DiGraph()
     graph.add_nodes_from(range(len(groups)))
@@ -157,6 +160,7 @@ def layout(plan, *, max_groups: int = 60, columns: int | None = None) -> Layout:
         saved=problem.saved_bytes_per_node(),
         kept=kept,
         keep=keep,
+        replayed=replayed,
     )
 
 
@@ -253,6 +257,8 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
             label += f"\nsegment {group.segment}"
             if kept[group.start : group.stop].any():
                 label += f" · {int(kept[group.start : group.stop].sum())} kept"
+            if placed.replayed[group.start : group.stop].any():
+                label += f" · {int(placed.replayed[group.start : group.stop].sum())} replayed"
         if starts_segment:
             label += f" · in {segment_inputs[group.segment] / MIB:.2f} MiB"
         if group.level > 1:  # inside a segment nested in another: recomputed once per level
@@ -316,6 +322,7 @@ def draw(plan, path=None, ax=None, *, max_groups: int = 60, columns: int | None 
         f"{model_name(plan)}: {problem.size} nodes in {count} boxes "
         f"(modules collapsed to depth {depth}); {len(plan.segments)} checkpointed segments"
         + (f", {len(keep)} nodes kept inside them" if keep else "")
+        + (f", {int(placed.replayed.sum())} replayed" if placed.replayed.any() else "")
         + "\n"
         f"predicted peak {mib(plan.predicted_peak_bytes)} of a {mib(plan.budget_bytes)} "
         f"budget (baseline {mib(plan.baseline_peak_bytes)}); recompute "

@@ -25,6 +25,7 @@ class _Row:
     recompute_share: float
     kept_nodes: int = 0  # nodes kept inside the segment (selective checkpointing)
     kept_bytes: int = 0
+    replayed_nodes: int = 0  # nodes its recompute replays (planner.choice.replayed_nodes)
     nested: int = 0  # checkpointed segments nested inside it (planner.nested)
 
 
@@ -44,6 +45,7 @@ def _segment_rows(plan) -> list[_Row]:
             recompute_share=row["recompute_seconds"] / step_seconds,
             kept_nodes=len(row["kept"]),
             kept_bytes=row["kept_bytes"],
+            replayed_nodes=len(row.get("replayed", ())),
             nested=row.get("nested", 0),
         )
         for row in plan.segment_table()
@@ -110,7 +112,9 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
         ("Graph", f"{problem.size} nodes; {len(plan.segments)} checkpointed segments "
          f"cover {covered} of them"
          + (f", keeping {len(plan.keep)} nodes inside them" if getattr(plan, "keep", ())
-            else "")),
+            else "")
+         + (f", replaying {len(plan.replayed)} in their recomputes"
+            if getattr(plan, "replayed", ()) else "")),
         ("Predicted peak", f"<b>{mib(plan.predicted_peak_bytes)}</b> of a "
          f"{mib(plan.budget_bytes)} budget: {verdict} "
          f"(baseline {mib(plan.baseline_peak_bytes)}, "
@@ -151,11 +155,14 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
             shown = [*rows[: max_rows - tail], None, *rows[-tail:]]
         open_attr = " open" if len(rows) <= 12 else ""
         selective = bool(getattr(plan, "keep", ()))
+        replays = bool(getattr(plan, "replayed", ()))
         nested = getattr(plan, "nesting", None) is not None
         titles = [
             ("seg", "right"), ("nodes", "right"), ("from", "left"), ("to", "left"),
             ("boundary tensors", "right"), ("recomputed", "right"), ("recompute cost", "right"),
         ] + ([("kept nodes", "right")] if selective else []) + (
+            [("replayed nodes", "right")] if replays else []
+        ) + (
             [("nested segments", "right")] if nested else []
         )  # fmt: skip
         head = "".join(
@@ -189,7 +196,8 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
                 (mib(r.dropped_bytes), "right"),
                 (f"{r.recompute_share:.1%}", "right"),
             ] + ([(f"{r.kept_nodes} &middot; {mib(r.kept_bytes)}", "right")]
-                 if selective else []) + ([(str(r.nested), "right")]
+                 if selective else []) + ([(str(r.replayed_nodes), "right")]
+                 if replays else []) + ([(str(r.nested), "right")]
                  if nested else [])  # fmt: skip
             out.append(
                 "<tr>"

@@ -195,6 +195,7 @@ def plot_memory(plan, measured=None, ax=None, *, measured_baseline=None, path=No
         lw=1.6,
         label=f"plan: {len(plan.segments)} segments"
         + (f", {len(plan.keep)} kept nodes" if getattr(plan, "keep", ()) else "")
+        + (f", {len(plan.replayed)} replayed" if getattr(plan, "replayed", ()) else "")
         + f" (peak {mib(planned.peak_bytes)})",
     )
     ax.axhline(plan.budget_bytes / unit, color=BUDGET_COLOUR, ls="--", lw=1.4,
