@@ -238,13 +238,20 @@ def recompute_costs(
     definition of a recompute's cost: ``Problem.seconds`` and ``Problem.flops`` where it is
     recomputed (``recomputed_nodes``), ``Problem.replay_seconds`` and ``replay_flops`` where
     it is replayed (``replayed_nodes``; ``replayed``, when the caller has them), nothing
-    elsewhere."""
+    elsewhere; of a node inside which a recompute stops (``recompute_stop``), no more than
+    ``Problem.stop_seconds`` and ``stop_flops``, what it runs until its last save."""
     choice = as_choice(choice)
     if replayed is None:
         replayed = replayed_nodes(problem, choice)
     runs = recomputed_nodes(problem, choice, replayed)
     seconds = np.where(runs, problem.seconds, np.where(replayed, problem.replay_seconds, 0.0))
     flops = np.where(runs, problem.flops, np.where(replayed, problem.replay_flops, 0.0))
+    if choice.segments:
+        starts, stops = np.array(choice.segments, dtype=np.int64).T
+        last = problem.last_saving[stops - 1]
+        inside = last[(last >= starts) & problem.saves_own[np.maximum(last, 0)]]
+        seconds[inside] = np.minimum(seconds[inside], problem.stop_seconds[inside])
+        flops[inside] = np.minimum(flops[inside], problem.stop_flops[inside])
     return seconds, flops
 
 

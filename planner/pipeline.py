@@ -21,7 +21,13 @@ from planner.errors import PlanningError, non_negative_int, short_repr
 from planner.nested import NestedChoice
 from planner.optimizer import optimizer_memory
 from planner.options import CaptureOptions
-from planner.planned_module import PlannedModule, call_dtypes, call_sizes, tensor_arguments
+from planner.planned_module import (
+    PlannedModule,
+    call_dtypes,
+    call_grads,
+    call_sizes,
+    tensor_arguments,
+)
 from planner.plans import Plan
 from planner.problem import Problem, build_problem
 from planner.profile import profile
@@ -244,6 +250,7 @@ def prepare(
         model, args, kwargs, layouts=captured.method == "export"
     )
     captured.graph_module.meta["planner.call_sizes"] = call_sizes(model, args, kwargs)
+    captured.graph_module.meta["planner.call_grads"] = call_grads(model, args, kwargs)
     _check_loss_fn(loss_fn)
     prof = profile(
         captured.graph_module, *captured.inputs(args, kwargs), loss_fn=loss_fn, model=model

@@ -99,6 +99,28 @@ def call_sizes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, tuple[t
     return {name: shapes for name, shapes in sizes.items() if shapes}
 
 
+def call_grads(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, tuple[bool, ...]]:
+    """Whether each tensor of each argument of the call ``model(*args, **kwargs)`` requires
+    grad, by name (``Snapshot.replays_hold``)."""
+    grads = {name: _grads(value) for name, value in _named_arguments(model, args, kwargs)}
+    return {name: flags for name, flags in grads.items() if flags}
+
+
+def _grads(value) -> tuple[bool, ...]:
+    if isinstance(value, torch.Tensor):
+        return (value.requires_grad,)
+    return tuple(leaf.requires_grad for leaf in tree_leaves(value) if torch.is_tensor(leaf))
+
+
+# Whether the planned module's call running on this thread lets its recomputes replay nodes
+# (``Snapshot.replays_hold``; read by ``planner.rewrite.Segment.contexts``).
+_CALL = threading.local()
+
+
+def replays_allowed() -> bool:
+    return getattr(_CALL, "replays", False)
+
+
 def _shapes(value) -> tuple[torch.Size, ...]:
     if isinstance(value, torch.Tensor):  # the common case, without a pytree walk
         return (value.shape,)
@@ -359,9 +381,14 @@ class Snapshot:
         sizes: dict[str, tuple[torch.Size, ...]] | None = None,
         checkpoints: bool = False,
         reads_grad_mode: bool = False,
+        grads: dict[str, tuple[bool, ...]] | None = None,
+        replays: bool = False,
     ):
         self.model = model
         self.checkpoints = checkpoints  # whether the graph runs checkpointed segments
+        self.replays = replays and grads is not None  # whether its recomputes replay nodes
+        # What each tensor argument's tensors required at planning (``call_grads``).
+        self.argument_grads = [(grads or {}).get(name, ()) for name, _ in tensor_arguments]
         self.reads_grad_mode = reads_grad_mode  # forward called torch.is_grad_enabled()
         self.warned_hooks = False
         self.warned_vmap = False
@@ -445,6 +472,7 @@ class Snapshot:
         self.parameter_dicts = [model.get_submodule(path)._parameters for path, _, _ in slots]
         self.parameter_keys = [key for _, _, key in slots]
         self.trainable = [p.requires_grad for p in self.parameters()]
+        self.trainable_unchanged = True  # as of the last call (check_unchanged)
         self.warned_trainable = False
         # Slots sharing one parameter at planning (tied embeddings): one gradient between them.
         shared: dict[int, list[tuple[dict, str]]] = {}
@@ -503,7 +531,8 @@ class Snapshot:
 
     def check_unchanged(self, planned_name: str) -> None:
         """Raise a PlanningError when a module or attribute the graph was traced from changed."""
-        if [p.requires_grad for p in self.parameters()] != self.trainable:
+        self.trainable_unchanged = [p.requires_grad for p in self.parameters()] == self.trainable
+        if not self.trainable_unchanged:
             self._warn_trainable()
         if self.tied and not self.warned_untied:
             self._warn_untied()
@@ -766,6 +795,25 @@ class Snapshot:
         if not left_out and not self._dtypes_moved(form) and not self._layouts_moved(form):
             return None  # (a value that is no tensor, a tracer's proxy, has no dtype)
         return form
+
+    def replays_hold(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this call's recomputes may replay nodes (``planner.rewrite._Replaying``).
+
+        The profile chose which ops of a replayed node to fake for the planning call: autograd
+        saves an op's input only where another of its inputs requires grad (``scores * t``
+        saves the scores for a ``t`` that trains), and a matmul copies its arguments or not by
+        their strides. A call whose parameters or tensor arguments differ from it in
+        ``requires_grad`` or in size recomputes those nodes instead: exact, a little slower.
+        """
+        if not (self.replays and self.trainable_unchanged):
+            return False
+        for (name, position), grads, sizes in zip(
+            self.tensor_arguments, self.argument_grads, self.argument_sizes
+        ):
+            value = _argument(name, position, args, kwargs)
+            if _grads(value) != grads or _shapes(value) != sizes:
+                return False
+        return True
 
     def warn_if_larger(self, args: tuple, kwargs: dict) -> None:
         """Once: a tensor argument is larger than when planning (a longer batch of a
@@ -1191,6 +1239,9 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         )
         if watch:
             snapshot.warn_if_earlier_graph_waits()
+        compiling = torch.compiler.is_compiling()  # a compiled recompute replays nothing
+        if not compiling:
+            outer, _CALL.replays = replays_allowed(), snapshot.replays_hold(args, kwargs)
         try:
             output = graph_forward(self, *args, **kwargs)
         except AssertionError as error:
@@ -1222,6 +1273,9 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
                     f"that block, or call the model itself there. The block's message: {error}"
                 ) from error
             raise
+        finally:
+            if not compiling:
+                _CALL.replays = outer
         snapshot.warn_if_larger(args, kwargs)  # after: export's static graphs refuse other sizes
         if watch:
             snapshot.note_graph(output)

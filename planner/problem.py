@@ -216,6 +216,10 @@ class Problem:
     replay_seconds: np.ndarray = None  # type: ignore[assignment]
     replay_flops: np.ndarray = None  # type: ignore[assignment]
     replay_reads: np.ndarray = None  # type: ignore[assignment]
+    # What a recompute stopping inside a node (at its last save, ``recompute_stop``) computes
+    # of it. Left out: the whole node.
+    stop_seconds: np.ndarray = None  # type: ignore[assignment]
+    stop_flops: np.ndarray = None  # type: ignore[assignment]
     # Parameter gradient bytes complete at backward step i: its parameter's first reader in
     # forward, whose backward brings the last contribution (AccumulateGrad runs there). The
     # same as grad_bytes_at but for a parameter several nodes read (tied embeddings), whose
@@ -240,6 +244,8 @@ class Problem:
             "replay_seconds": lambda: np.zeros(self.size),
             "replay_flops": lambda: np.zeros(self.size),
             "replay_reads": lambda: np.zeros(self.size, dtype=bool),
+            "stop_seconds": lambda: self.seconds,
+            "stop_flops": lambda: self.flops,
             "grad_complete_at": lambda: self.grad_bytes_at,
             "backward_phases": lambda: BackwardPhases.single(self.size),
             "grad_before_unpack": lambda: np.zeros(self.size, dtype=np.int64),
@@ -625,9 +631,17 @@ def build_problem(
         [[sum(op[k] for op in ops if not op[1]) for k in (2, 3)] for ops in replays], np.float64
     ).reshape(n, 2)
     seconds = cost_model.seconds(flops, moved, [node.name for node in nodes])
-    # A node's measured time, scaled by the roofline's share of what a replay still computes.
-    roofline, part = cost_model.seconds(flops, moved), cost_model.seconds(*computed.T)
-    share = np.divide(part, roofline, out=np.zeros(n), where=roofline > 0)
+    # A node's measured time, scaled by the roofline's share of what a replay, or a recompute
+    # stopping inside it, still computes.
+    roofline = cost_model.seconds(flops, moved)
+
+    def share(part: np.ndarray) -> np.ndarray:
+        fraction = np.divide(part, roofline, out=np.ones(n), where=roofline > 0)
+        return seconds * np.minimum(fraction, 1.0)
+
+    stopped = np.array(
+        [require_meta(nd, "planner.cost_before_last_save") for nd in nodes], np.float64
+    ).reshape(n, 2)
     return Problem(
         names=tuple(node.name for node in nodes),
         labels=tuple("loss_fn" if node is profile.loss else _label(node) for node in nodes),
@@ -664,9 +678,11 @@ def build_problem(
         random=random,
         keepable=keepable,
         replayable=replayable,
-        replay_seconds=np.where(replayable, seconds * np.minimum(share, 1.0), 0.0),
+        replay_seconds=np.where(replayable, share(cost_model.seconds(*computed.T)), 0.0),
         replay_flops=np.where(replayable, computed[:, 0], 0.0),
         replay_reads=replayable & np.array([not all(op[1] for op in ops) for ops in replays]),
+        stop_seconds=share(cost_model.seconds(*stopped.T)),
+        stop_flops=np.minimum(stopped[:, 0], flops),
         optimizer_step_bytes=optimizer_step_bytes,
         has_loss=profile.loss is not None,
         module_paths=module_paths(nodes),

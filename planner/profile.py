@@ -73,6 +73,10 @@ Keys written into ``node.meta`` (the one place they are documented):
 ``planner.high_before_last_save``
     the most the node's new storages held at once until its last tensor was saved: where a
     recompute that stops inside it is at its highest.
+``planner.cost_before_last_save``
+    (FLOPs, bytes moved) of the node's ops until its last tensor was saved: what a recompute
+    that stops inside it computes of it (a Linear under autocast saves its casts, then stops
+    before its matmul).
 ``planner.made_before_last_save``
     storages among ``planner.created`` that exist when the node's last tensor is saved. A
     checkpoint's recompute stops right there (non-reentrant checkpoint stops once every saved
@@ -158,6 +162,7 @@ META_KEYS = (
     "planner.cast_cache",
     "planner.made_before_last_save",
     "planner.high_before_last_save",
+    "planner.cost_before_last_save",
     "planner.context_saved",
 )
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
@@ -412,9 +417,9 @@ class _CostMode(TorchDispatchMode):
         if not facts.aliasing and not casts_a_leaf(func, args):
             # made: what its results hold, its inputs' storages too (``_unsafe_view``)
             made = {key(t) for t in outputs}
-            self.ops.append(
-                (str(func), facts.replayable, {key(t) for t in inputs}, made, flops, moved)
-            )
+            # Factories, and ops given a device, run in a replay (``_Replaying``).
+            fakeable = facts.replayable and bool(inputs) and "device" not in kwargs
+            self.ops.append((str(func), fakeable, {key(t) for t in inputs}, made, flops, moved))
         self.just_saved.clear()
         return out
 
@@ -789,6 +794,7 @@ class _Recorder(fx.Interpreter):
         self.saved_by_current: set[int] = set()
         self.made_before_last_save: set[int] = set()  # new storages when a tensor was saved
         self.high_before_last_save = 0  # and the most its new storages held until then
+        self.cost_before_last_save = (0, 0)  # and the FLOPs and bytes its ops had moved
         # Under an autocast region entered before the step, cached casts outlive it: fixed.
         self.casts_outlive_step = caching_casts()
         self.fixed_casts: set[int] = set()
@@ -808,6 +814,7 @@ class _Recorder(fx.Interpreter):
             self.cost.just_saved.add(_view(key, tensor))
         self.made_before_last_save = set(self.cost.new)
         self.high_before_last_save = self.cost.high
+        self.cost_before_last_save = (self.cost.flops, self.cost.bytes_moved)
         return tensor
 
     def unpack(self, tensor):
@@ -869,9 +876,11 @@ class _Recorder(fx.Interpreter):
         self.made_before_last_save = set()
         makers = [(t, grad_fn_of(t)) for t in passed if isinstance(t, torch.Tensor)]
         self.high_before_last_save = 0
+        self.cost_before_last_save = (0, 0)
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             out = run()
         node.meta["planner.high_before_last_save"] = self.high_before_last_save
+        node.meta["planner.cost_before_last_save"] = self.cost_before_last_save
         tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         stashed = _context_tensors(tensors, self.owned | {grad_fn for _, grad_fn in makers})
         for tensor in stashed:

@@ -46,10 +46,16 @@ from planner.fakes import casts_a_leaf, op_facts, tensors_in
 from planner.gcpause import paused_collection
 from planner.model_call import CALL_KEY
 from planner.nested import Nest, NestedChoice
-from planner.planned_module import PlannedModule, Snapshot, argument_positions, share_user_state
+from planner.planned_module import (
+    PlannedModule,
+    Snapshot,
+    argument_positions,
+    replays_allowed,
+    share_user_state,
+)
 from planner.problem import Problem, buffer_read, compute_nodes
 from planner.regions import REGION_ENTRIES, closing_regions, enter_inference_mode
-from planner.simulate import Choice, as_choice, replayed_nodes
+from planner.simulate import Choice, as_choice, replayed_nodes, validate_choice
 
 # The cache scope of the selective segment running now (its forward or its recompute); per
 # thread, as autograd may recompute a segment on a thread of its own.
@@ -217,7 +223,7 @@ class _Replaying(TorchDispatchMode):
         tensors = tensors_in(args) + tensors_in(tuple(kwargs.values()))
         if expected[0] != str(func):
             self.ops = ()  # not the profile's ops: the rest run
-        elif expected[1] and tensors and "device" not in kwargs:
+        elif expected[1] and tensors:  # the profile fakes only ops with tensor arguments
             return self._stand_ins(func, args, kwargs, tensors)
         if any(t.untyped_storage().data_ptr() in self.addresses for t in tensors):
             raise RuntimeError(
@@ -453,7 +459,7 @@ class Segment:
             caching, cached = _selective_contexts()
             forward.append(caching)
             recompute.append(cached)
-        if self.replays:
+        if self.replays and replays_allowed():
             recompute.append(_Reenterable(_replay_scope, []))
         return _together(forward), _together(recompute)
 
@@ -705,12 +711,14 @@ def rewrite(
 
     ``choice`` is a ``planner.simulate.Choice`` or plain segments: ``(start, stop)`` positions
     over ``planner.problem.compute_nodes(captured)``, and positions of kept nodes. Given
-    ``problem`` (``captured``'s, from ``prepare``), the recomputes replay the nodes whose
-    values nothing needs (``planner.choice.replayed_nodes``), as ``simulate`` predicts;
-    without it, they compute every node they run.
+    ``problem`` (``captured``'s, from ``prepare``), a choice ``simulate`` refuses is refused
+    (``validate_choice``), and the recomputes replay the nodes whose values nothing needs
+    (``planner.choice.replayed_nodes``), as ``simulate`` predicts; without it, they compute
+    every node they run.
     """
     replay: dict[int, tuple[tuple[str, bool], ...]] = {}
     if problem is not None and not isinstance(choice, NestedChoice):
+        choice = validate_choice(problem, choice)  # as simulate refuses what it cannot replay
         profiled = compute_nodes(captured)
         for k in np.flatnonzero(replayed_nodes(problem, choice)).tolist():
             ops = profiled[k].meta["planner.replay_ops"]
@@ -756,6 +764,8 @@ def rewrite(
         ),
         dtypes=captured.meta.get("planner.call_dtypes"),
         sizes=captured.meta.get("planner.call_sizes"),
+        grads=captured.meta.get("planner.call_grads"),
+        replays=bool(replay),
         checkpoints=bool(built),
         reads_grad_mode=captured.meta.get("planner.reads_grad_mode", False),
     )

@@ -82,11 +82,9 @@ def test_fact_the_refused_random_keep_would_change_gradients():
     and a kept random node draws nothing there, so the next random node draws other numbers."""
     model, args, captured, problem, first, _ = _random_nodes()
     reference = copy.deepcopy(model)
+    # Without the problem, rewrite takes the choice as it is (with it, refuses it).
     planned = rewrite(
-        captured.graph_module,
-        model,
-        Choice(((0, problem.size),), frozenset({first})),
-        problem=problem,
+        captured.graph_module, model, Choice(((0, problem.size),), frozenset({first}))
     )
     with pytest.raises(AssertionError):
         assert_equivalent(reference, model, planned, args, {})
@@ -235,6 +233,77 @@ def test_a_replay_computes_the_copies_a_matmul_saves_for_its_own_backward():
     args[0].grad = None
     assert peak_memory(planned, args).peak_bytes == simulate(problem, choice).peak_bytes
     assert_equivalent(copy.deepcopy(model), model, planned, args, {})
+
+
+class ScaledAttention(nn.Module):
+    """Scores scaled by a parameter and by a tensor argument: ``scores * t`` saves the scores
+    for ``t``'s gradient only when ``t`` requires grad."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        self.qkv, self.width = nn.Linear(width, 3 * width), width
+        self.temperature = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x, scale):
+        q, k, v = self.qkv(x).split(self.width, dim=-1)
+        scores = q @ k.transpose(-2, -1) * self.temperature * scale
+        return torch.softmax(scores, -1) @ v
+
+
+@pytest.mark.parametrize("unfrozen", ["parameter", "argument"])
+def test_a_call_training_other_tensors_than_planned_recomputes_what_it_would_replay(unfrozen):
+    """Found by review: planned with the temperature frozen (and the scale a constant), the
+    scores are saved by nothing and replayed; unfrozen after planning, autograd saves them for
+    the new gradient, and a replay handed backward a stand-in (the temperature's gradient read
+    uninitialised memory). A call whose ``requires_grad`` flags (or sizes) differ from the
+    planning call's recomputes instead, exactly."""
+    torch.manual_seed(0)
+    model, x, scale = ScaledAttention(), torch.randn(2, 16, 32), torch.tensor(0.5)
+    model.temperature.requires_grad_(False)
+    captured, problem = prepare(model, (x, scale))
+    softmax = frozenset(k for k in range(problem.size) if problem.labels[k] == "softmax")
+    choice = Choice(((0, problem.size),), softmax)
+    assert "matmul" in _named(problem, np.flatnonzero(replayed_nodes(problem, choice)))
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
+    if unfrozen == "parameter":
+        model.temperature.requires_grad_(True)
+    else:
+        scale.requires_grad_(True)
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the plan's memory no longer holds: it says so
+        assert_equivalent(reference, model, planned, (x, scale), {})
+
+
+def test_a_node_whose_ops_make_tensors_from_nothing_is_not_replayed():
+    """Found by review: ``torch.ones`` in a replayed node ran (a replay fakes only ops with
+    tensor arguments, given no device) while the simulator counted nothing for it. Such ops
+    are computed in a replay; a node of them alone is recomputed, and the peak holds."""
+
+    class Masked(nn.Module):
+        def __init__(self, width=8):
+            super().__init__()
+            self.qkv, self.width = nn.Linear(width, 3 * width), width
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).split(self.width, dim=-1)
+            length = x.shape[1]
+            mask = torch.ones(4, length, length).tril().log()
+            return torch.softmax(q @ k.transpose(-2, -1) + mask, -1) @ v
+
+    torch.manual_seed(0)
+    model, args = Masked(), (torch.randn(1, 256, 8),)
+    captured, problem = prepare(model, args)
+    softmax = frozenset(k for k in range(problem.size) if problem.labels[k] == "softmax")
+    choice = Choice(((0, problem.size),), softmax)
+    replayed = _named(problem, np.flatnonzero(replayed_nodes(problem, choice)))
+    assert "matmul" in replayed and "ones" not in replayed
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
+    assert peak_memory(planned, args).peak_bytes == simulate(problem, choice).peak_bytes
+    assert (
+        _step_flops(planned, args) - _step_flops(model, args)
+        == simulate(problem, choice).recompute_flops
+    )
 
 
 def test_nothing_is_replayed_where_the_recompute_needs_the_values():
@@ -435,6 +504,33 @@ def test_predicted_recompute_flops_equal_what_backward_really_runs(choice, linea
         rewrite(captured.graph_module, model, choice, problem=problem), args
     ) - _step_flops(model, args)
     assert extra == linears * 2 * 32 * 64 * 64
+    assert simulate(problem, choice).recompute_flops == extra
+
+
+class AutocastLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.b(torch.tanh(self.a(x)))
+        return self.c(h.float())
+
+
+def test_a_recompute_stopping_inside_a_linear_under_autocast_runs_only_its_casts():
+    """Found by a tester: under autocast a Linear casts its input and weight and saves the
+    casts, so a recompute ending at it stops once they are saved, before its matmul. The
+    predicted FLOPs count what the node runs until its last save (``Problem.stop_flops``):
+    they counted the whole Linear, twice what ran here."""
+    torch.manual_seed(0)
+    model, args = AutocastLinears(), (torch.randn(32, 64),)
+    captured, problem = prepare(model, args)
+    b = problem.names.index("b")
+    choice = Choice(((1, b + 1),))
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
+    extra = _step_flops(planned, args) - _step_flops(model, args)
+    assert extra == 2 * 32 * 64 * 64  # the first Linear's matmul, not the second's
     assert simulate(problem, choice).recompute_flops == extra
 
 

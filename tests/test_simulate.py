@@ -168,12 +168,15 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
                 elif replayed[j]:  # what it still computes may need its temporaries
                     transient = problem.workspace[j] if problem.replay_reads[j] else 0
                     step("recompute", j, made, transient, gone)
-                    seconds += float(problem.replay_seconds[j])
+                    cost = float(problem.replay_seconds[j])
+                    seconds += min(cost, float(problem.stop_seconds[j])) if j == end else cost
                 else:
                     # stopped inside it: its temporaries as at its last save
                     transient = problem.stop_workspace[j] if j == end else problem.workspace[j]
                     step("recompute", j, made, transient, gone)
-                    seconds += float(problem.seconds[j])
+                    # stopped inside it: what it ran until its last save
+                    cost = problem.stop_seconds[j] if j == end else problem.seconds[j]
+                    seconds += float(cost)
         step(
             "backward",
             i,
