@@ -267,7 +267,11 @@ def replayed_nodes(problem: Problem, choice) -> np.ndarray:
     what it makes (beside what it saves itself, which its replay computes) is kept (the cache
     answers) or replayed itself: the scores ``q @ k.T`` when the softmax over them is kept. A
     replay that still computes something (a copy the node saves for its own backward) reads
-    the node's inputs (``Problem.replay_reads``).
+    the node's inputs (``Problem.replay_reads``). A stand-in's strides are not the real
+    result's, so only a kept or replayed node of one op (``Problem.one_op``) may read it: a
+    node of several can take another path on it (``reshape`` views what it would copy),
+    which the cache, matching the recompute's ops to the forward's, or the replay, matching
+    them to the profile's, would not follow.
     """
     choice = as_choice(choice)
     replayed = _run_by_recompute(problem, choice) & problem.replayable
@@ -298,7 +302,8 @@ def replayed_nodes(problem: Problem, choice) -> np.ndarray:
     # holds (as many rounds as the longest chain of replayed nodes, plus one).
     while True:
         needed = saved.copy()
-        computing = ~kept[read_node] & (~replayed[read_node] | problem.replay_reads[read_node])
+        answered = kept[read_node] | (replayed[read_node] & ~problem.replay_reads[read_node])
+        computing = ~(answered & problem.one_op[read_node])
         needed[read_storage[computing]] = True
         blocked = np.zeros(problem.size, dtype=bool)
         blocked[a.producer[needed & ~computed_by_replay]] = True

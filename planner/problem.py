@@ -218,6 +218,9 @@ class Problem:
     replay_reads: np.ndarray = None  # type: ignore[assignment]
     # What a recompute stopping inside a node (at its last save, ``recompute_stop``) computes
     # of it. Left out: the whole node.
+    # Per node, whether it dispatches one op (profile key ``planner.one_op``): only such kept
+    # or replayed nodes may read a replay's stand-ins. Left out: all.
+    one_op: np.ndarray = None  # type: ignore[assignment]
     stop_seconds: np.ndarray = None  # type: ignore[assignment]
     stop_flops: np.ndarray = None  # type: ignore[assignment]
     # Parameter gradient bytes complete at backward step i: its parameter's first reader in
@@ -244,6 +247,7 @@ class Problem:
             "replay_seconds": lambda: np.zeros(self.size),
             "replay_flops": lambda: np.zeros(self.size),
             "replay_reads": lambda: np.zeros(self.size, dtype=bool),
+            "one_op": lambda: np.ones(self.size, dtype=bool),
             "stop_seconds": lambda: self.seconds,
             "stop_flops": lambda: self.flops,
             "grad_complete_at": lambda: self.grad_bytes_at,
@@ -681,6 +685,7 @@ def build_problem(
         replay_seconds=np.where(replayable, share(cost_model.seconds(*computed.T)), 0.0),
         replay_flops=np.where(replayable, computed[:, 0], 0.0),
         replay_reads=replayable & np.array([not all(op[1] for op in ops) for ops in replays]),
+        one_op=np.array([bool(require_meta(nd, "planner.one_op")) for nd in nodes], bool),
         stop_seconds=share(cost_model.seconds(*stopped.T)),
         stop_flops=np.minimum(stopped[:, 0], flops),
         optimizer_step_bytes=optimizer_step_bytes,

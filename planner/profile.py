@@ -44,6 +44,11 @@ Keys written into ``node.meta`` (the one place they are documented):
     left out), in order, its name, whether the replay fakes it, and its FLOPs and bytes
     moved (``replay_ops``); () for a node that draws random numbers or writes in place, or
     whose every op must compute.
+``planner.one_op``
+    whether it dispatches one op, which makes new tensors (weight casts left out): given a
+    replay's stand-ins, whose strides are not the real results', it dispatches the same op,
+    where a node of several may take another path (``reshape`` views a stand-in it would
+    copy; ``planner.choice.replayed_nodes``).
 ``planner.repeated_effects``
     what running the node again would repeat beyond its tensor operations, which a recompute
     would then do twice: a draw from a generator passed to an op (``torch.rand(...,
@@ -152,6 +157,7 @@ META_KEYS = (
     "planner.kept_bytes",
     "planner.random",
     "planner.replay_ops",
+    "planner.one_op",
     "planner.repeated_effects",
     "planner.backward_high",
     "planner.backward_net",
@@ -365,6 +371,7 @@ class _CostMode(TorchDispatchMode):
         # (name, replayable, storages read, storages made, FLOPs, bytes moved); see
         # ``replay_ops``.
         self.ops: list[tuple[str, bool, set, set, int, int]] = []
+        self.op_count = 0  # ops dispatched, weight casts left out (``planner.one_op``)
         self.own_generator = False  # an op drew from a generator passed to it (not a default)
         # The tensors saved since the last op ran (``_Recorder.pack``): autograd saves an op's
         # inputs right before the op runs.
@@ -414,6 +421,8 @@ class _CostMode(TorchDispatchMode):
         moved = 0 if facts.aliasing else sum(t.nbytes for t in inputs + outputs)
         self.flops += flops
         self.bytes_moved += moved
+        if not casts_a_leaf(func, args):
+            self.op_count += 1
         if not facts.aliasing and not casts_a_leaf(func, args):
             # made: what its results hold, its inputs' storages too (``_unsafe_view``)
             made = {key(t) for t in outputs}
@@ -907,6 +916,7 @@ class _Recorder(fx.Interpreter):
         node.meta["planner.workspace"] = max(self.cost.high - sum(nbytes[k] for k in kept), 0)
         node.meta["planner.kept_bytes"] = sum(nbytes[k] for k in new)
         node.meta["planner.random"] = self.cost.random
+        node.meta["planner.one_op"] = self.cost.op_count == 1 and len(self.cost.ops) == 1
         node.meta["planner.replay_ops"] = (
             ()
             if self.cost.random or self.cost.writes

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
+from planner.options import CaptureOptions
 from planner.pipeline import assemble, lowest_peak, plan, prepare
 from planner.rewrite import _aliases, rewrite
 from planner.simulate import Choice, recompute_stop, replayed_nodes, simulate, validate_choice
@@ -304,6 +305,40 @@ def test_a_node_whose_ops_make_tensors_from_nothing_is_not_replayed():
         _step_flops(planned, args) - _step_flops(model, args)
         == simulate(problem, choice).recompute_flops
     )
+
+
+class Regroup(nn.Module):
+    """One node of several ops: a transpose, then a reshape that copies (``clone``,
+    ``_unsafe_view``), or views what is already laid out so (a stand-in is)."""
+
+    def forward(self, x):
+        return x.transpose(1, 2).reshape(x.shape[0], -1)
+
+
+class RegroupedScores(nn.Module):
+    def __init__(self, width=16):
+        super().__init__()
+        self.qk, self.width, self.regroup = nn.Linear(width, 2 * width), width, Regroup()
+
+    def forward(self, x):
+        q, k = self.qk(x).split(self.width, dim=-1)
+        return torch.softmax(self.regroup(q @ k.transpose(1, 2)), -1).sum(-1)
+
+
+def test_a_kept_node_of_several_ops_reads_no_stand_in():
+    """Found while widening replays: a kept node whose ops depend on its input's strides
+    dispatched other ops on a stand-in than on the forward's tensor, and the cache, matching
+    the recompute's ops to the forward's, refused ("invocation index 1 ... not found"). Only
+    kept or replayed nodes of one op (``Problem.one_op``) may read a stand-in."""
+    torch.manual_seed(0)
+    model, args = RegroupedScores(), (torch.randn(4, 32, 16, requires_grad=True),)
+    captured, problem = prepare(model, args, capture_options=CaptureOptions((Regroup,)))
+    regroup = problem.names.index("regroup")
+    assert problem.keepable[regroup] and not problem.one_op[regroup]
+    choice = Choice(((0, problem.size),), frozenset({regroup}))
+    assert "matmul" not in _named(problem, np.flatnonzero(replayed_nodes(problem, choice)))
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
+    assert_equivalent(copy.deepcopy(model), model, planned, args, {})
 
 
 def test_nothing_is_replayed_where_the_recompute_needs_the_values():

@@ -255,10 +255,11 @@ def _new_tables(problem: Problem) -> _Tables:
 def _replayed_with(problem: Problem, made_at: list, read_at: list) -> tuple[tuple[int, ...], ...]:
     """Per node x, the nodes that keeping x lets every recompute running x replay
     (``planner.choice.replayed_nodes``) whatever else it keeps: replayable nodes before x
-    whose storages nothing but themselves saves and only x or others of them read, none of
-    those others computing from them in its replay (the scores ``q @ k.T`` and their scaling,
-    under a kept softmax). A lower bound on what a keep set replays, which
-    the search counts as spared (``_replay_credit``); ``simulate`` counts it all."""
+    whose storages nothing but themselves saves and only x or others of them read, each of one
+    op (``Problem.one_op``), none of those others computing from them in its replay (the scores
+    ``q @ k.T`` and their scaling, under a kept softmax). A lower bound on what a keep set
+    replays, which the search counts as spared (``_replay_credit``); ``simulate`` counts it
+    all."""
     arrays = problem.storage_arrays
     readers: list[set[int]] = [set() for _ in range(problem.size)]
     unsaved = np.ones(problem.size, dtype=bool)  # saved by nothing but its maker
@@ -274,6 +275,8 @@ def _replayed_with(problem: Problem, made_at: list, read_at: list) -> tuple[tupl
             p = waiting.pop(0)
             if p in group or not open_[p] or not readers[p] <= group:
                 continue
+            if not all(problem.one_op[r] for r in readers[p]):
+                continue  # a reader of several ops may take another path on a stand-in
             if any(problem.replay_reads[r] for r in readers[p] - {x}):
                 continue  # a member whose replay computes from it
             group.add(p)
