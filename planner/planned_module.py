@@ -106,6 +106,10 @@ def call_grads(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, tuple[b
     return {name: flags for name, flags in grads.items() if flags}
 
 
+def _requires_grad(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
 def _grads(value) -> tuple[bool, ...]:
     if isinstance(value, torch.Tensor):
         return (value.requires_grad,)
@@ -387,6 +391,8 @@ class Snapshot:
         self.model = model
         self.checkpoints = checkpoints  # whether the graph runs checkpointed segments
         self.replays = replays and grads is not None  # whether its recomputes replay nodes
+        self.graph_tensors: list[Callable] = []  # see remember_graph_tensors
+        self.graph_tensor_grads: list[bool] = []
         # What each tensor argument's tensors required at planning (``call_grads``).
         self.argument_grads = [(grads or {}).get(name, ()) for name, _ in tensor_arguments]
         self.reads_grad_mode = reads_grad_mode  # forward called torch.is_grad_enabled()
@@ -796,17 +802,28 @@ class Snapshot:
             return None  # (a value that is no tensor, a tracer's proxy, has no dtype)
         return form
 
-    def replays_hold(self, args: tuple, kwargs: dict) -> bool:
+    def remember_graph_tensors(self, planned: nn.Module, targets) -> None:
+        """The tensors the planned graph reads as attributes (``targets``: parameters, buffers,
+        constants), and whether each requires grad now, at planning (``replays_hold``)."""
+        self.graph_tensors = [operator.attrgetter(target) for target in sorted(targets)]
+        self.graph_tensor_grads = [_requires_grad(get(planned)) for get in self.graph_tensors]
+
+    def replays_hold(self, planned: nn.Module, args: tuple, kwargs: dict) -> bool:
         """Whether this call's recomputes may replay nodes (``planner.rewrite._Replaying``).
 
         The profile chose which ops of a replayed node to fake for the planning call: autograd
         saves an op's input only where another of its inputs requires grad (``scores * t``
         saves the scores for a ``t`` that trains), and a matmul copies its arguments or not by
         their strides. A call whose parameters or tensor arguments differ from it in
-        ``requires_grad`` or in size recomputes those nodes instead: exact, a little slower.
+        ``requires_grad`` or in size recomputes those nodes instead: exact, a little slower. The
+        tensors the graph reads as attributes count too (a buffer or constant made to require
+        grad; a root parameter ``torch.func.functional_call`` swaps on the planned module).
         """
         if not (self.replays and self.trainable_unchanged):
             return False
+        for get, planned_grad in zip(self.graph_tensors, self.graph_tensor_grads):
+            if _requires_grad(get(planned)) != planned_grad:
+                return False
         for (name, position), grads, sizes in zip(
             self.tensor_arguments, self.argument_grads, self.argument_sizes
         ):
@@ -1241,7 +1258,7 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
             snapshot.warn_if_earlier_graph_waits()
         compiling = torch.compiler.is_compiling()  # a compiled recompute replays nothing
         if not compiling:
-            outer, _CALL.replays = replays_allowed(), snapshot.replays_hold(args, kwargs)
+            outer, _CALL.replays = replays_allowed(), snapshot.replays_hold(self, args, kwargs)
         try:
             output = graph_forward(self, *args, **kwargs)
         except AssertionError as error:

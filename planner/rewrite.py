@@ -769,6 +769,9 @@ def rewrite(
         checkpoints=bool(built),
         reads_grad_mode=captured.meta.get("planner.reads_grad_mode", False),
     )
+    if replay:
+        targets = {n.target for n in planned.graph.find_nodes(op="get_attr")}
+        planned._planner.remember_graph_tensors(planned, targets)
     for segment in built:
         segment.root = planned
     call = captured.meta.get(CALL_KEY)

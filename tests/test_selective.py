@@ -276,6 +276,55 @@ def test_a_call_training_other_tensors_than_planned_recomputes_what_it_would_rep
         assert_equivalent(reference, model, planned, (x, scale), {})
 
 
+class ScaledByState(nn.Module):
+    """Scores scaled by a tensor the graph reads as an attribute: a buffer, a plain tensor
+    attribute (a constant to the graph) or a frozen root parameter."""
+
+    def __init__(self, kind: str, width=32):
+        super().__init__()
+        self.qkv, self.width = nn.Linear(width, 3 * width), width
+        if kind == "buffer":
+            self.register_buffer("t", torch.tensor(0.5))
+        elif kind == "attribute":
+            self.t = torch.tensor(0.5)
+        else:
+            self.t = nn.Parameter(torch.tensor(0.5), requires_grad=False)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(self.width, dim=-1)
+        return torch.softmax(q @ k.transpose(-2, -1) * self.t, -1) @ v
+
+
+@pytest.mark.parametrize("kind", ["buffer", "attribute", "functional_call"])
+def test_a_call_whose_graph_tensors_require_grad_now_recomputes_what_it_would_replay(kind):
+    """Found by a second review: the gate above saw parameters and arguments only. A buffer
+    or tensor attribute made to require grad after planning, or a root parameter that
+    ``torch.func.functional_call`` swaps for one that requires grad, gave the scale a zero
+    (or uninitialised) gradient. The tensors the graph reads as attributes count too."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model, x = ScaledByState(kind), torch.randn(2, 16, 32)
+    captured, problem = prepare(model, (x,))
+    softmax = frozenset(k for k in range(problem.size) if problem.labels[k] == "softmax")
+    choice = Choice(((0, problem.size),), softmax)
+    assert "matmul" in _named(problem, np.flatnonzero(replayed_nodes(problem, choice)))
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
+    reference = copy.deepcopy(model)
+    if kind == "functional_call":
+        given = [torch.tensor(0.5, requires_grad=True) for _ in range(2)]
+        functional_call(reference, {"t": given[0]}, (x,)).sum().backward()
+        functional_call(planned, {"t": given[1]}, (x,)).sum().backward()
+        expected, got = given[0].grad, given[1].grad
+    else:
+        reference.t.requires_grad_(True)
+        model.t.requires_grad_(True)
+        reference(x).sum().backward()
+        planned(x).sum().backward()
+        expected, got = reference.t.grad, model.t.grad
+    assert got is not None and torch.equal(got, expected)
+
+
 def test_a_node_whose_ops_make_tensors_from_nothing_is_not_replayed():
     """Found by review: ``torch.ones`` in a replayed node ran (a replay fakes only ops with
     tensor arguments, given no device) while the simulator counted nothing for it. Such ops
