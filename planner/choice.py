@@ -238,8 +238,9 @@ def recompute_costs(
     definition of a recompute's cost: ``Problem.seconds`` and ``Problem.flops`` where it is
     recomputed (``recomputed_nodes``), ``Problem.replay_seconds`` and ``replay_flops`` where
     it is replayed (``replayed_nodes``; ``replayed``, when the caller has them), nothing
-    elsewhere; of a node inside which a recompute stops (``recompute_stop``), no more than
-    ``Problem.stop_seconds`` and ``stop_flops``, what it runs until its last save."""
+    elsewhere; of a node inside which a recompute stops (``recompute_stop``), no more FLOPs
+    than ``Problem.stop_flops``, what it runs until its last save. Its time is charged whole,
+    as the solvers' segment costs charge it (a bound on the safe side)."""
     choice = as_choice(choice)
     if replayed is None:
         replayed = replayed_nodes(problem, choice)
@@ -250,7 +251,6 @@ def recompute_costs(
         starts, stops = np.array(choice.segments, dtype=np.int64).T
         last = problem.last_saving[stops - 1]
         inside = last[(last >= starts) & problem.saves_own[np.maximum(last, 0)]]
-        seconds[inside] = np.minimum(seconds[inside], problem.stop_seconds[inside])
         flops[inside] = np.minimum(flops[inside], problem.stop_flops[inside])
     return seconds, flops
 

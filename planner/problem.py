@@ -216,12 +216,11 @@ class Problem:
     replay_seconds: np.ndarray = None  # type: ignore[assignment]
     replay_flops: np.ndarray = None  # type: ignore[assignment]
     replay_reads: np.ndarray = None  # type: ignore[assignment]
-    # What a recompute stopping inside a node (at its last save, ``recompute_stop``) computes
-    # of it. Left out: the whole node.
     # Per node, whether it dispatches one op (profile key ``planner.one_op``): only such kept
     # or replayed nodes may read a replay's stand-ins. Left out: all.
     one_op: np.ndarray = None  # type: ignore[assignment]
-    stop_seconds: np.ndarray = None  # type: ignore[assignment]
+    # The FLOPs a recompute stopping inside a node (at its last save, ``recompute_stop``) runs
+    # of it. Left out: the whole node's.
     stop_flops: np.ndarray = None  # type: ignore[assignment]
     # Parameter gradient bytes complete at backward step i: its parameter's first reader in
     # forward, whose backward brings the last contribution (AccumulateGrad runs there). The
@@ -248,7 +247,6 @@ class Problem:
             "replay_flops": lambda: np.zeros(self.size),
             "replay_reads": lambda: np.zeros(self.size, dtype=bool),
             "one_op": lambda: np.ones(self.size, dtype=bool),
-            "stop_seconds": lambda: self.seconds,
             "stop_flops": lambda: self.flops,
             "grad_complete_at": lambda: self.grad_bytes_at,
             "backward_phases": lambda: BackwardPhases.single(self.size),
@@ -635,8 +633,7 @@ def build_problem(
         [[sum(op[k] for op in ops if not op[1]) for k in (2, 3)] for ops in replays], np.float64
     ).reshape(n, 2)
     seconds = cost_model.seconds(flops, moved, [node.name for node in nodes])
-    # A node's measured time, scaled by the roofline's share of what a replay, or a recompute
-    # stopping inside it, still computes.
+    # A node's measured time, scaled by the roofline's share of what a replay still computes.
     roofline = cost_model.seconds(flops, moved)
 
     def share(part: np.ndarray) -> np.ndarray:
@@ -684,9 +681,8 @@ def build_problem(
         replayable=replayable,
         replay_seconds=np.where(replayable, share(cost_model.seconds(*computed.T)), 0.0),
         replay_flops=np.where(replayable, computed[:, 0], 0.0),
-        replay_reads=replayable & np.array([not all(op[1] for op in ops) for ops in replays]),
+        replay_reads=replayable & np.array([not all(op[1] for op in ops) for ops in replays], bool),
         one_op=np.array([bool(require_meta(nd, "planner.one_op")) for nd in nodes], bool),
-        stop_seconds=share(cost_model.seconds(*stopped.T)),
         stop_flops=np.minimum(stopped[:, 0], flops),
         optimizer_step_bytes=optimizer_step_bytes,
         has_loss=profile.loss is not None,

@@ -48,11 +48,12 @@ kept or replayed nodes of the recompute read it): they run through autograd on s
 What a recompute costs is the time (``Problem.seconds``) and FLOPs of the nodes it runs and
 neither takes from the cache nor replays (``recomputed_nodes``), one definition that the
 solvers, the segment table and the plots share. The node where the early stop happens runs
-only when it saves something it creates, and then only until its last save
-(``Problem.stop_seconds``, ``stop_flops``): a matmul that saves only its inputs is never run
-again, a Linear under autocast runs its casts and stops before its matmul. The checkpoint
-calls cost time of their own (``call_seconds``): ``Problem.checkpoint_seconds`` per segment
-and ``Problem.keep_seconds`` per kept or replayed node, added to the recompute's seconds.
+only when it saves something it creates, and then only until its last save: a matmul that
+saves only its inputs is never run again, a Linear under autocast runs its casts and stops
+before its matmul (``Problem.stop_flops``; its time is charged whole, as the solvers do).
+The checkpoint calls cost time of their own (``call_seconds``):
+``Problem.checkpoint_seconds`` per segment and ``Problem.keep_seconds`` per kept or replayed
+node, added to the recompute's seconds.
 """
 
 from __future__ import annotations

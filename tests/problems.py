@@ -31,8 +31,7 @@ def random_problem(
     step frees gone from some phase on (``Problem.backward_phases``, ``Storage.saver_ends``;
     the same draws before it). ``replays=True`` makes about half the nodes replayable
     (``Problem.replayable``), some of whose replays still compute a quarter of their time and
-    read their inputs, and gives each node a random share of its time computed before its
-    last save (``Problem.stop_seconds``; the same draws before it).
+    read their inputs (the same draws before it).
     """
     rng = np.random.default_rng(seed)
     n = nodes or int(rng.integers(3, 8))
@@ -88,7 +87,6 @@ def random_problem(
             replay_reads=reads,
             replay_seconds=np.where(reads, problem.seconds / 4, 0.0),
             replay_flops=np.where(reads, problem.flops / 4, 0.0),
-            stop_seconds=problem.seconds * rng.choice([0.0, 0.5, 1.0], n),
         )
     return problem
 

@@ -168,15 +168,12 @@ def replay(problem: Problem, choice) -> tuple[int, float, list]:
                 elif replayed[j]:  # what it still computes may need its temporaries
                     transient = problem.workspace[j] if problem.replay_reads[j] else 0
                     step("recompute", j, made, transient, gone)
-                    cost = float(problem.replay_seconds[j])
-                    seconds += min(cost, float(problem.stop_seconds[j])) if j == end else cost
+                    seconds += float(problem.replay_seconds[j])
                 else:
                     # stopped inside it: its temporaries as at its last save
                     transient = problem.stop_workspace[j] if j == end else problem.workspace[j]
                     step("recompute", j, made, transient, gone)
-                    # stopped inside it: what it ran until its last save
-                    cost = problem.stop_seconds[j] if j == end else problem.seconds[j]
-                    seconds += float(cost)
+                    seconds += float(problem.seconds[j])
         step(
             "backward",
             i,
