@@ -96,9 +96,8 @@ def _keep_valid(problem: Problem, segments: Segments, keep: frozenset[int]) -> b
         return False
     if not segments:
         return False
-    starts, stops = np.array(segments, dtype=np.int64).T
-    last = problem.last_saving[stops - 1]  # recompute_stop, for every segment at once
-    runs_to = np.where(last < starts, starts, last + problem.saves_own[np.maximum(last, 0)])
+    starts = np.array(segments, dtype=np.int64)[:, 0]
+    runs_to = _runs_to(problem, segments)
     home = np.searchsorted(starts, kept, side="right") - 1  # the segment starting at or before
     if (home < 0).any() or (kept >= runs_to[home]).any():
         return False  # in no segment, or past what its recompute runs (runs_to <= stop)

@@ -421,9 +421,9 @@ class _CostMode(TorchDispatchMode):
         moved = 0 if facts.aliasing else sum(t.nbytes for t in inputs + outputs)
         self.flops += flops
         self.bytes_moved += moved
-        if not casts_a_leaf(func, args):
-            self.op_count += 1
-        if not facts.aliasing and not casts_a_leaf(func, args):
+        weight_cast = casts_a_leaf(func, args)
+        self.op_count += not weight_cast
+        if not facts.aliasing and not weight_cast:
             # made: what its results hold, its inputs' storages too (``_unsafe_view``)
             made = {key(t) for t in outputs}
             # Factories, and ops given a device, run in a replay (``_Replaying``).
