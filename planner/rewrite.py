@@ -445,10 +445,11 @@ class Segment:
             found[id(b)] = b
         return list(found.values())
 
-    def contexts(self):
-        """The contexts of one call: (forward, recompute), as ``checkpoint``'s ``context_fn``."""
-        state: list[list[tuple]] = []  # the forward's training flags and parameters
-        forward = [_Reenterable(self._taking_state, state)]
+    def contexts(self, leaves: tuple = ()):
+        """The contexts of one call whose inputs that may be leaves are ``leaves``: (forward,
+        recompute), as ``checkpoint``'s ``context_fn``."""
+        state: list[list[tuple]] = []  # the forward's training flags, parameters and leaves
+        forward = [_Reenterable(self._taking_state, state, leaves)]
         recompute = [_Reenterable(self._as_in_forward, state)]
         if self.restores_buffers:
             at_forward: list[torch.Tensor] = []
@@ -464,7 +465,7 @@ class Segment:
         return _together(forward), _together(recompute)
 
     @contextlib.contextmanager
-    def _taking_state(self, state: list):
+    def _taking_state(self, state: list, leaves: tuple):
         state.append([(m, m.training) for m in self.called])
         state.append(
             [
@@ -474,6 +475,7 @@ class Segment:
                 if p is not None
             ]
         )
+        state.append([(t, t.requires_grad) for t in _leaves(leaves)])
         yield
 
     @contextlib.contextmanager
@@ -483,9 +485,12 @@ class Segment:
         ``torch.func.functional_call`` passed, put back when it returned; a new
         ``nn.Parameter`` assigned) is swapped back in, one frozen or unfrozen gets its
         ``requires_grad`` back, a module put in eval mode its training flag, for the recompute
-        only. One changed in place is refused: the gradient would mix the old values (saved
-        outside the segment) with the new."""
-        flags, parameters = state
+        only. So does an input of the segment that is a leaf (a parameter the graph reads as
+        an attribute, a model input) frozen or unfrozen since: with another flag, the recompute
+        would save other tensors, which checkpoint hands to backward by position (the wrong
+        ones, silently, when their sizes agree). One changed in place is refused: the gradient
+        would mix the old values (saved outside the segment) with the new."""
+        flags, parameters, leaves = state
         for _, _, p, version, _ in parameters:
             if p._version != version:
                 raise RuntimeError(self._changed_message(p))
@@ -498,7 +503,8 @@ class Segment:
             if m._parameters.get(name, p) is not p
             and not (_sharded(p) or _sharded(m._parameters[name]))
         ]
-        thawed = [(p, grad) for _, _, p, _, grad in parameters if p.requires_grad != grad]
+        changed = [(p, grad) for _, _, p, _, grad in parameters] + leaves
+        thawed = list({id(p): (p, grad) for p, grad in changed if p.requires_grad != grad}.values())
         for m, training in moved:
             m.training = training
         for m, name, p, _ in swapped:
@@ -587,11 +593,12 @@ class _Box:
         self.value = value
 
 
-def _context_fn(segment: Segment):
-    """``segment.contexts``; under torch.compile, which calls ``context_fn`` while tracing and
-    recomputes in its own graph, a policy that recomputes every op (see ``Segment.compiles``)."""
+def _context_fn(segment: Segment, *leaves):
+    """``segment.contexts`` of a call whose inputs that may be leaves are ``leaves``; under
+    torch.compile, which calls ``context_fn`` while tracing and recomputes in its own graph, a
+    policy that recomputes every op (see ``Segment.compiles``)."""
     if not torch.compiler.is_compiling():
-        return segment.contexts
+        return functools.partial(segment.contexts, leaves)
     if not segment.compiles:
         raise PlanningError(
             "torch.compile cannot run this plan exactly: a checkpointed segment reads buffers "
@@ -607,6 +614,11 @@ def _context_fn(segment: Segment):
 
 def _recompute_all(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _leaves(values: tuple) -> list[torch.Tensor]:
+    """The tensors of ``values`` that are leaves of autograd's graph."""
+    return [t for t in values if isinstance(t, torch.Tensor) and t.grad_fn is None]
 
 
 def _box(value):
@@ -849,8 +861,11 @@ def _checkpoint_segment(
     _define(graph, env, inputs)
     callee = graph.get_attr(name)
     kwargs = {"use_reentrant": False, "preserve_rng_state": True}
-    if segment.restores_buffers or selective or replays or called:
-        kwargs["context_fn"] = graph.call_function(_context_fn, (callee,))
+    # Inputs that can be leaves (the model's inputs, tensors it holds): a flag flipped before
+    # backward would change what the recompute saves (``_as_in_forward``).
+    leaves = [env[a] for a in inputs if a.op in ("placeholder", "get_attr") and a not in boxed]
+    if segment.restores_buffers or selective or replays or called or leaves:
+        kwargs["context_fn"] = graph.call_function(_context_fn, (callee, *leaves))
     args = (
         callee,
         *[graph.call_function(_box, (env[a],)) if a in boxed else env[a] for a in inputs],

@@ -381,6 +381,50 @@ def test_a_change_between_forward_and_backward_is_recomputed_as_the_forward_ran(
     assert all(torch.equal(a, b) for a, b in zip(state, expected_state, strict=True))
 
 
+class SquareChain(nn.Module):
+    """Parameters read as attributes (no submodule calls), every tensor 16 x 16: the tensors a
+    recompute saves have the same sizes, whatever they are."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16) / 4)
+        self.v = nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x):
+        for _ in range(4):
+            x = torch.tanh(x @ self.w) + torch.sin(x @ self.v)
+        return x
+
+
+@pytest.mark.parametrize("flipped", ["w", "x"])
+@pytest.mark.parametrize("frozen_at_forward", [True, False], ids=["unfrozen", "frozen"])
+def test_a_leaf_frozen_or_unfrozen_between_forward_and_backward_is_recomputed_as_it_was(
+    flipped, frozen_at_forward
+):
+    """A parameter the graph reads as an attribute, or the input, whose ``requires_grad``
+    changes between the forward and the backward: the recompute must save what the forward
+    saved. Found after review: it saved others, and checkpoint, which matches them by
+    position and size, handed backward the wrong ones (every tensor here has one size): the
+    gradients of ``v`` were off by 7e10, without an error."""
+    torch.manual_seed(0)
+    model, x = SquareChain(), torch.randn(16, 16)
+    p = sqrt_n_plan(model, (x,))
+    assert p.segments
+    results = []
+    for module, own in ((copy.deepcopy(model), None), (p.module, model)):
+        own = own or module
+        inputs = x.clone()
+        leaf = {"w": own.w, "x": inputs}[flipped]
+        leaf.requires_grad_(not frozen_at_forward)
+        out = module(inputs)
+        leaf.requires_grad_(frozen_at_forward)
+        out.pow(2).mean().backward()
+        results.append([own.w.grad, own.v.grad, inputs.grad])
+    expected, grads = results
+    assert [g is None for g in grads] == [g is None for g in expected]
+    assert all(a is None or torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
+
+
 def test_torch_func_transforms_on_the_planned_module():
     """``vmap`` works and matches the model. With gradients, backward after vmap returned
     could not recompute from vmap's batched tensors ("may have escaped", found trying the
