@@ -387,6 +387,7 @@ class Snapshot:
         reads_grad_mode: bool = False,
         grads: dict[str, tuple[bool, ...]] | None = None,
         replays: bool = False,
+        read: set[str] | None = None,
     ):
         self.model = model
         self.checkpoints = checkpoints  # whether the graph runs checkpointed segments
@@ -482,11 +483,23 @@ class Snapshot:
         self.warned_trainable = False
         # Slots sharing one parameter at planning (tied embeddings): one gradient between them.
         shared: dict[int, list[tuple[dict, str]]] = {}
+        names: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             path, _, key = name.rpartition(".")
             shared.setdefault(id(p), []).append((model.get_submodule(path)._parameters, key))
+            names.setdefault(id(p), []).append(name)
         self.tied = [slots for slots in shared.values() if len(slots) > 1]
         self.warned_untied = False
+        # Groups the graph reads through fewer names than they have (``torch.export`` reads a
+        # tied weight by one name): untied, it would compute with one tensor for all.
+        self.tied_names = [names[i] for i, slots in shared.items() if len(slots) > 1]
+        self.read_as_one = [
+            read is not None
+            and not all(
+                name in read or any(name.startswith(f"{c}.") for c in called) for name in group
+            )
+            for group in self.tied_names
+        ]
         # Whether the plan counts gradients as held from the start of the step (plan_batch's
         # accumulation windows); a plan that counts them from backward on warns once when a
         # call starts with gradients held.
@@ -540,8 +553,8 @@ class Snapshot:
         self.trainable_unchanged = [p.requires_grad for p in self.parameters()] == self.trainable
         if not self.trainable_unchanged:
             self._warn_trainable()
-        if self.tied and not self.warned_untied:
-            self._warn_untied()
+        if self.tied and (not self.warned_untied or any(self.read_as_one)):
+            self._check_untied(planned_name)
         # Planning refused every process-wide hook that acts: any now came after it.
         if process_wide_hook_count() and process_wide_hooks():
             raise PlanningError(process_wide_hooks_message(f"after planning {planned_name}"))
@@ -626,13 +639,24 @@ class Snapshot:
             == self.class_forwards
         )
 
-    def _warn_untied(self) -> None:
-        """Once: parameters tied at planning (an embedding and the output head) no longer are,
-        so the step holds one more parameter and its gradient than the plan counts."""
+    def _check_untied(self, planned_name: str) -> None:
+        """Parameters tied at planning (an embedding and the output head) no longer are: a
+        PlanningError where the graph reads them by one name, which would compute with one of
+        them in the place of all; else a warning, once, that the step holds one more parameter
+        and its gradient than the plan counts."""
         now = [
             {id(p): p for p in (d.get(k) for d, k in slots) if p is not None} for slots in self.tied
         ]
-        if all(len(distinct) <= 1 for distinct in now):
+        for distinct, names, as_one in zip(now, self.tied_names, self.read_as_one):
+            if as_one and len(distinct) > 1:
+                raise PlanningError(
+                    f"parameters of {type(self.model).__name__} tied at planning are no longer "
+                    f"shared ({', '.join(names)}: untied since). The captured graph reads them "
+                    f"as one tensor (torch.export keeps one name for tied parameters), so "
+                    f"{planned_name} would compute with one of them in the place of all. Plan "
+                    "again after untying."
+                )
+        if self.warned_untied or all(len(distinct) <= 1 for distinct in now):
             return
         self.warned_untied = True
         # Each parameter beyond the first of a group: its bytes, and as many for its gradient.

@@ -771,6 +771,7 @@ def rewrite(
     planned._planner = Snapshot(
         model,
         called={n.target for n in captured.graph.find_nodes(op="call_module")},
+        read={n.target for n in captured.graph.find_nodes(op="get_attr") if n.users},
         tensor_arguments=argument_positions(
             planned, captured.meta.get("planner.tensor_arguments", ())
         ),
