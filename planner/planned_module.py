@@ -39,6 +39,7 @@ from planner.hooks import (
     process_wide_hooks,
     process_wide_hooks_message,
 )
+from planner.model_call import CALL_KEY
 from planner.model_code import codes, global_loads, loaded_attributes, method_codes
 from planner.model_state import ModelStateDict
 from planner.step import grad_fn_of
@@ -1425,6 +1426,10 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         copied = cast(PlannedModule, super().__deepcopy__(memo))  # fx copies the class too
         copied._planner = copy.deepcopy(self._planner, memo)
         share_user_state(copied, copied._planner.model)
+        # fx's copy starts with no module hooks: the copied call takes the model's calls again
+        call = copied.meta.get(CALL_KEY)
+        if call is not None:
+            call.install(copied)
         return copied
 
     def __copy__(self):

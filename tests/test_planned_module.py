@@ -10,6 +10,7 @@ RNG state and every buffer, exactly).
 
 from __future__ import annotations
 
+import collections
 import copy
 import enum
 import functools
@@ -746,6 +747,37 @@ def test_a_deep_copy_of_the_planned_module_trains_like_a_deep_copy_of_the_model(
     assert not {id(t) for t in copied.parameters()} & {id(t) for t in model.parameters()}
     assert_equivalent(copy.deepcopy(model), copied, copied, args, kwargs)
     assert_equivalent(copy.deepcopy(model), model, p.module, args, kwargs)
+
+
+class ExportedOrderedOutput(nn.Module):
+    """Returns an ``OrderedDict`` (torchvision's segmentation models do) from a forward
+    symbolic_trace rejects, taking a flag the plan fixes (as ``use_cache=False``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x, double: bool = False):
+        if x.size(0) > 0:  # a Python bool of a size: symbolic_trace fails, torch.export captures
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+        return collections.OrderedDict(out=2 * x if double else x, aux=x.sum())
+
+
+def test_a_deep_copy_of_an_exported_plan_takes_the_calls_and_returns_the_types_of_the_model():
+    """Found trying the library: ``copy.deepcopy(p.module)`` of a Hugging Face plan raised
+    ``forward() missing 1 required positional argument: 'use_cache'``. fx's copy drops module
+    hooks, which fill in the arguments the plan fixed and rebuild the output's type."""
+    torch.manual_seed(0)
+    model, x = ExportedOrderedOutput(), torch.randn(8, 16)
+    p = planner.plan(
+        model, (x,), example_kwargs={"double": False}, budget_bytes=10**9, solver="sqrt_n"
+    )
+    assert p.segments
+    copied = copy.deepcopy(p.module)
+    out = copied(x)  # ``double`` left out, as the model may be called
+    assert type(out) is collections.OrderedDict
+    torch.testing.assert_close(out["out"], model(x)["out"], rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------------------------
