@@ -370,7 +370,26 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> 
 def _any_size(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     """``dynamic_shapes`` for ``torch.export``: every dimension of every tensor argument may
     vary (``Dim.AUTO``: export keeps a dimension static where the model needs it to be)."""
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    signature = inspect.signature(model.forward)
+    bound = signature.bind(*args, **kwargs)
+    through = [
+        key
+        for name, value in bound.arguments.items()
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD
+        for key in value
+    ]
+    if through:
+        # torch.export (2.11-2.13) checks the spec against ``**kwargs`` as one dict, then
+        # builds its constraints with the keys of that dict beside it: no spec passes both.
+        raise PlanningError(
+            f"torch.export cannot capture {type(model).__name__} with dynamic_shapes=True "
+            f"when values reach its forward through **kwargs ({', '.join(through)}): it "
+            "checks the sizes it may vary against **kwargs as one dict, then looks the values "
+            "up by their own names, and no specification satisfies both. Plan with "
+            "dynamic_shapes=False (the plan then takes the example's sizes), or leave "
+            f"{', '.join(through)} out of the call (a loss normalised by a count can be "
+            "computed outside the model: loss_fn=, docs/pipeline.md)."
+        )
     return {
         name: tree_map_only(
             torch.Tensor, lambda t: {d: torch.export.Dim.AUTO for d in range(t.dim())}, value

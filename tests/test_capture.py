@@ -504,3 +504,31 @@ def test_a_torch_module_whose_instance_has_its_own_forward_is_traced_through():
     p = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n")
     assert p.segments
     assert_equivalent(reference, model, p.module, (x,), {})
+
+
+class _CountedLoss(nn.Module):
+    """Takes a count through ``**kwargs``, as Hugging Face's ``num_items_in_batch`` (which its
+    Trainer passes under gradient accumulation), in a forward symbolic_trace rejects."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, **kwargs):
+        if x.size(0) > 0:  # a Python bool of a size: symbolic_trace fails, torch.export captures
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+        return x.sum() / kwargs.get("num_items_in_batch", 1)
+
+
+@pytest.mark.parametrize("count", [torch.tensor(100.0), 100], ids=["tensor", "int"])
+def test_dynamic_shapes_with_values_through_kwargs_say_what_torch_export_cannot_do(count):
+    """Found trying the library: torch.export fails on any ``dynamic_shapes`` given with values
+    in ``**kwargs`` ("Must provide a tree_name when there might be a mismatch"), and the message
+    advised about losses and caches. Static capture plans them."""
+    model, x = _CountedLoss(), torch.randn(4, 8)
+    with pytest.raises(planner.PlanningError, match=r"through \*\*kwargs \(num_items_in_batch\)"):
+        planner.plan(model, (x,), example_kwargs={"num_items_in_batch": count},
+                     budget_bytes=10**9, dynamic_shapes=True)  # fmt: skip
+    p = planner.plan(model, (x,), example_kwargs={"num_items_in_batch": count}, budget_bytes=10**9)
+    assert torch.equal(p.module(x, num_items_in_batch=count), model(x, num_items_in_batch=count))
