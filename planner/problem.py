@@ -210,10 +210,12 @@ class Problem:
     # (``planner.choice.replayed_nodes``): keepable, drawing no random numbers, making no
     # weight cast autocast caches and nothing an autograd context holds, with ops a replay
     # fakes (profile key ``planner.replay_ops``); what a replay still computes (copies the
-    # node saves for its own backward) costs replay_seconds and replay_flops, and reads the
-    # node's inputs where replay_reads. Left out: none replayable.
+    # node saves for its own backward) costs replay_share of the node's seconds (so a problem
+    # given other seconds, ``dataclasses.replace(problem, seconds=...)``, charges its replays
+    # in them too: ``replay_seconds``) and replay_flops, and reads the node's inputs where
+    # replay_reads. Left out: none replayable.
     replayable: np.ndarray = None  # type: ignore[assignment]
-    replay_seconds: np.ndarray = None  # type: ignore[assignment]
+    replay_share: np.ndarray = None  # type: ignore[assignment]
     replay_flops: np.ndarray = None  # type: ignore[assignment]
     replay_reads: np.ndarray = None  # type: ignore[assignment]
     # Per node, whether it dispatches one op (profile key ``planner.one_op``): only such kept
@@ -243,7 +245,7 @@ class Problem:
             "random": lambda: np.zeros(self.size, dtype=bool),
             "keepable": lambda: self.kept_bytes > 0,
             "replayable": lambda: np.zeros(self.size, dtype=bool),
-            "replay_seconds": lambda: np.zeros(self.size),
+            "replay_share": lambda: np.zeros(self.size),
             "replay_flops": lambda: np.zeros(self.size),
             "replay_reads": lambda: np.zeros(self.size, dtype=bool),
             "one_op": lambda: np.ones(self.size, dtype=bool),
@@ -256,6 +258,11 @@ class Problem:
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default())
+
+    @property
+    def replay_seconds(self) -> np.ndarray:
+        """Per node, the seconds its replay costs: its share of the node's ``seconds``."""
+        return self.seconds * self.replay_share
 
     # What optimizer.step() holds at once beyond parameters, gradients and state (temporaries).
     optimizer_step_bytes: int = 0
@@ -633,12 +640,12 @@ def build_problem(
         [[sum(op[k] for op in ops if not op[1]) for k in (2, 3)] for ops in replays], np.float64
     ).reshape(n, 2)
     seconds = cost_model.seconds(flops, moved, [node.name for node in nodes])
-    # A node's measured time, scaled by the roofline's share of what a replay still computes.
+    # What a replay still computes, as a share of its node's time: the roofline's share.
     roofline = cost_model.seconds(flops, moved)
 
     def share(part: np.ndarray) -> np.ndarray:
         fraction = np.divide(part, roofline, out=np.ones(n), where=roofline > 0)
-        return seconds * np.minimum(fraction, 1.0)
+        return np.minimum(fraction, 1.0)
 
     stopped = np.array(
         [require_meta(nd, "planner.cost_before_last_save") for nd in nodes], np.float64
@@ -679,7 +686,7 @@ def build_problem(
         random=random,
         keepable=keepable,
         replayable=replayable,
-        replay_seconds=np.where(replayable, share(cost_model.seconds(*computed.T)), 0.0),
+        replay_share=np.where(replayable, share(cost_model.seconds(*computed.T)), 0.0),
         replay_flops=np.where(replayable, computed[:, 0], 0.0),
         replay_reads=replayable & np.array([not all(op[1] for op in ops) for ops in replays], bool),
         one_op=np.array([bool(require_meta(nd, "planner.one_op")) for nd in nodes], bool),

@@ -85,7 +85,7 @@ def random_problem(
             problem,
             replayable=replayable,
             replay_reads=reads,
-            replay_seconds=np.where(reads, problem.seconds / 4, 0.0),
+            replay_share=np.where(reads, 0.25, 0.0),
             replay_flops=np.where(reads, problem.flops / 4, 0.0),
         )
     return problem

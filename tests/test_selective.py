@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 import warnings
 
@@ -23,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
+from planner.choice import recompute_costs
 from planner.options import CaptureOptions
 from planner.pipeline import assemble, lowest_peak, plan, prepare
 from planner.rewrite import _aliases, rewrite
@@ -217,6 +219,22 @@ def test_keeping_a_softmax_replays_the_scores_that_feed_it():
     args[0].grad = None
     assert peak_memory(planned, args).peak_bytes == simulate(problem, choice).peak_bytes
     assert_equivalent(copy.deepcopy(model), model, planned, args, {})
+
+
+def test_a_problem_given_other_seconds_charges_its_replays_in_them():
+    """A replay costs a share of its node's time, so a problem whose ``seconds`` are replaced
+    (a cost model of FLOPs first, pooled measured times: ``dataclasses.replace``) charges its
+    replays in the new seconds. Found measuring: they kept the old cost model's, 10-1000 times
+    the new scale, and ``auto`` shunned replays it should have chosen."""
+    _, _, _, problem, choice = _attention(heads=4)
+    replayed = replayed_nodes(problem, choice)
+    assert (problem.replay_seconds[replayed] > 0).any()  # the copies a 4-d matmul makes
+    assert (problem.replay_seconds <= problem.seconds).all()
+    slower = dataclasses.replace(problem, seconds=1000 * problem.seconds)
+    np.testing.assert_allclose(slower.replay_seconds, 1000 * problem.replay_seconds)
+    np.testing.assert_allclose(
+        recompute_costs(slower, choice)[0], 1000 * recompute_costs(problem, choice)[0]
+    )
 
 
 def test_a_replay_computes_the_copies_a_matmul_saves_for_its_own_backward():
