@@ -152,6 +152,31 @@ def _keyword_arguments(example_kwargs) -> dict:
     return dict(example_kwargs)
 
 
+# Outputs summed as the loss, as a share of the budget, from which planning warns that a loss
+# computed from them is not planned for (its log-softmax and gradient: about twice the outputs).
+LOSS_WARNING_SHARE = 0.01
+
+
+def _warn_unplanned_loss(model: nn.Module, problem: Problem, budget: int) -> None:
+    """Warn when the model returns no 0-dim loss, no ``loss_fn`` was given and its outputs are
+    large enough that a loss computed from them would take the step over the budget: found
+    trying the library, a cross-entropy over the logits of a model planned as README's quick
+    start shows went 99.8% over, without a word."""
+    summed = problem.summed_output_bytes
+    if 2 * summed < LOSS_WARNING_SHARE * budget:
+        return
+    warnings.warn(
+        f"{type(model).__name__} returns {mib(summed)} of outputs and no 0-dim loss, and no "
+        "loss_fn= was given: the plan takes the sum of the outputs as the step's loss. A loss "
+        "computed from them in the training loop (a cross-entropy over logits: a log-softmax "
+        f"as large as them and its gradient, about {mib(2 * summed)}) holds memory the plan "
+        "does not count and can take the step over the budget. Pass that loss as loss_fn= "
+        "(e.g. lambda out: F.cross_entropy(out.flatten(0, 1), labels.flatten())) to plan for "
+        "it; a loss that is the sum of the outputs needs nothing more.",
+        stacklevel=3,
+    )
+
+
 def _floor_advice(problem: Problem, lowest: int) -> str:
     """What takes the memory no plan removes, and what can lower the peak: at 90% or more of
     the lowest peak, parameters, their gradients and optimizer state set the floor, and a
@@ -404,6 +429,7 @@ def plan(
         loss_fn=loss_fn,
         optimizer=optimizer,
     )
+    _warn_unplanned_loss(model, problem, budget)
     baseline = simulate(problem, ())
     solve_start = time.perf_counter()
     name, segments = choose(problem, budget, solver)

@@ -287,6 +287,10 @@ class Problem:
     # The default loss (no loss_fn node): what its sums hold at once, right after the last node
     # while the graph's outputs are still live (simulate).
     default_loss_high: int = 0
+    # Bytes of the outputs the default loss sums when the model returns no 0-dim loss and no
+    # loss_fn was given: a loss the user computes from them (a cross-entropy over logits) holds
+    # memory of its own that no plan of this problem counts (``planner.pipeline.plan`` warns).
+    summed_output_bytes: int = 0
 
     @property
     def size(self) -> int:
@@ -700,6 +704,7 @@ def build_problem(
         buffer_copies=_buffer_copies(gm, nodes),
         loss_bytes=profile.loss_bytes + profile.seed_bytes,
         default_loss_high=profile.default_loss_high if profile.loss is None else 0,
+        summed_output_bytes=profile.summed_output_bytes,
     )
 
 

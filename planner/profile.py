@@ -142,7 +142,7 @@ from planner.fakes import (
 from planner.gcpause import paused_collection
 from planner.regions import closing_regions, enter_autocast
 from planner.side_effects import keeping_random_states, repeated_effects
-from planner.step import grad_fn_of, nothing_to_differentiate, training_loss
+from planner.step import grad_fn_of, nothing_to_differentiate, output_tensors, training_loss
 
 META_KEYS = (
     "planner.created",
@@ -198,6 +198,9 @@ class Profile:
     # The gradient seeding backward (``ones_like`` of the loss), held until backward returns;
     # the fake backward counts it in the first node's allocation.
     seed_bytes: int = 0
+    # Bytes of the outputs the default loss sums, when none of them is a 0-dim loss
+    # (``Problem.summed_output_bytes``).
+    summed_output_bytes: int = 0
 
     def fixed_bytes(self, kind: str) -> int:
         return sum(self.storage_bytes[s] for s, k in self.fixed_kind.items() if k == kind)
@@ -1114,10 +1117,18 @@ def _run_loss(loss_fn: Callable, output, copies: Copies) -> torch.Tensor:
         try:
             loss = loss_fn(output)
         except Exception as error:
+            reads_value = isinstance(error, DataDependentOutputException)
             raise PlanningError(
                 f"loss_fn failed on the model's output: {type(error).__name__}: {error}. It is "
                 "called as loss_fn(output) with what the model returns (on fake tensors while "
                 "planning); labels and other tensors it needs come through its closure."
+                + (
+                    " It reads a tensor's value (.item(), float(t), .tolist(), an if on a "
+                    "tensor), which fake tensors do not have: compute metrics outside loss_fn "
+                    "and return the loss tensor."
+                    if reads_value
+                    else ""
+                )
             ) from error
     check_loss(loss)
     return loss
@@ -1279,7 +1290,11 @@ def profile(
         output_keys = {k for t in tree_leaves(output) if (k := storages.key(t)) is not None}
         loss_at = None if loss_fn is None else loss_node(loss_fn)
         default_loss = _HighWater(call)
+        summed = 0
         if loss_fn is None or loss_at is None:
+            terms = [t for t in output_tensors(output) if t.is_floating_point() and t.requires_grad]
+            if not any(t.dim() == 0 for t in terms):
+                summed = sum(t.numel() * t.element_size() for t in terms)
             with default_loss:
                 try:
                     loss = training_loss(output)
@@ -1331,4 +1346,5 @@ def profile(
         loss_bytes=loss_bytes,
         default_loss_high=default_loss.high,
         seed_bytes=seed_bytes,
+        summed_output_bytes=summed,
     )

@@ -48,7 +48,7 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 
-def _tensors_in(output):
+def output_tensors(output):
     """Yield every tensor in a nested output, depth first, in order.
 
     Handles tensors, lists, tuples (named tuples included), mappings (``dict``, ``OrderedDict``
@@ -117,7 +117,7 @@ def training_loss(output) -> torch.Tensor:
     """
     terms = [
         t if t.dim() == 0 else t.sum()
-        for t in _tensors_in(output)
+        for t in output_tensors(output)
         if t.is_floating_point() and t.requires_grad
     ]
     if not terms:
@@ -127,7 +127,7 @@ def training_loss(output) -> torch.Tensor:
 
 def nothing_to_differentiate(output) -> str:
     """Why ``output`` gives no training loss, and what to check."""
-    tensors = list(_tensors_in(output))
+    tensors = list(output_tensors(output))
     kinds = ", ".join(f"{t.dtype} requires_grad={t.requires_grad}" for t in tensors[:4])
     more = f", ... ({len(tensors)} tensors)" if len(tensors) > 4 else ""
     if isinstance(output, torch.Tensor):  # the profile's stand-in (FakeTensor) or the user's

@@ -145,13 +145,40 @@ def test_cross_entropy_over_a_vocabulary_is_predicted_to_the_byte():
 
 
 def test_a_plan_with_the_loss_fits_a_budget_the_loss_would_break():
+    """Planned without the loss, the step goes over the budget, and planning says so (found
+    trying the library: a cross-entropy over logits went 99.8% over without a word)."""
     model, args, loss_fn = _gpt_with_cross_entropy()
     _, problem = prepare(model, args, loss_fn=loss_fn)
     budget = (lowest_peak(problem).peak_bytes + simulate(problem, ()).peak_bytes) // 2
-    p = planner.plan(model, args, budget_bytes=budget, loss_fn=loss_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = planner.plan(model, args, budget_bytes=budget, loss_fn=loss_fn)
     assert peak_memory(p.module, args, loss_fn=loss_fn).peak_bytes <= budget
-    blind = planner.plan(model, args, budget_bytes=budget)  # planned for the sum of outputs
+    with pytest.warns(UserWarning, match=r"no 0-dim loss, and no loss_fn=.*Pass that loss as"):
+        blind = planner.plan(model, args, budget_bytes=budget)  # planned for the sum of outputs
     assert peak_memory(blind.module, args, loss_fn=loss_fn).peak_bytes > budget
+
+
+def test_outputs_too_small_for_their_loss_to_matter_plan_without_a_warning():
+    """A classifier's few logits: a loss over them is far below the budget's 1%."""
+    model, args = planner.zoo.mlp_chain(depth=4, width=32, batch=16)
+    assert model(*args).dim() == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        planner.plan(model, args, budget_gb=1)
+
+
+def test_a_loss_reading_a_value_says_to_compute_metrics_outside_loss_fn():
+    """Found trying the library: ``.item()`` in loss_fn failed with fake tensors' own
+    exception (``DataDependentOutputException: aten._local_scalar_dense``)."""
+    model, args = planner.zoo.mlp_chain(depth=2, width=8)
+
+    def loss_fn(out):
+        print(out.mean().item())  # a metric, read in the loss
+        return out.pow(2).mean()
+
+    with pytest.raises(PlanningError, match=r"reads a tensor's value.*outside loss_fn"):
+        planner.plan(model, args, budget_gb=1, loss_fn=loss_fn)
 
 
 def test_planning_on_the_meta_device_counts_the_loss_the_same():
