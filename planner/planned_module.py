@@ -388,7 +388,7 @@ class Snapshot:
         reads_grad_mode: bool = False,
         grads: dict[str, tuple[bool, ...]] | None = None,
         replays: bool = False,
-        read: set[str] | None = None,
+        graph_reads: set[str] | None = None,
     ):
         self.model = model
         self.checkpoints = checkpoints  # whether the graph runs checkpointed segments
@@ -491,14 +491,12 @@ class Snapshot:
             names.setdefault(id(p), []).append(name)
         self.tied = [slots for slots in shared.values() if len(slots) > 1]
         self.warned_untied = False
-        # Groups the graph reads through fewer names than they have (``torch.export`` reads a
-        # tied weight by one name): untied, it would compute with one tensor for all.
+        # Groups the graph reads as attributes: by one name for all their uses (torch.export;
+        # symbolic_trace names a parameter read directly by the first module holding it), so
+        # that, untied, it would compute with one tensor in the place of each.
         self.tied_names = [names[i] for i, slots in shared.items() if len(slots) > 1]
         self.read_as_one = [
-            read is not None
-            and not all(
-                name in read or any(name.startswith(f"{c}.") for c in called) for name in group
-            )
+            graph_reads is not None and not graph_reads.isdisjoint(group)
             for group in self.tied_names
         ]
         # Whether the plan counts gradients as held from the start of the step (plan_batch's
@@ -653,9 +651,10 @@ class Snapshot:
                 raise PlanningError(
                     f"parameters of {type(self.model).__name__} tied at planning are no longer "
                     f"shared ({', '.join(names)}: untied since). The captured graph reads them "
-                    f"as one tensor (torch.export keeps one name for tied parameters), so "
-                    f"{planned_name} would compute with one of them in the place of all. Plan "
-                    "again after untying."
+                    "by one name (torch.export keeps one name for tied parameters, and "
+                    "symbolic_trace names a parameter read directly by the first module "
+                    f"holding it), so {planned_name} would compute with one of them in the "
+                    "place of each. Plan again after untying."
                 )
         if self.warned_untied or all(len(distinct) <= 1 for distinct in now):
             return

@@ -25,6 +25,7 @@ import contextlib
 import functools
 import operator
 import threading
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -475,7 +476,8 @@ class Segment:
                 if p is not None
             ]
         )
-        state.append([(t, t.requires_grad) for t in _leaves(leaves)])
+        # Weakly: a tensor made in forward (``arange``) lives as long as checkpoint holds it.
+        state.append([(weakref.ref(t), t.requires_grad) for t in _leaves(leaves)])
         yield
 
     @contextlib.contextmanager
@@ -503,7 +505,8 @@ class Segment:
             if m._parameters.get(name, p) is not p
             and not (_sharded(p) or _sharded(m._parameters[name]))
         ]
-        changed = [(p, grad) for _, _, p, _, grad in parameters] + leaves
+        held = [(t, grad) for ref, grad in leaves if (t := ref()) is not None]
+        changed = [(p, grad) for _, _, p, _, grad in parameters] + held
         thawed = list({id(p): (p, grad) for p, grad in changed if p.requires_grad != grad}.values())
         for m, training in moved:
             m.training = training
@@ -771,7 +774,7 @@ def rewrite(
     planned._planner = Snapshot(
         model,
         called={n.target for n in captured.graph.find_nodes(op="call_module")},
-        read={n.target for n in captured.graph.find_nodes(op="get_attr") if n.users},
+        graph_reads={n.target for n in captured.graph.find_nodes(op="get_attr") if n.users},
         tensor_arguments=argument_positions(
             planned, captured.meta.get("planner.tensor_arguments", ())
         ),
@@ -862,9 +865,10 @@ def _checkpoint_segment(
     _define(graph, env, inputs)
     callee = graph.get_attr(name)
     kwargs = {"use_reentrant": False, "preserve_rng_state": True}
-    # Inputs that can be leaves (the model's inputs, tensors it holds): a flag flipped before
-    # backward would change what the recompute saves (``_as_in_forward``).
-    leaves = [env[a] for a in inputs if a.op in ("placeholder", "get_attr") and a not in boxed]
+    # Inputs that can be leaves (the model's inputs and the items of its dict or list
+    # arguments, tensors it holds; ``_leaves`` keeps those without a grad_fn when it runs): a
+    # flag flipped before backward would change what the recompute saves (``_as_in_forward``).
+    leaves = [env[a] for a in inputs if a not in boxed]
     if segment.restores_buffers or selective or replays or called or leaves:
         kwargs["context_fn"] = graph.call_function(_context_fn, (callee, *leaves))
     args = (

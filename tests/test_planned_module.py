@@ -397,7 +397,14 @@ class SquareChain(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("flipped", ["w", "x"])
+class SquareChainOfABatch(SquareChain):
+    """Takes its input as an item of a dict, as data loaders hand batches."""
+
+    def forward(self, batch):
+        return super().forward(batch["x"])
+
+
+@pytest.mark.parametrize("flipped", ["w", "x", "batch item"])
 @pytest.mark.parametrize("frozen_at_forward", [True, False], ids=["unfrozen", "frozen"])
 def test_a_leaf_frozen_or_unfrozen_between_forward_and_backward_is_recomputed_as_it_was(
     flipped, frozen_at_forward
@@ -406,18 +413,20 @@ def test_a_leaf_frozen_or_unfrozen_between_forward_and_backward_is_recomputed_as
     changes between the forward and the backward: the recompute must save what the forward
     saved. Found after review: it saved others, and checkpoint, which matches them by
     position and size, handed backward the wrong ones (every tensor here has one size): the
-    gradients of ``v`` were off by 7e10, without an error."""
+    gradients of ``v`` were off by 7e10, without an error. An item of a dict argument too
+    (found by review)."""
     torch.manual_seed(0)
-    model, x = SquareChain(), torch.randn(16, 16)
-    p = sqrt_n_plan(model, (x,))
+    batched = flipped == "batch item"
+    model, x = (SquareChainOfABatch() if batched else SquareChain()), torch.randn(16, 16)
+    p = sqrt_n_plan(model, ({"x": x},) if batched else (x,))
     assert p.segments
     results = []
     for module, own in ((copy.deepcopy(model), None), (p.module, model)):
         own = own or module
         inputs = x.clone()
-        leaf = {"w": own.w, "x": inputs}[flipped]
+        leaf = own.w if flipped == "w" else inputs
         leaf.requires_grad_(not frozen_at_forward)
-        out = module(inputs)
+        out = module({"x": inputs} if batched else inputs)
         leaf.requires_grad_(frozen_at_forward)
         out.pow(2).mean().backward()
         results.append([own.w.grad, own.v.grad, inputs.grad])
@@ -1764,6 +1773,38 @@ class ExportedTiedHead(nn.Module):
         return self.head(h)
 
 
+class TracedTiedHead(nn.Module):
+    """Tied weights also read as an attribute, which symbolic_trace names by the first module
+    holding it (``head.weight`` for ``self.embed.weight``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(16, 64, bias=False)
+        self.embed = nn.Embedding(64, 16)
+        self.embed.weight = self.head.weight
+        self.unused = nn.Linear(16, 16)  # tied below, never called
+        self.unused_twin = nn.Linear(16, 16)
+        self.unused_twin.weight = self.unused.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        return self.head(h) + nn.functional.linear(h, self.embed.weight)
+
+
+def test_untying_tied_parameters_the_graph_never_reads_only_warns():
+    """Found by review: the refusal below first refused a tied pair forward never reads."""
+    torch.manual_seed(0)
+    model, ids = TracedTiedHead(), torch.randint(0, 64, (4, 8))
+    p = sqrt_n_plan(model, (ids,))
+    model.unused_twin.weight = nn.Parameter(torch.randn(16, 16))
+    with pytest.warns(UserWarning, match="tied at planning are no longer shared"):
+        out = p.module(ids)
+    assert torch.equal(out, model(ids))
+    model.embed.weight = nn.Parameter(torch.randn(64, 16))  # read as head.weight: refused
+    with pytest.raises(planner.PlanningError, match="reads them by one name"):
+        p.module(ids)
+
+
 @pytest.mark.parametrize("untie", ["new head", "load_state_dict(assign=True)"])
 def test_untying_parameters_an_export_reads_as_one_is_refused(untie):
     """Found trying the library on Hugging Face GPT-2 and Llama: untied after planning (a head
@@ -1781,7 +1822,7 @@ def test_untying_parameters_an_export_reads_as_one_is_refused(untie):
     else:
         state = {k: v.clone() for k, v in model.state_dict().items()}
         model.load_state_dict(state, assign=True)
-    with pytest.raises(planner.PlanningError, match=r"tied at planning.*reads them as one"):
+    with pytest.raises(planner.PlanningError, match=r"tied at planning.*reads them by one name"):
         p.module(ids)
     with pytest.raises(planner.PlanningError, match="tied at planning"):
         p.module(ids)  # every call, not once
