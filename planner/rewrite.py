@@ -864,13 +864,16 @@ def _checkpoint_segment(
 
     _define(graph, env, inputs)
     callee = graph.get_attr(name)
-    kwargs = {"use_reentrant": False, "preserve_rng_state": True}
-    # Inputs that can be leaves (the model's inputs and the items of its dict or list
-    # arguments, tensors it holds; ``_leaves`` keeps those without a grad_fn when it runs): a
-    # flag flipped before backward would change what the recompute saves (``_as_in_forward``).
+    # Every segment recomputes under its contexts: the training flags and parameters of the
+    # forward, and the flags of inputs that can be leaves (the model's inputs and the items of
+    # its dict or list arguments, tensors it holds; ``_leaves`` keeps those without a grad_fn
+    # when it runs): a flag flipped before backward would change what the recompute saves.
     leaves = [env[a] for a in inputs if a not in boxed]
-    if segment.restores_buffers or selective or replays or called or leaves:
-        kwargs["context_fn"] = graph.call_function(_context_fn, (callee, *leaves))
+    kwargs = {
+        "use_reentrant": False,
+        "preserve_rng_state": True,
+        "context_fn": graph.call_function(_context_fn, (callee, *leaves)),
+    }
     args = (
         callee,
         *[graph.call_function(_box, (env[a],)) if a in boxed else env[a] for a in inputs],
