@@ -827,13 +827,28 @@ class _Recorder(fx.Interpreter):
         self.made_before_last_save = set(self.cost.new)
         self.high_before_last_save = self.cost.high
         self.cost_before_last_save = (self.cost.flops, self.cost.bytes_moved)
-        return tensor
+        return tensor, tensor._version, self.recording
 
-    def unpack(self, tensor):
+    def unpack(self, packed):
         """Hand a backward function a stand-in for what it saved, on a storage of its own that
         dies when the function returns: that tells ``self.backward`` where the function
         ended. The profile's tensors have no values, only sizes, so the stand-in computes the
-        same; it is not counted as an allocation."""
+        same; it is not counted as an allocation.
+
+        Autograd checks that a saved tensor was not modified in place since it was saved only
+        when no saved-tensor hooks are on, so the check is made here: a checkpoint's recompute
+        would hand backward the tensor as recomputed and train with wrong gradients where the
+        model's own backward raises."""
+        tensor, version, saver = packed
+        if tensor._version != version:
+            raise PlanningError(
+                f"the model's own backward fails: node {saver.name!r} ({saver.op} "
+                f"{saver.target}) saved a tensor for backward that the forward then modified "
+                "in place (autograd raises 'one of the variables needed for gradient "
+                "computation has been modified by an inplace operation'). A plan would hide "
+                "that error and train with wrong gradients. Make the in-place operation after "
+                "it out of place (for example t = t * 2 instead of t.mul_(2))."
+            )
         self.backward.unpacking()
         return self.backward.stand_in(tensor, self.storages.key(tensor))
 

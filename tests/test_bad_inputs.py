@@ -22,7 +22,7 @@ from planner.errors import PlanningError
 from planner.pipeline import prepare
 from planner.simulate import simulate
 from planner.solvers.auto import lowest_peak
-from planner.step import peak_memory
+from planner.step import peak_memory, training_loss
 from strategies import ModelSpec, assert_equivalent, assert_same_state, build, inputs, model_state
 
 
@@ -741,6 +741,33 @@ def test_a_backward_whose_sizes_fakes_cannot_give_is_named_with_what_computes_th
     before = model_state(model)
     with pytest.raises(PlanningError, match=r"backward cannot be profiled.*torch\.where"):
         planner.plan(model, (x, mask), budget_gb=1)
+    assert_same_state(before, model_state(model))
+
+
+class ScaledTanh(nn.Module):
+    """Writes over the output ``tanh`` saved for its backward: the model's own backward raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        t = self.a(x).tanh()
+        t.mul_(2)
+        return self.b(t)
+
+
+def test_a_model_whose_own_backward_refuses_an_in_place_write_is_refused():
+    """Found by review: autograd checks saved tensors' versions only without saved-tensor
+    hooks, so checkpoint's recompute handed backward the rewritten tensor and a plan trained
+    with ``a.weight``'s gradient off by 5.5 where the model itself raises."""
+    model, x = ScaledTanh(), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        training_loss(model(x)).backward()
+    model.zero_grad(set_to_none=True)
+    before = model_state(model)
+    with pytest.raises(PlanningError, match=r"own backward fails: node 'tanh'.*out of place"):
+        planner.plan(model, (x,), budget_gb=1)
     assert_same_state(before, model_state(model))
 
 
