@@ -713,7 +713,7 @@ class Snapshot:
         # Others have no .grad: tensors computed from others, and the non-leaf tensors that
         # torch.func.functional_call puts in place of parameters during the call.
         leaves = [t for t in self.parameters() + arguments if t.is_leaf]
-        held = sum(t.grad.nbytes for t in leaves if t.grad is not None)
+        held = sum(_gradient_bytes(t.grad) for t in leaves if t.grad is not None)
         if not held:
             return
         self.warned_gradients = True
@@ -1171,6 +1171,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 _INTERNAL = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+
+
+def _gradient_bytes(grad: torch.Tensor) -> int:
+    """The bytes ``grad`` holds: a sparse one (``nn.Embedding(sparse=True)``) in its indices
+    and values, as it has no single storage."""
+    if grad.layout is torch.sparse_coo:
+        return grad._indices().nbytes + grad._values().nbytes
+    return grad.nbytes
 
 
 def _callers_stacklevel() -> int:

@@ -279,6 +279,34 @@ def test_a_step_starting_with_an_input_gradient_kept_from_the_last_step_warns():
         _step(module, (x, y))
 
 
+class SparseEmbedding(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(100, 32, sparse=True)
+        self.lin = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for lin in self.lin:
+            x = torch.tanh(lin(x))
+        return x
+
+
+def test_accumulating_into_sparse_gradients_warns_with_their_bytes():
+    """Found trying the library: the second micro-batch of a model with a sparse embedding
+    raised 'nbytes is not defined for sparse tensors' where the model itself accumulates."""
+    torch.manual_seed(0)
+    model, ids = SparseEmbedding(), torch.randint(0, 100, (32, 16))
+    module = planner.plan(model, (ids,), budget_gb=1).module
+    module(ids).sum().backward()
+    grad = model.emb.weight.grad
+    assert grad.is_sparse
+    held = sum(p.grad.nbytes for p in model.lin.parameters())
+    held += grad._indices().nbytes + grad._values().nbytes
+    with pytest.warns(UserWarning, match=rf"MiB, {held} bytes\)"):
+        module(ids).sum().backward()
+
+
 def test_steps_that_free_gradients_or_run_without_them_do_not_warn():
     model, batch = regression_model()
     module = planned(model, batch)
