@@ -84,11 +84,9 @@ class ModelCall:
 
     def _default(self, name: str):
         parameter = self.signature.parameters.get(name)
-        return (
-            None
-            if parameter is None or parameter.default is parameter.empty
-            else (parameter.default)
-        )
+        if parameter is None or parameter.default is parameter.empty:
+            return None
+        return parameter.default
 
     def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The call ``model(*args, **kwargs)`` as the captured module takes it."""

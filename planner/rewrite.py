@@ -384,9 +384,9 @@ class Segment:
         body: fx.GraphModule,
         modules: tuple[str, ...],
         tensors: tuple[str, ...],
-        selective: bool = False,
-        called: tuple[nn.Module, ...] = (),
-        replays: bool = False,
+        selective: bool,
+        called: tuple[nn.Module, ...],
+        replays: bool,
     ):
         self.body = body
         self.modules = modules  # targets of the called modules that have buffers
