@@ -346,16 +346,18 @@ class _Replay:
         holds, entered = crossings
         if depth in holds:
             return holds[depth]
-        read = [j for j in storage.readers if start <= j < stop]
+        reached = [j for j in storage.readers if start <= j < stop]
         # The checkpoint calls taking it as an argument, among the segments of any depth that
         # run whole here: the calling body's variable and ``checkpoint``'s own arguments hold
         # it until the call returns, whatever the callee saves (not run when the recompute
         # stops at it).
-        read += [child.stop - 1 for k, child in entered if k >= depth and child.stop <= stop]
+        read = reached + [
+            child.stop - 1 for k, child in entered if k >= depth and child.stop <= stop
+        ]
         reads = [first + max(read) - start] if read else []
         if storage.is_output and segment is None:
             reads.append(last)
-        if segment is not None and (len(read) < len(storage.readers) or storage.held_by_context):
+        if segment is not None and (len(reached) < len(storage.readers) or storage.held_by_context):
             # Read by a node the recompute never reaches (past its early stop, or outside the
             # segment): the segment body's variable lives until the recompute stops; a copy kept
             # on an autograd context goes with the recompute's graph, then too.

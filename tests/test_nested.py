@@ -301,6 +301,37 @@ def test_a_checkpoint_call_holds_its_arguments_until_it_returns():
     assert peak_memory(planned, args).peak_bytes - offset == simulate(problem, choice).peak_bytes
 
 
+class SummedBlocks(nn.Module):
+    """Residual blocks with dropout whose outputs a final sum reads, beside the last one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(32, 32) for _ in range(5))
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        h, outs = x, []
+        for lin in self.lins:
+            h = self.drop(nn.functional.gelu(lin(h))) + h * 0.5
+            h = nn.functional.dropout(h, 0.1, self.training)
+            outs.append(h)
+        return torch.stack(outs).sum(0), h
+
+
+def test_an_output_a_deeper_segment_makes_lives_to_the_end_of_its_recompute():
+    """The first block's output (5) is made inside (0, 6), two levels below the top segment
+    (0, 30), and read by the sum outside (0, 30): the top segment's body holds it until its
+    recompute returns. Counting the calls of inner segments it enters among its readers made
+    the replay free it at the last of them: 7,936 bytes (3.8%) under the measured peak, at
+    the lowest peak ``auto`` planned (found trying the library)."""
+    torch.manual_seed(0)
+    model, args = SummedBlocks(), (torch.randn(128, 32),)
+    captured, problem = prepare(model, args)
+    choice = nested_choice([(0, 30, [(0, 22, [(0, 6), (6, 16)])])])
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
+    assert peak_memory(planned, args).peak_bytes == simulate(problem, choice).peak_bytes
+
+
 def test_replay_equals_the_measured_peak_on_a_chain_nested_three_deep():
     """Found by Hypothesis on the chain property above (thorough profile): a 7-layer MLP chain
     whose segment (0, 13) holds (3, 5) and (9, 11), which holds (9, 10). The peak falls in the
