@@ -869,21 +869,30 @@ class _Recorder(fx.Interpreter):
         except PlanningError:
             raise
         except (DynamicOutputShapeException, DataDependentOutputException) as error:
+            reads_value = error.func is torch.ops.aten._local_scalar_dense.default
             what = (
                 "reads a Python number from a tensor (.item(), float(t), int(t)), which "
                 "depends on the tensor's values"
-                if error.func is torch.ops.aten._local_scalar_dense.default
+                if reads_value
                 else f"calls {error.func}, whose result's sizes torch's fake tensors cannot "
                 "give (they may depend on the values in its inputs)"
             )
+            advice = (
+                "Keep that computation out of the planned forward: plan the part before it "
+                "(return what it takes, e.g. the log-probabilities of a CTC loss) and apply it "
+                "to the planned module's output in the training step (its own memory is then "
+                "not in the prediction)."
+            )
+            if reads_value and _has_forward_hooks(self.module, node):
+                advice = (
+                    f"{node.target!r} has forward hooks, which the profile runs too: register "
+                    "a hook that logs values (.item()) after planning, where it runs on real "
+                    "tensors (and again in each recompute), or log without .item(). " + advice
+                )
             raise PlanningError(
                 f"the model's forward cannot be profiled at node {node.name!r} ({node.op} "
                 f"{node.target}): it {what}, and planner's profile runs on fake tensors, which "
-                "have sizes only. The inputs are not at fault. Keep that computation out of the "
-                "planned forward: plan the part before "
-                "it (return what it takes, e.g. the log-probabilities of a CTC loss) and apply "
-                "it to the planned module's output in the training step (its own memory is then "
-                "not in the prediction)."
+                f"have sizes only. The inputs are not at fault. {advice}"
             ) from error
         except Exception as error:
             raise PlanningError(
@@ -1043,6 +1052,14 @@ def _context_tensors(outputs: list[torch.Tensor], stops: set) -> list[torch.Tens
         for t in tree_leaves(list(vars(ctx).values()))
         if isinstance(t, torch.Tensor)
     ]
+
+
+def _has_forward_hooks(module: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` calls a module that has forward hooks or forward pre-hooks."""
+    if node.op != "call_module":
+        return False
+    called = module.get_submodule(cast(str, node.target))
+    return bool(called._forward_hooks or called._forward_pre_hooks)
 
 
 def _backward_failure(func) -> str:

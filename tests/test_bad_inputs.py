@@ -870,6 +870,18 @@ def test_a_model_that_packs_sequences_is_refused_with_what_to_do():
     assert_same_state(before, model_state(model))
 
 
+def test_a_forward_hook_that_reads_a_number_is_named_when_forward_cannot_be_profiled():
+    """A monitoring hook on a leaf module logging an activation's mean with ``.item()``: the
+    message named the module's node and advised moving a computation out of forward (found
+    trying the library)."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    means = []
+    model[2].register_forward_hook(lambda m, i, o: means.append(o.mean().item()))
+    with pytest.raises(planner.PlanningError, match=r"'2' has forward hooks.*after planning"):
+        planner.plan(model, (torch.randn(4, 16),), budget_gb=1)
+    assert means == []
+
+
 def test_a_backward_hook_that_reads_a_number_is_named_when_backward_cannot_be_profiled():
     """A module's backward hook logging a gradient's norm with ``.item()``, registered before
     planning: the message pointed at a boolean-mask assignment in forward (found trying the
