@@ -357,10 +357,13 @@ class _Replay:
         reads = [first + max(read) - start] if read else []
         if storage.is_output and segment is None:
             reads.append(last)
-        if segment is not None and (len(reached) < len(storage.readers) or storage.held_by_context):
+        if segment is not None and (
+            len(reached) < len(storage.readers) or storage.is_output or storage.held_by_context
+        ):
             # Read by a node the recompute never reaches (past its early stop, or outside the
-            # segment): the segment body's variable lives until the recompute stops; a copy kept
-            # on an autograd context goes with the recompute's graph, then too.
+            # segment), or returned by the model: the segment body's variable lives until the
+            # recompute stops; a copy kept on an autograd context goes with the recompute's
+            # graph, then too.
             reads.append(self.run_end[segment])
         return max(reads, default=created_at)
 
