@@ -16,9 +16,12 @@ import pickle
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
 
+from planner.pipeline import prepare
 from planner.problem import Problem, Storage
 from planner.simulate import Choice, as_choice, simulate, validate_choice
 from planner.solvers import (
@@ -637,3 +640,38 @@ def test_prefix_keeps_replays_every_plan_that_could_beat_the_one_to_beat(
             assert min(r.recompute_seconds for r in plans.values()) == below[0]
         left_out += len(plans) < len(every)
     assert left_out  # the bound did spare replays
+
+
+class StackedOutputs(nn.Module):
+    """A chain of linear layers whose every output the model's output sums: each crosses
+    every cut after it, and each way of charging them is a mask of the search."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(32, 32) for _ in range(layers))
+
+    def forward(self, x):
+        outs = [x]
+        for lin in self.lins:
+            outs.append(lin(outs[-1]))
+        return torch.stack(outs[1:]).sum(0)
+
+
+def test_the_exact_search_keeps_a_bounded_number_of_masks_and_its_optimum(monkeypatch):
+    """Found trying the library: a 25-node model whose output stacks every block's took 10 s
+    for its lowest peak (22 layers here: 259 s) as the masks per cut doubled with each layer.
+    Above ``EXACT_MASKS`` the search keeps the most promising; here it finds what the
+    uncapped search finds, on a chain small enough for that to finish."""
+    torch.manual_seed(0)
+    _, problem = prepare(StackedOutputs(14), (torch.randn(128, 32),))
+    lowest = simulate(problem, SOLVERS["optimal"](problem, 0)).peak_bytes
+    baseline = simulate(problem, ()).peak_bytes
+    spread = [lowest + (baseline - lowest) * k // 4 for k in range(5)]
+    monkeypatch.setattr(optimal, "EXACT_MASKS", 64)  # below the masks this chain makes
+    capped = [simulate(problem, SOLVERS["optimal"](problem, b)) for b in [0, *spread]]
+    monkeypatch.setattr(optimal, "EXACT_MASKS", 10**9)
+    exact = [simulate(problem, SOLVERS["optimal"](problem, b)) for b in [0, *spread]]
+    assert [s.peak_bytes for s in capped] == [s.peak_bytes for s in exact]
+    assert [s.recompute_seconds for s in capped] == pytest.approx(
+        [s.recompute_seconds for s in exact], rel=0.01
+    )

@@ -108,6 +108,7 @@ REFINE = 2  # each refining pass tries cuts this many times closer together, thi
 SHORT = 8  # refining passes at this spacing or closer also try short segments near coarse cuts
 BUCKETS = 256  # fronts of large problems keep one entry per 1/BUCKETS of the limit
 MASKS = 64  # large problems keep at most this many masks per cut (_Search._masks_kept)
+EXACT_MASKS = 1024  # and small ones this many: beyond, the exact search's time explodes
 EXACT_KEEP_NODES = 12  # up to this many nodes: the search tries every keep set of every segment
 # Larger graphs: a segment's keep sets use its KEEP_CANDIDATES most valuable nodes, every subset
 # of them when there are at most KEEP_SUBSETS, else prefixes of 1, 2, 4, ... (_keep_family).
@@ -1222,24 +1223,26 @@ class _Search:
         return parents[chunk], entry + firsts[chunk], kinds[chunk]
 
     def _masks_kept(self, position: int) -> dict[int, list]:
-        """The masks that reached ``position``; above ``MASKS`` of them (large problems only),
-        the ``MASKS // 2`` whose fronts hold the cheapest entry and the ``MASKS // 2`` whose
-        fronts hold the least charged bytes.
+        """The masks that reached ``position``; above ``MASKS`` of them (``EXACT_MASKS`` on
+        problems the search is exact on), the half whose fronts hold the cheapest entry and
+        the half whose fronts hold the least charged bytes.
 
         Storages that stay alive whatever the plan, such as weight casts autocast caches until
         its region exits, cross most cuts, and each way of charging them is a mask of its own:
-        thousands per cut on a Llama with autocast inside ``forward``. Capping them by count
-        keeps the search's time bounded and its plans repeatable.
+        thousands per cut on a Llama with autocast inside ``forward``, and on a 25-node model
+        whose output stacks every block's (found trying the library: 10 s for its lowest
+        peak). Capping them by count keeps the search's time bounded and its plans repeatable.
         """
         pending = self.pending[position]
-        if self.exact or len(pending) <= MASKS:
+        most = EXACT_MASKS if self.exact else MASKS
+        if len(pending) <= most:
             return pending
 
         def least(column: int):
             return lambda item: min(float(chunk[column].min()) for chunk in item[1])
 
-        by_value = sorted(pending.items(), key=least(1))[: MASKS // 2]
-        by_charged = sorted(pending.items(), key=least(0))[: MASKS // 2]
+        by_value = sorted(pending.items(), key=least(1))[: most // 2]
+        by_charged = sorted(pending.items(), key=least(0))[: most // 2]
         return dict(by_value + by_charged)
 
 
