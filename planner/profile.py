@@ -125,6 +125,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from planner.capture import write_back
 from planner.errors import PlanningError
 from planner.fakes import (
     Copies,
@@ -841,16 +842,37 @@ class _Recorder(fx.Interpreter):
         model's own backward raises."""
         tensor, version, saver = packed
         if tensor._version != version:
-            raise PlanningError(
-                f"the model's own backward fails: node {saver.name!r} ({saver.op} "
-                f"{saver.target}) saved a tensor for backward that the forward then modified "
-                "in place (autograd raises 'one of the variables needed for gradient "
-                "computation has been modified by an inplace operation'). A plan would hide "
-                "that error and train with wrong gradients. Make the in-place operation after "
-                "it out of place (for example t = t * 2 instead of t.mul_(2))."
-            )
+            raise PlanningError(self._overwritten(tensor, saver))
         self.backward.unpacking()
         return self.backward.stand_in(tensor, self.storages.key(tensor))
+
+    def _overwritten(self, tensor: torch.Tensor, saver: fx.Node) -> str:
+        """Why backward would refuse ``tensor``, which ``saver`` saved and a later node wrote
+        over in place, and what to do."""
+        key = self.storages.key(tensor)
+        nodes = list(self.module.graph.nodes)
+        writers = [
+            n for n in nodes[nodes.index(saver) + 1 :] if key in n.meta.get("planner.writes", ())
+        ]
+        where = f"node {saver.name!r} ({saver.op} {saver.target}) saved a tensor for backward"
+        if writers and writers[0].target is write_back:
+            buffer = writers[0].args[0].target
+            return (
+                f"the captured graph cannot be trained: {where}, the buffer {buffer!r}, to "
+                "which forward then assigns a new value (self.x = ...). torch.export's graph "
+                "writes that value into the buffer in place where Python only rebinds the "
+                "name, so backward would refuse the buffer, and a plan would hide that and "
+                "train with wrong gradients. Read the buffer through a copy where an operation "
+                "saves it (x * self.x.clone()), or plan a model symbolic_trace can capture."
+            )
+        by = f" by node {writers[0].name!r} ({writers[0].target})" if writers else ""
+        return (
+            f"the model's own backward fails: {where} that the forward then modified in "
+            f"place{by} (autograd raises 'one of the variables needed for gradient "
+            "computation has been modified by an inplace operation'). A plan would hide that "
+            "error and train with wrong gradients. Make the in-place operation out of place "
+            "(for example t = t * 2 instead of t.mul_(2))."
+        )
 
     def run_node(self, node: fx.Node):
         if node.op not in COMPUTE_OPS:

@@ -771,6 +771,44 @@ def test_a_model_whose_own_backward_refuses_an_in_place_write_is_refused():
     assert_same_state(before, model_state(model))
 
 
+class RescaledBuffer(nn.Module):
+    """Multiplies by a buffer it then assigns anew (``self.scale = ...``); the shape check
+    sends it to ``torch.export``, whose graph writes the new value into the buffer."""
+
+    def __init__(self, copy_it: bool):
+        super().__init__()
+        self.copy_it = copy_it
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), 2.0))
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            pass
+        scale = self.scale.clone() if self.copy_it else self.scale
+        h = torch.relu(self.a(x)) * scale
+        self.scale = self.scale * 0.5 + 0.1
+        return self.b(h)
+
+
+def test_a_buffer_assigned_after_a_saver_read_it_is_refused_under_export_with_the_way_out():
+    """Found by review: eager Python rebinds the name and trains; the exported graph copies
+    the new value into the buffer ``mul`` saved, so the plan's backward raised (or, had ``mul``
+    been recomputed, read the new value). The message blamed an in-place write the user never
+    made; it now names the buffer and what works, which plans exactly."""
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    with pytest.raises(PlanningError, match=r"buffer 'scale', to which forward then assigns"):
+        planner.plan(RescaledBuffer(copy_it=False), (x,), budget_gb=1)
+    torch.manual_seed(0)
+    model = RescaledBuffer(copy_it=True)
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n")
+    training_loss(p.module(x)).backward()
+    training_loss(reference(x)).backward()
+    assert torch.equal(model.a.weight.grad, reference.a.weight.grad)
+    assert torch.equal(model.scale, reference.scale)
+
+
 class LayerDrop(nn.Module):
     """Skips each layer in training when a random draw falls below ``layerdrop`` (drawing only
     when it is on, as Hugging Face's encoders do)."""
