@@ -850,7 +850,7 @@ class _Recorder(fx.Interpreter):
         """Why backward would refuse ``tensor``, which ``saver`` saved and a later node wrote
         over in place, and what to do."""
         key = self.storages.key(tensor)
-        nodes = list(self.module.graph.nodes)
+        nodes = list(self.graph.nodes)
         writers = [
             n for n in nodes[nodes.index(saver) + 1 :] if key in n.meta.get("planner.writes", ())
         ]
@@ -1076,7 +1076,7 @@ def _context_tensors(outputs: list[torch.Tensor], stops: set) -> list[torch.Tens
     ]
 
 
-def _has_forward_hooks(module: fx.GraphModule, node: fx.Node) -> bool:
+def _has_forward_hooks(module: nn.Module, node: fx.Node) -> bool:
     """Whether ``node`` calls a module that has forward hooks or forward pre-hooks."""
     if node.op != "call_module":
         return False
