@@ -301,7 +301,8 @@ def _col2im(args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
 
 def _batch_norm_layout(args: tuple, kwargs: dict, out: tuple) -> tuple:
     """The CPU kernels make their result (the forward's output, backward's input gradient)
-    dense in the input's suggested memory format; the fake kernels keep the input's strides.
+    dense in a layout they pick from the input's strides (``_kernel_layout``); the fake
+    kernels keep the input's strides.
     On a transposed input (``bn(x.transpose(1, 2))``, a BatchNorm1d in a sequence model) the
     real graph then copies what the profile saw as free views: 25% over the prediction."""
     source = args[0] if args else kwargs["input"]

@@ -850,13 +850,12 @@ class _Recorder(fx.Interpreter):
         """Why backward would refuse ``tensor``, which ``saver`` saved and a later node wrote
         over in place, and what to do."""
         key = self.storages.key(tensor)
-        nodes = list(self.graph.nodes)
-        writers = [
-            n for n in nodes[nodes.index(saver) + 1 :] if key in n.meta.get("planner.writes", ())
-        ]
+        nodes = self.backward.nodes  # the compute nodes in order, and a loss_fn's last
+        after = nodes[nodes.index(saver) :]  # the saver itself too: a loss_fn is one node
+        writers = [n for n in after if key in n.meta.get("planner.writes", ())]
         where = f"node {saver.name!r} ({saver.op} {saver.target}) saved a tensor for backward"
         if writers and writers[0].target is write_back:
-            buffer = writers[0].args[0].target
+            buffer = cast(fx.Node, writers[0].args[0]).target
             return (
                 f"the captured graph cannot be trained: {where}, the buffer {buffer!r}, to "
                 "which forward then assigns a new value (self.x = ...). torch.export's graph "

@@ -771,6 +771,21 @@ def test_a_model_whose_own_backward_refuses_an_in_place_write_is_refused():
     assert_same_state(before, model_state(model))
 
 
+def test_a_loss_fn_writing_over_what_it_saved_is_refused_by_name():
+    """Found reading the change once more: the loss node is not in the graph, and looking
+    for the writer after it raised a bare ValueError."""
+
+    def scaled_tanh_loss(output):
+        t = output.tanh()
+        t.mul_(2)
+        return t.sum()
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    message = r"own backward fails: node 'loss_fn'.*scaled_tanh_loss"
+    with pytest.raises(PlanningError, match=message):
+        planner.plan(model, (torch.randn(4, 8),), budget_gb=1, loss_fn=scaled_tanh_loss)
+
+
 class RescaledBuffer(nn.Module):
     """Multiplies by a buffer it then assigns anew (``self.scale = ...``); the shape check
     sends it to ``torch.export``, whose graph writes the new value into the buffer."""
