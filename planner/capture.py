@@ -11,7 +11,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import operator
 import threading
 import traceback
 import warnings
@@ -43,6 +42,7 @@ from planner.hooks import (
     process_wide_hooks_message,
     restoring_output_recorders,
 )
+from planner.in_place import BufferProxy, InPlaceProxy, write_back
 from planner.model_call import CALL_KEY, ModelCall, container_types
 from planner.model_code import global_loads, loaded_attributes
 from planner.planned_module import PlannedModule
@@ -55,7 +55,12 @@ from planner.regions import (
     regions_from_export,
     watching_exported_regions,
 )
-from planner.side_effects import generators, noting_grad_mode_reads, refusing_side_effects
+from planner.side_effects import (
+    generators,
+    noting_grad_mode_reads,
+    refusing_side_effects,
+    same_bits,
+)
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +212,13 @@ TRACED_TORCH_MODULES = (
 
 
 class LeafTracer(fx.Tracer):
-    """``symbolic_trace``'s tracer, also keeping instances of ``leaf_modules`` as single nodes."""
+    """``symbolic_trace``'s tracer, also keeping instances of ``leaf_modules`` as single nodes;
+    with ``buffers_as_nodes``, reading buffers as graph nodes (``getattr``)."""
 
-    def __init__(self, leaf_modules: tuple[type, ...]):
+    def __init__(self, leaf_modules: tuple[type, ...], buffers_as_nodes: bool = False):
         super().__init__()
         self.leaf_modules = leaf_modules
+        self.buffers_as_nodes = buffers_as_nodes
         self.thread = threading.get_ident()
         # Grad-mode and autocast regions entered while tracing: id -> (context manager, node).
         self.open_regions: dict[int, tuple[object, fx.Node]] = {}
@@ -219,6 +226,10 @@ class LeafTracer(fx.Tracer):
         # Holding the tensor keeps its id from being reused by another one while tracing.
         self.tensor_names: tuple[nn.Module | None, dict[int, tuple]] = (None, {})
         self.output_types = None
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        """Proxies that record ``h += 1`` in place (``planner.in_place``)."""
+        return InPlaceProxy(node, self)
 
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):
         """Also note the container types of the traced output (``self.output_types``)."""
@@ -248,27 +259,61 @@ class LeafTracer(fx.Tracer):
         return super().call_module(m, forward, args, kwargs)
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
-        """Like ``call_module``: ``nn.Module.__getattr__`` from another thread is untouched."""
+        """With ``buffers_as_nodes``, a buffer read in forward becomes a ``get_attr`` node
+        (``BufferProxy``), as a parameter does (fx's default leaves it a plain tensor): ops on
+        it are then recorded and run on each call (a relative position index viewed for an
+        attention bias), where fx would run them once at tracing and bake the result into the
+        graph. Like ``call_module``, ``nn.Module.__getattr__`` from another thread is
+        untouched."""
         if threading.get_ident() != self.thread:
             return attr_val
+        if (
+            self.buffers_as_nodes
+            and isinstance(attr_val, torch.Tensor)
+            and not isinstance(attr_val, nn.Parameter)
+            and (name := self._name_of(attr_val)) is not None
+        ):
+            if name not in parameter_proxy_cache:
+                parameter_proxy_cache[name] = self.create_proxy(
+                    "get_attr",
+                    name,
+                    (),
+                    {},
+                    proxy_factory_fn=lambda node: BufferProxy(node, self, attr_val),
+                )
+            return parameter_proxy_cache[name]
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
+    def _name_of(self, tensor: torch.Tensor) -> str | None:
+        """The name of ``tensor`` among the root's parameters and buffers, if it is still the
+        root's under that name (forward may have replaced it), from a table made once per root:
+        fx scans the whole module tree at every use, quadratic on deep models (1.5 s of capture
+        at 9,000 nodes)."""
+        if self.tensor_names[0] is not self.root:
+            names: dict[int, tuple] = {}
+            for name, t in (*self.root.named_parameters(), *self.root.named_buffers()):
+                names.setdefault(id(t), (t, name))
+            self.tensor_names = (self.root, names)
+        held, name = self.tensor_names[1].get(id(tensor), (None, None))
+        if held is not tensor:
+            return None
+        # Read through the modules' own tables: fx patches nn.Module.__getattr__ while tracing.
+        *path, leaf = name.split(".")
+        module: nn.Module | None = self.root
+        for key in path:
+            module = module._modules[key] if module is not None else None
+        if module is None:
+            return None
+        return name if tensor is module._parameters.get(leaf, module._buffers.get(leaf)) else None
+
     def create_arg(self, a):
-        """fx names a parameter or buffer used as a plain tensor by scanning the whole module
-        tree at every use, quadratic on deep models (1.5 s of capture at 9,000 nodes); look the
-        name up in a table made once per root instead. A numpy scalar becomes the Python number
-        (fx would write ``np.float64(...)`` into code that has no ``np``). Anything else goes to
-        fx as before."""
-        if isinstance(a, torch.Tensor):
-            if self.tensor_names[0] is not self.root:
-                names: dict[int, tuple] = {}
-                for name, tensor in (*self.root.named_parameters(), *self.root.named_buffers()):
-                    names.setdefault(id(tensor), (tensor, name))
-                self.tensor_names = (self.root, names)
-            tensor, name = self.tensor_names[1].get(id(a), (None, None))
-            # Still the root's under that name? forward may have replaced it since.
-            if tensor is a and operator.attrgetter(name)(self.root) is a:
-                return self.create_node("get_attr", name, (), {})
+        """A parameter or buffer used as a plain tensor is named from ``_name_of``'s table. A
+        numpy scalar becomes the Python number (fx would write ``np.float64(...)`` into code
+        that has no ``np``). Anything else goes to fx as before."""
+        if isinstance(a, fx.Proxy):  # a BufferProxy passes for a tensor with fx
+            return a.node
+        if isinstance(a, torch.Tensor) and (name := self._name_of(a)) is not None:
+            return self.create_node("get_attr", name, (), {})
         if isinstance(a, np.generic):
             return a.item()
         return super().create_arg(a)
@@ -278,16 +323,20 @@ class _UntracedOps(TorchDispatchMode):
     """Notes the first op that runs for real while ``symbolic_trace`` runs forward (in this
     thread: dispatch modes are per thread) and whose result the graph would hold as a constant
     where the model computes it anew: a random op (traced ops never dispatch), or an op reading
-    a tensor of the model (``self.queue.clone()``: fx gives a get_attr only to parameters, so
-    ops on a buffer or a plain tensor attribute alone run once, and the graph keeps the value
-    they had at planning after forward, or the training loop, has updated the tensor)."""
+    a tensor of the model (``self.queue.clone()``: fx gives a get_attr only to parameters, and
+    to buffers under ``buffers_as_nodes``, so ops on a buffer, a plain tensor attribute or a
+    parameter reached through ``self.parameters()`` alone run once, and the graph keeps the
+    value they had at planning after forward, or the training loop, has updated the tensor).
+    ``on_buffer`` says whether that tensor was a buffer."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.storages: dict[int | None, str] = {
             key: name for name, t in _model_tensors(model) if (key := _storage_key(t)) is not None
         }
+        self.buffers = {_storage_key(b) for b in model.buffers()}
         self.found: str | None = None
+        self.on_buffer = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -295,8 +344,9 @@ class _UntracedOps(TorchDispatchMode):
             if torch.Tag.nondeterministic_seeded in func.tags:
                 self.found = f"ran {func} on no traced value: its draw would be baked"
             for t in tree_leaves((args, kwargs)):
-                name = self.storages.get(_storage_key(t))
+                name = self.storages.get(key := _storage_key(t))
                 if name:
+                    self.on_buffer = key in self.buffers
                     self.found = (
                         f"ran {func} on {name}, a tensor of the model, outside the traced "
                         "values: the graph would hold the result as computed at planning"
@@ -326,12 +376,27 @@ def _model_tensors(model: nn.Module):
                 yield f"{path}.{key}" if path else key, value
 
 
-def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> fx.GraphModule:
+class _BuffersUntraced(RuntimeError):
+    """Tracing ran ops on buffers for real: traced again with ``buffers_as_nodes``."""
+
+
+def _trace(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    leaf_modules: tuple,
+    buffers_as_nodes: bool = False,
+) -> fx.GraphModule:
+    """The traced graph. Buffers are plain tensors at first, as fx reads them, so that forward's
+    Python checks of them (``isinstance(self.mask, torch.Tensor)``) see what eager mode sees;
+    where forward runs ops on a buffer alone (an index view, ``self.buf.add_(1)``), which a
+    graph of plain tensors would bake in, ``_trace_or_export`` traces again with buffers as
+    graph nodes (``LeafTracer.buffers_as_nodes``)."""
     if _variadic_tensors(model, args, kwargs, inspect.Parameter.VAR_KEYWORD):
         # fx makes one placeholder of **kwargs, which the profile cannot fill by name.
         raise TypeError("symbolic_trace cannot pass tensors through **kwargs")
     concrete = _non_tensor_arguments(model, args, kwargs)
-    tracer = LeafTracer(leaf_modules)
+    tracer = LeafTracer(leaf_modules, buffers_as_nodes)
     grad_enabled = torch.is_grad_enabled()
     capturing.tracer = tracer
     try:
@@ -343,13 +408,14 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, leaf_modules: tuple) -> 
     finally:
         capturing.tracer = None
         torch._C._set_grad_enabled(grad_enabled)  # forward may switch it without restoring it
+    retry = RuntimeError if buffers_as_nodes else _BuffersUntraced
     if untraced.found is not None:
         # torch.export records the op (a draw anew every step, the tensor's value at the call).
-        raise RuntimeError(f"forward {untraced.found}")
+        raise (retry if untraced.on_buffer else RuntimeError)(f"forward {untraced.found}")
     if changed:
-        # A buffer is a plain tensor while tracing: ``self.calls += 1`` ran once, for real, and
-        # the graph would never repeat it. torch.export records such updates.
-        raise RuntimeError(
+        # A buffer was a plain tensor: ``self.calls += 1`` ran once, for real, and the graph
+        # would never repeat it. torch.export records such updates.
+        raise retry(
             f"forward updates buffer {changed[0]!r} as a plain tensor, which symbolic_trace "
             "cannot record"
         )
@@ -583,29 +649,13 @@ def _keeping_buffers(model: nn.Module):
         for module, qualified, name, tensor, version, value in kept:
             # A batch norm's kernel updates its running statistics without bumping their
             # version (eager runs of the model here: planner.attention, export_leaves).
-            rewritten = tensor._version != version or not _same_bits(tensor, value)
+            rewritten = tensor._version != version or not same_bits(tensor, value)
             if module._buffers.get(name) is not tensor or rewritten:
                 changed.append(qualified)
                 module._buffers[name] = tensor
                 if rewritten:
                     with torch.no_grad():
                         tensor.copy_(value)
-
-
-def _same_bits(tensor: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether ``tensor`` still holds ``value``, its copy (NaN equal to NaN; a meta tensor
-    holds no values). Kinds ``torch.equal`` does not take (sparse, nested, complex32) count as
-    unchanged: their version alone tells."""
-    if tensor.is_meta:
-        return True
-    try:
-        if torch.equal(tensor, value):
-            return True
-        if tensor.shape != value.shape or not (tensor.is_floating_point() or tensor.is_complex()):
-            return False
-        return bool(((tensor == value) | (tensor.isnan() & value.isnan())).all())
-    except (RuntimeError, NotImplementedError):
-        return True
 
 
 def more_than_one_value_per_channel(x: torch.Tensor) -> None:
@@ -645,33 +695,6 @@ def _guard_write_backs(gm: fx.GraphModule) -> None:
             guarded = True
     if guarded:  # regenerating the code costs about 0.05 s on a 200-node graph
         gm.recompile()
-
-
-def write_back(buffer: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Graph node: ``buffer.copy_(value)``, skipped when ``value`` is ``buffer`` itself.
-
-    torch.export writes back ``self.calls += 1`` (an in-place add) by copying the result, the
-    buffer, into the buffer. The copy changes no value but bumps the buffer's version, and
-    backward would then refuse the buffer that autograd saved, where the model trains.
-    """
-    same = (
-        value.untyped_storage()._cdata == buffer.untyped_storage()._cdata
-        and value.storage_offset() == buffer.storage_offset()
-        and value.shape == buffer.shape
-        and value.stride() == buffer.stride()
-        and value.dtype == buffer.dtype
-    )
-    return buffer if same else buffer.copy_(value)
-
-
-def updates_in_place(node) -> bool:
-    """Whether ``node`` is an ATen op that writes its first argument and returns it."""
-    if not (isinstance(node, fx.Node) and isinstance(node.target, torch._ops.OpOverload)):
-        return False
-    schema = node.target._schema
-    first = schema.arguments[0].alias_info if schema.arguments else None
-    result = schema.returns[0].alias_info if len(schema.returns) == 1 else None
-    return bool(first and first.is_write and result and result.before_set == first.before_set)
 
 
 def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
@@ -749,7 +772,14 @@ def _trace_or_export(
 ) -> Captured:
     streams = [(g, g.get_state()) for g in generators(model).values()]
     try:
-        return Captured(_trace(model, args, {**kwargs, **fixed}, leaf_modules), "symbolic_trace")
+        try:
+            gm = _trace(model, args, {**kwargs, **fixed}, leaf_modules)
+        except _BuffersUntraced as untraced:
+            log.info("%s; tracing again with buffers as graph nodes", untraced)
+            for generator, state in streams:
+                generator.set_state(state)
+            gm = _trace(model, args, {**kwargs, **fixed}, leaf_modules, buffers_as_nodes=True)
+        return Captured(gm, "symbolic_trace")
     except PlanningError:
         raise
     except Exception as trace_error:  # any tracing failure means: try export

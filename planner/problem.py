@@ -17,12 +17,12 @@ from functools import cached_property
 import networkx as nx
 import numpy as np
 import torch
-from torch import fx, nn
+from torch import fx
 
-from planner.capture import updates_in_place
 from planner.costs import CostModel
 from planner.export_leaves import LEAF_CALL
 from planner.gcpause import paused_collection
+from planner.in_place import buffer_read
 from planner.profile import COMPUTE_OPS, Profile, require_meta
 from planner.regions import enter_autocast, region_spans
 
@@ -418,7 +418,11 @@ def _keepable(created: list[dict], writes: list[frozenset], kept_bytes: np.ndarr
 
 
 def _mutation_pins(
-    storages: dict, reads: list, writes: list[frozenset], n: int, fixed: Mapping[int, str]
+    storages: dict,
+    reads: list,
+    writes: list[frozenset],
+    restored: list[bool],
+    fixed: Mapping[int, str],
 ):
     """Cuts and nodes that in-place writes forbid.
 
@@ -426,17 +430,22 @@ def _mutation_pins(
     would read the new value), so no cut may fall between a storage's creation and a write to it.
     Writes to parameters or inputs are never recomputed, and neither is what reads them before
     the write (``x.mul_(0.5)`` after ``exp(x)``: torch's checkpoint refused the changed input in
-    backward); writes to buffers (BatchNorm statistics) are allowed: the rewritten segments
-    restore buffers after recomputing.
+    backward). Writes to buffers are allowed where the rewritten segment restores the buffer
+    after recomputing (``restored``: a module's own, BatchNorm statistics; one the node writes
+    directly); one written through a view (``self.buf[:4].mul_(2)``) is pinned as a parameter.
     """
+    n = len(writes)
     forbidden_cuts = np.zeros(n + 1, dtype=bool)
     pinned = np.zeros(n, dtype=bool)
     last_write: dict[int, int] = {}
     for position, written in enumerate(writes):
         for key in written:
+            kind = fixed.get(key)
             if key in storages:
                 forbidden_cuts[storages[key].producer + 1 : position + 1] = True
-            elif fixed.get(key) in ("parameter", "input", "constant"):
+            elif kind in ("parameter", "input", "constant") or (
+                kind == "buffer" and not restored[position]
+            ):
                 pinned[position] = True
                 last_write[key] = position
     for position, read in enumerate(reads):
@@ -444,25 +453,14 @@ def _mutation_pins(
     return forbidden_cuts, pinned
 
 
-def buffer_read(module: nn.Module, node: fx.Node) -> str | None:
-    """The target of the buffer (a tensor of ``module`` that is not a parameter) that ``node``
-    reads, or returns after in-place ops on it (``buffer.mul_(0.9)``: the buffer itself)."""
-    while updates_in_place(node):
-        written = node.args[0]
-        if not isinstance(written, fx.Node):
-            return None
-        node = written
-    if node.op != "get_attr":
-        return None
-    target = str(node.target)
-    value = operator.attrgetter(target)(module)
-    is_buffer = isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
-    return target if is_buffer else None
+def _has_buffers(module: torch.nn.Module) -> bool:
+    return next(module.buffers(), None) is not None
 
 
 def _buffer_copies(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple:
     """``Problem.buffer_copies``: per node, the buffers of the module it calls, and those it
-    reads (directly, or after in-place updates by the node that passes them in); () if none."""
+    reads (directly, through a view, or after in-place updates by the node that passes them
+    in); () if none."""
     position = {node: i for i, node in enumerate(nodes)}
     keys: dict[int, int] = {}  # id of a buffer tensor -> its key
 
@@ -476,7 +474,7 @@ def _buffer_copies(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple:
         if node.op == "call_module" and node.graph is gm.graph:
             copies += [entry(b, -1) for b in gm.get_submodule(str(node.target)).buffers()]
         for source in node.all_input_nodes if node.graph is gm.graph else ():
-            target = buffer_read(gm, source)
+            target = buffer_read(gm, source, through_views=True)
             if target is not None:
                 tensor = operator.attrgetter(target)(gm)
                 copies.append(entry(tensor, position.get(source, -1)))
@@ -598,7 +596,12 @@ def build_problem(
             cut_delta[end + 1] -= s.nbytes
     cut_bytes = np.cumsum(cut_delta)[: n + 1]
 
-    forbidden_cuts, pinned = _mutation_pins(storages, reads, writes, n, profile.fixed_kind)
+    restored = [
+        buffer_read(gm, node) is not None
+        or (node.op == "call_module" and _has_buffers(gm.get_submodule(str(node.target))))
+        for node in nodes
+    ]
+    forbidden_cuts, pinned = _mutation_pins(storages, reads, writes, restored, profile.fixed_kind)
     cut_allowed = ~forbidden_cuts
     # A grad-mode region of forward (``with torch.no_grad():``, recorded by capture as entry
     # and exit nodes) lies whole inside a segment or outside all: a segment that began or ended

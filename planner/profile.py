@@ -125,7 +125,6 @@ from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from planner.capture import write_back
 from planner.errors import PlanningError
 from planner.fakes import (
     Copies,
@@ -141,6 +140,7 @@ from planner.fakes import (
     tensors_in,
 )
 from planner.gcpause import paused_collection
+from planner.in_place import write_back
 from planner.regions import closing_regions, enter_autocast
 from planner.side_effects import keeping_random_states, repeated_effects
 from planner.step import grad_fn_of, nothing_to_differentiate, output_tensors, training_loss

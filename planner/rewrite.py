@@ -45,6 +45,7 @@ from planner.errors import PlanningError
 from planner.export_leaves import CALLS_KEY, positions
 from planner.fakes import casts_a_leaf, op_facts, tensors_in
 from planner.gcpause import paused_collection
+from planner.in_place import buffer_read
 from planner.model_call import CALL_KEY
 from planner.nested import Nest, NestedChoice
 from planner.planned_module import (
@@ -54,7 +55,7 @@ from planner.planned_module import (
     replays_allowed,
     share_user_state,
 )
-from planner.problem import Problem, buffer_read, compute_nodes
+from planner.problem import Problem, compute_nodes
 from planner.regions import REGION_ENTRIES, closing_regions, enter_inference_mode
 from planner.simulate import Choice, as_choice, replayed_nodes, validate_choice
 
@@ -684,7 +685,8 @@ def _holds(module: nn.Module, target: str) -> bool:
 
 
 def _is_buffer(holder: nn.Module, node: fx.Node) -> bool:
-    return buffer_read(holder, node) is not None
+    """Whether ``node`` is a buffer, or a view of one (passed boxed: ``_Box``)."""
+    return buffer_read(holder, node, through_views=True) is not None
 
 
 def _takes_item(node: fx.Node) -> bool:
@@ -705,14 +707,15 @@ def _segment_buffers(
     holder: nn.Module, members: list[fx.Node], inputs: list[fx.Node], buffered: dict[str, bool]
 ):
     """Buffers a segment can write, by name: (targets of the modules it calls that have
-    buffers, targets of the buffers it reads directly). ``buffered`` remembers which module
-    targets have buffers: a nested plan asks again for every segment holding a module."""
+    buffers, targets of the buffers it reads directly or through a view). ``buffered``
+    remembers which module targets have buffers: a nested plan asks again for every segment
+    holding a module."""
     targets = [str(node.target) for node in members if node.op == "call_module"]
     for target in targets:
         if target not in buffered:
             buffered[target] = next(holder.get_submodule(target).buffers(), None) is not None
     modules = [target for target in targets if buffered[target]]
-    tensors = [buffer_read(holder, node) for node in inputs]
+    tensors = [buffer_read(holder, node, through_views=True) for node in inputs]
     return tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(t for t in tensors if t))
 
 

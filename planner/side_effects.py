@@ -48,7 +48,13 @@ from planner.hooks import HOOK_TABLES, process_wide_hook_count
 from planner.model_code import global_loads
 from planner.regions import CAPTURE_LOCK
 
-__all__ = ["generators", "keeping_random_states", "refusing_side_effects", "repeated_effects"]
+__all__ = [
+    "generators",
+    "keeping_random_states",
+    "refusing_side_effects",
+    "repeated_effects",
+    "same_bits",
+]
 
 _MODULE_STATE = frozenset({"_parameters", "_buffers", "_modules"})
 # Where torch.fx's tracer stows a constant the graph reads (``Tracer.create_arg``): on the
@@ -407,6 +413,26 @@ def _restore(model: nn.Module, before: dict, changed: list[tuple[str, str]]) -> 
             delattr(module, key)
 
 
+def _plain_tensors(attributes: dict[tuple[str, str], object]) -> dict[str, tuple]:
+    """Tensor attributes that are not parameters or buffers, by name: (tensor, version, copy)."""
+    kept = {}
+    for (path, key), value in attributes.items():
+        if isinstance(value, torch.Tensor) and not value.is_inference():
+            kept[_dotted(path, key)] = (value, value._version, value.detach().clone())
+    return kept
+
+
+def _put_back_tensors(kept: dict[str, tuple]) -> list[str]:
+    """The names of ``_plain_tensors`` whose values moved, each put back."""
+    written = []
+    for name, (tensor, version, value) in kept.items():
+        if tensor._version != version and not same_bits(tensor, value):
+            written.append(name)
+            with torch.no_grad():
+                tensor.copy_(value)
+    return written
+
+
 @contextlib.contextmanager
 def refusing_side_effects(model: nn.Module):
     """Run a capture of ``model``; raise a ``PlanningError`` if its forward did more than tensor
@@ -417,6 +443,7 @@ def refusing_side_effects(model: nn.Module):
     draws = _RandomStates(before.values())
     streams = {name: (g, g.get_state()) for name, g in _generators_in(before).items()}
     versions = {n: p._version for n, p in model.named_parameters(remove_duplicate=False)}
+    tensors = _plain_tensors(before)
     applied: list[type] = []
     hooked: list[bool] = []
     entered: list[str] = []
@@ -437,6 +464,7 @@ def refusing_side_effects(model: nn.Module):
         drew = draws.drew()
         draws.restore()
         _restore(model, before, changed)
+        written = _put_back_tensors(tensors)
         reseeded = [n for n, (g, state) in streams.items() if not torch.equal(g.get_state(), state)]
         for g, state in streams.values():
             g.set_state(state)
@@ -451,6 +479,14 @@ def refusing_side_effects(model: nn.Module):
     if entered:
         raise saved_tensor_hooks_refusal(type(model).__name__, entered)
     reasons = _reasons(applied, bool(hooked), drew, set_by_forward, filled, updated)
+    if written:
+        reasons.append(
+            f"it updates tensor attributes in place ({', '.join(written[:4])}"
+            f"{', ...' if len(written) > 4 else ''}), which are not buffers: planning ran that "
+            "update (it is undone) and a graph holds such a tensor as a constant. Register "
+            "each as a buffer, whose updates the graph records: self.register_buffer('step', "
+            "torch.zeros(()))"
+        )
     installed = sorted(
         {_installed_package(type(model.get_submodule(p))) for p, _ in set_by_forward}
     )
@@ -616,6 +652,22 @@ def _reasons(
             "updated them while this one planned: plan between training steps.)"
         )
     return reasons
+
+
+def same_bits(tensor: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``tensor`` still holds ``value``, its copy (NaN equal to NaN; a meta tensor
+    holds no values). Kinds ``torch.equal`` does not take (sparse, nested, complex32) count as
+    unchanged: their version alone tells."""
+    if tensor.is_meta:
+        return True
+    try:
+        if torch.equal(tensor, value):
+            return True
+        if tensor.shape != value.shape or not (tensor.is_floating_point() or tensor.is_complex()):
+            return False
+        return bool(((tensor == value) | (tensor.isnan() & value.isnan())).all())
+    except (RuntimeError, NotImplementedError):
+        return True
 
 
 _MISSING = object()

@@ -91,6 +91,60 @@ def test_a_tensor_of_the_model_read_outside_traced_values_is_read_at_every_call(
         assert any(operator.attrgetter(t)(p.module) is model.queue for t in reads)
 
 
+class CountsInATensorAttribute(nn.Module):
+    """A step counter kept as a plain tensor attribute, not a buffer, updated in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = _layers()
+        self.step = torch.zeros(())
+
+    def forward(self, x):
+        self.step += 1
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x * self.step
+
+
+def test_a_tensor_attribute_updated_in_place_is_refused_and_put_back():
+    """Found trying the library: planning moved the counter by two and the planned module,
+    whose graph held it as a constant, never again (outputs off from the first call)."""
+    model = CountsInATensorAttribute()
+    with pytest.raises(planner.PlanningError, match=r"updates tensor attributes in place \(step\)"):
+        planner.plan(model, (torch.randn(8, 16),), budget_gb=1)
+    assert model.step.item() == 0
+
+
+class SetsData(nn.Module):
+    """Assigns ``.data`` of a parameter or a buffer in forward (old-style clamping or EMA)."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+        self.layers = _layers()
+        self.register_buffer("ema", torch.zeros(16))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        if self.what == "parameter":
+            self.layers[0].weight.data = self.layers[0].weight.data.clamp(max=0.1)
+        else:
+            self.ema.data = 0.9 * self.ema.data + 0.1 * x.detach().mean(0)
+        return x + self.ema
+
+
+@pytest.mark.parametrize("what", ["parameter", "buffer"])
+def test_assigning_data_in_forward_is_refused_not_dropped(what):
+    """Found trying the library: a traced tensor took ``.data = ...`` as an attribute of its
+    own, so the graph dropped the assignment (the parameter's: outputs off with no segment)."""
+    model = SetsData(what)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(planner.PlanningError, match="cannot capture"):
+        planner.plan(model, (torch.randn(8, 16),), budget_gb=1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 # -- torch's random state set in forward -----------------------------------------------------
 # Tracing ran the call once, at planning; the graph records ops, so the planned module drew
 # from wherever the generator stood: outputs 0.94 and gradients 17.6 off, with no segment.

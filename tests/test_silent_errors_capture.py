@@ -40,12 +40,13 @@ EXAMPLES = settings.default.max_examples
 
 
 def _exported(spec: RegionSpec) -> bool:
-    """Whether capture takes the torch.export path: forced, or a buffer updated in forward in a
-    way symbolic_trace runs for real instead of recording (every form but ``copy_``)."""
+    """Whether capture takes the torch.export path: forced, or a buffer assigned anew in
+    forward (``+= 1`` and ``assign``: symbolic_trace records in-place updates of a buffer, but
+    cannot set the module's attribute to a traced value)."""
 
     def updates(body):
         return any(
-            (item[0] == "buffer" and item[1] != "copy_")
+            (item[0] == "buffer" and item[1] in ("+= 1", "assign"))
             or (item[0] == "region" and updates(item[2]))
             for item in body
         )
