@@ -8,7 +8,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 TORCH := torch==2.13.0
 SMOKE_VENV := build/smoke-venv
 
-.PHONY: demo test test-gpu setup check lint format typecheck docs docs-serve wheel wheel-smoke clean
+.PHONY: demo test test-models test-gpu setup check lint format typecheck docs docs-serve wheel wheel-smoke clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The full matrix of real models (pytest -m models: every Hugging Face family, torchvision and
+# timm models; about 75 minutes on 2 cores, too long for CI beside the suite). torchvision and
+# timm go in without their dependencies: they would pull an unpinned (CUDA) torch.
+test-models: $(STAMP)
+	$(BIN)/pip install --quiet --no-deps torchvision==0.28.0 timm==1.0.31
+	$(BIN)/python -m pytest -q -m models
 
 # The venv holds the CPU build of torch, so the CUDA tests run with PYTHON (default python3),
 # whose torch must have CUDA; they fail, not skip, where it sees no GPU.

@@ -31,6 +31,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 warnings.simplefilter("ignore")
 
+from torchvision_shim import define_torchvision_operators  # noqa: E402
+
+define_torchvision_operators()  # transformers imports torchvision where it is installed
+
 import torch  # noqa: E402
 import transformers  # noqa: E402
 

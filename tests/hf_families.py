@@ -205,6 +205,7 @@ FAMILIES = {
     "llama": _causal_lm(transformers.LlamaForCausalLM, transformers.LlamaConfig),
     "mistral": _causal_lm(transformers.MistralForCausalLM, transformers.MistralConfig),
     "qwen2": _causal_lm(transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+    "phi": _causal_lm(transformers.PhiForCausalLM, transformers.PhiConfig),  # gelu_new
     "phi3": _causal_lm(transformers.Phi3ForCausalLM, transformers.Phi3Config),
     "gemma": _causal_lm(transformers.GemmaForCausalLM, transformers.GemmaConfig, head_dim=8),
     "mixtral": _causal_lm(
