@@ -32,10 +32,13 @@ test: $(STAMP)
 
 # The full matrix of real models (pytest -m models: every Hugging Face family, torchvision and
 # timm models; about 75 minutes on 2 cores, too long for CI beside the suite). torchvision and
-# timm go in without their dependencies: they would pull an unpinned (CUDA) torch.
+# timm go in without their dependencies (they would pull an unpinned, CUDA torch) and out again
+# after: the only torchvision 0.28.0 wheel is a CUDA build, which breaks `import transformers`
+# outside the tests' shim (the Hugging Face notebook of `make test`).
 test-models: $(STAMP)
 	$(BIN)/pip install --quiet --no-deps torchvision==0.28.0 timm==1.0.31
-	$(BIN)/python -m pytest -q -m models
+	$(BIN)/python -m pytest -q -m models; status=$$?; \
+	$(BIN)/pip uninstall --quiet --yes torchvision timm; exit $$status
 
 # The venv holds the CPU build of torch, so the CUDA tests run with PYTHON (default python3),
 # whose torch must have CUDA; they fail, not skip, where it sees no GPU.
