@@ -116,6 +116,22 @@ class WritesThroughViews(nn.Module):
         return self.b(torch.tanh(h) * self.scale)
 
 
+def assert_trains_like_the_model_under_every_single_segment(model, x, method: str) -> None:
+    """Planned with no segment, then with each valid segment alone, ``model`` trains exactly as
+    a copy of it made before planning."""
+    reference = copy.deepcopy(model)
+    captured, problem = planner.prepare(model, (x,))
+    assert captured.method == method
+    for segments in [()] + [
+        ((a, b),)
+        for a in range(problem.size)
+        for b in range(a + 1, problem.size + 1)
+        if problem.is_valid_segment(a, b)
+    ]:
+        planned = rewrite(captured.graph_module, model, segments, problem=problem)
+        assert_equivalent(reference, model, planned, (x,), {})
+
+
 class WritesIntoViewsOfABuffer(nn.Module):
     """Writes into views of a buffer, directly and through an in-place ReLU module: a segment
     restores the buffers it reads or whose module it calls, not those reached through a view,
@@ -141,17 +157,8 @@ class WritesIntoViewsOfABuffer(nn.Module):
 def test_a_write_into_a_view_of_a_buffer_trains_like_the_model_under_every_segment(untraceable):
     torch.manual_seed(0)
     model, x = WritesIntoViewsOfABuffer(untraceable), torch.randn(4, 8)
-    reference = copy.deepcopy(model)
-    captured, problem = planner.prepare(model, (x,))
-    assert captured.method == ("export" if untraceable else "symbolic_trace")
-    for segments in [()] + [
-        ((a, b),)
-        for a in range(problem.size)
-        for b in range(a + 1, problem.size + 1)
-        if problem.is_valid_segment(a, b)
-    ]:
-        planned = rewrite(captured.graph_module, model, segments, problem=problem)
-        assert_equivalent(reference, model, planned, (x,), {})
+    method = "export" if untraceable else "symbolic_trace"
+    assert_trains_like_the_model_under_every_single_segment(model, x, method)
 
 
 class ReadsViewsOfBuffersUpdatedLater(nn.Module):
@@ -178,24 +185,10 @@ class ReadsViewsOfBuffersUpdatedLater(nn.Module):
         return self.b(h)
 
 
-def _every_single_segment(problem) -> list:
-    return [()] + [
-        ((a, b),)
-        for a in range(problem.size)
-        for b in range(a + 1, problem.size + 1)
-        if problem.is_valid_segment(a, b)
-    ]
-
-
 def test_a_segment_reading_views_of_buffers_updated_later_recomputes_from_their_old_values():
     torch.manual_seed(0)
     model, x = ReadsViewsOfBuffersUpdatedLater(), torch.randn(4, 8)
-    reference = copy.deepcopy(model)
-    captured, problem = planner.prepare(model, (x,))
-    assert captured.method == "symbolic_trace"
-    for segments in _every_single_segment(problem):
-        planned = rewrite(captured.graph_module, model, segments, problem=problem)
-        assert_equivalent(reference, model, planned, (x,), {})
+    assert_trains_like_the_model_under_every_single_segment(model, x, "symbolic_trace")
 
 
 class ChecksItsBuffers(nn.Module):
@@ -247,30 +240,16 @@ def test_a_buffer_written_back_by_export_leaves_the_nodes_before_it_free_to_reco
     nodes with it and raised a model's lowest peak by 15% (found by a tester)."""
     torch.manual_seed(0)
     model, x = AssignsItsBufferAnew(), torch.randn(4, 8)
-    reference = copy.deepcopy(model)
-    captured, problem = planner.prepare(model, (x,))
-    assert captured.method == "export"
+    _, problem = planner.prepare(copy.deepcopy(model), (x,))
     pinned = [n for n, free in zip(problem.names, problem.checkpointable) if not free]
     assert pinned == ["_guards_fn"]  # export's shape guards, never in a segment
-    for segments in _every_single_segment(problem):
-        planned = rewrite(captured.graph_module, model, segments, problem=problem)
-        assert_equivalent(reference, model, planned, (x,), {})
+    assert_trains_like_the_model_under_every_single_segment(model, x, "export")
 
 
 def test_an_augmented_assignment_to_a_view_writes_what_it_views():
     torch.manual_seed(0)
     model, x = WritesThroughViews(), torch.randn(4, 8)
-    reference = copy.deepcopy(model)
-    captured, problem = planner.prepare(model, (x,))
-    assert captured.method == "symbolic_trace"
-    for segments in [()] + [
-        ((a, b),)
-        for a in range(problem.size)
-        for b in range(a + 1, problem.size + 1)
-        if problem.is_valid_segment(a, b)
-    ]:
-        planned = rewrite(captured.graph_module, model, segments, problem=problem)
-        assert_equivalent(reference, model, planned, (x,), {})
+    assert_trains_like_the_model_under_every_single_segment(model, x, "symbolic_trace")
 
 
 class Pair(NamedTuple):
