@@ -10,22 +10,35 @@ refuses ``proxy.data = ...``, which would set an attribute of the proxy and reco
 
 from __future__ import annotations
 
-import functools
 import operator
 
 import torch
 from torch import fx
 
-__all__ = ["BufferProxy", "InPlaceProxy", "buffer_read", "updates_in_place", "write_back"]
+__all__ = ["BufferProxy", "BufferReads", "InPlaceProxy", "updates_in_place", "write_back"]
 
-# Python's augmented assignments, as fx's code generation writes them back (``a += b``).
-_AUGMENTED = tuple(
-    getattr(operator, name)
+
+def _augmented(operation):
+    """``operation`` (``operator.iadd``...) as a graph node of its own name: fx writes its
+    ``operator`` nodes back as statements (``a += b``), which would rebind the variable ``a``
+    where it holds a size or a tuple, which Python never changes in place."""
+
+    def assign(target, value):
+        return operation(target, value)
+
+    assign.__name__ = assign.__qualname__ = operation.__name__
+    return assign
+
+
+# Python's augmented assignments: the operator, and the node that runs it.
+_AUGMENTED = {
+    name: _augmented(getattr(operator, name))
     for name in (
         "iadd", "iand", "ifloordiv", "ilshift", "imod", "imul", "imatmul", "ior", "ipow",
         "irshift", "isub", "itruediv", "ixor",
     )
-)  # fmt: skip
+}  # fmt: skip
+globals().update(_AUGMENTED)  # importable by name, as fx names a node's function
 _PROXY_FIELDS = frozenset({"node", "tracer"})  # what fx.Proxy.__init__ sets
 
 
@@ -40,25 +53,29 @@ class InPlaceProxy(fx.Proxy):
         super().__setattr__(name, value)
 
 
-def _recording(function):
+def _recording(node_function):
     def augmented(self, other):
-        return self.tracer.create_proxy("call_function", function, (self, other), {})
+        return self.tracer.create_proxy("call_function", node_function, (self, other), {})
 
     return augmented
 
 
-for _function in _AUGMENTED:
-    setattr(InPlaceProxy, f"__{_function.__name__}__", _recording(_function))
+for _operation, _node_function in _AUGMENTED.items():
+    setattr(InPlaceProxy, f"__{_operation}__", _recording(_node_function))
+_AUGMENTED_NODES = frozenset(_AUGMENTED.values())
 
 
 class BufferProxy(InPlaceProxy):
     """A buffer read as a graph node, which forward's Python checks see as eager mode sees the
     buffer: a tensor (``isinstance(self.mask, torch.Tensor)``, ``torch.is_tensor``), of the
-    buffer's dtype and device as Python values (``self.scale.dtype is torch.float32``). A
+    buffer's dtype, device and number of dimensions as Python values (``self.scale.dtype is
+    torch.float32``). A
     graph bakes such branches in; the planned module runs the model itself once the model's
     dtypes change."""
 
     _buffer: torch.Tensor
+    _is_param = False  # what nn.Parameter's and nn.Buffer's isinstance checks read
+    _is_buffer = False  # (a registered buffer is a plain tensor)
 
     def __init__(self, node: fx.Node, tracer, buffer: torch.Tensor):
         super().__init__(node, tracer)
@@ -67,6 +84,13 @@ class BufferProxy(InPlaceProxy):
     @property  # type: ignore[misc]
     def __class__(self):
         return type(self._buffer)
+
+    @property
+    def ndim(self) -> int:
+        return self._buffer.ndim
+
+    def dim(self) -> int:
+        return self._buffer.dim()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -114,47 +138,51 @@ def updates_in_place(node) -> bool:
         first = schema.arguments[0].alias_info if schema.arguments else None
         result = schema.returns[0].alias_info if len(schema.returns) == 1 else None
         return bool(first and first.is_write and result and result.before_set == first.before_set)
-    if target is write_back or target in _AUGMENTED:
+    if target is write_back or target in _AUGMENTED_NODES:
         return True
     name = _name(node)
     return name.endswith("_") and not name.startswith("_")
 
 
-@functools.cache
-def _view_op(name: str) -> bool:
-    """Whether the ATen op ``name`` may return a view of its input: an overload whose result
-    aliases an argument it does not write (``view``, ``transpose``, ``reshape``, ``detach``)."""
-    packet = getattr(torch.ops.aten, name, None)
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
-        return False
-    return any(
-        result.alias_info is not None and not result.alias_info.is_write
-        for overload in packet.overloads()
-        for result in getattr(packet, overload)._schema.returns
-    )
+class BufferReads:
+    """Which buffer of ``module`` each node of its graph is, or reads: ``buffer_read``, walked
+    once per chain (a residual stream written ``h += block(h)`` is a chain of in-place nodes as
+    long as the model, which every node's question would walk again), and which of the modules
+    it calls hold buffers."""
 
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.roots: dict[tuple[fx.Node, bool], fx.Node | None] = {}
+        self.holders: dict[str, bool] = {}
 
-def _views_first(node: fx.Node) -> bool:
-    """Whether ``node``'s result may be a view of its first argument (``h[:, :2]``, ``.data``,
-    ``x.view(...)``, ``aten.unsqueeze``)."""
-    if node.op not in ("call_method", "call_function") or not node.args:
-        return False
-    if node.target in (operator.getitem, getattr):
-        return True
-    return _view_op(_name(node))
+    def __call__(self, node, *, derived: bool = False) -> str | None:
+        """The target of the buffer (a tensor of the module that is not a parameter) ``node``
+        is, or returns after in-place ops on it (``buffer.mul_(0.9)``: the buffer itself); with
+        ``derived``, also one ``node`` is computed from through first arguments (a view of it,
+        ``buffer[:4]``, ``buffer.unsqueeze(0)``, or ``buffer.type_as(x)``, which may be the
+        buffer itself)."""
+        path = []
+        while isinstance(node, fx.Node) and (
+            updates_in_place(node)
+            or (derived and node.op in ("call_method", "call_function") and node.args)
+        ):
+            if (node, derived) in self.roots:
+                node = self.roots[node, derived]
+                break
+            path.append(node)
+            node = node.args[0]
+        root = node if isinstance(node, fx.Node) and node.op == "get_attr" else None
+        self.roots.update(dict.fromkeys([(step, derived) for step in path], root))
+        if root is None:
+            return None
+        target = str(root.target)
+        value = operator.attrgetter(target)(self.module)
+        is_buffer = isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+        return target if is_buffer else None
 
-
-def buffer_read(module: torch.nn.Module, node, *, through_views: bool = False) -> str | None:
-    """The target of the buffer (a tensor of ``module`` that is not a parameter) that ``node``
-    is, or returns after in-place ops on it (``buffer.mul_(0.9)``: the buffer itself); with
-    ``through_views``, also one ``node`` is a view of (``buffer[:4]``, ``buffer.unsqueeze(0)``)."""
-    while isinstance(node, fx.Node) and (
-        updates_in_place(node) or (through_views and _views_first(node))
-    ):
-        node = node.args[0]
-    if not isinstance(node, fx.Node) or node.op != "get_attr":
-        return None
-    target = str(node.target)
-    value = operator.attrgetter(target)(module)
-    is_buffer = isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
-    return target if is_buffer else None
+    def holds_buffers(self, target: str) -> bool:
+        """Whether the module called as ``target`` holds buffers (its own, or its children's)."""
+        if target not in self.holders:
+            module = self.module.get_submodule(target)
+            self.holders[target] = next(module.buffers(), None) is not None
+        return self.holders[target]

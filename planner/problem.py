@@ -22,7 +22,7 @@ from torch import fx
 from planner.costs import CostModel
 from planner.export_leaves import LEAF_CALL
 from planner.gcpause import paused_collection
-from planner.in_place import buffer_read
+from planner.in_place import BufferReads
 from planner.profile import COMPUTE_OPS, Profile, require_meta
 from planner.regions import enter_autocast, region_spans
 
@@ -453,14 +453,10 @@ def _mutation_pins(
     return forbidden_cuts, pinned
 
 
-def _has_buffers(module: torch.nn.Module) -> bool:
-    return next(module.buffers(), None) is not None
-
-
-def _buffer_copies(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple:
+def _buffer_copies(gm: fx.GraphModule, nodes: list[fx.Node], reads_buffer: BufferReads) -> tuple:
     """``Problem.buffer_copies``: per node, the buffers of the module it calls, and those it
-    reads (directly, through a view, or after in-place updates by the node that passes them
-    in); () if none."""
+    reads (directly, through what it was computed from, or after in-place updates by the node
+    that passes them in); () if none."""
     position = {node: i for i, node in enumerate(nodes)}
     keys: dict[int, int] = {}  # id of a buffer tensor -> its key
 
@@ -474,7 +470,7 @@ def _buffer_copies(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple:
         if node.op == "call_module" and node.graph is gm.graph:
             copies += [entry(b, -1) for b in gm.get_submodule(str(node.target)).buffers()]
         for source in node.all_input_nodes if node.graph is gm.graph else ():
-            target = buffer_read(gm, source, through_views=True)
+            target = reads_buffer(source, derived=True)
             if target is not None:
                 tensor = operator.attrgetter(target)(gm)
                 copies.append(entry(tensor, position.get(source, -1)))
@@ -596,9 +592,10 @@ def build_problem(
             cut_delta[end + 1] -= s.nbytes
     cut_bytes = np.cumsum(cut_delta)[: n + 1]
 
+    reads_buffer = BufferReads(gm)
     restored = [
-        buffer_read(gm, node) is not None
-        or (node.op == "call_module" and _has_buffers(gm.get_submodule(str(node.target))))
+        reads_buffer(node) is not None
+        or (node.op == "call_module" and reads_buffer.holds_buffers(str(node.target)))
         for node in nodes
     ]
     forbidden_cuts, pinned = _mutation_pins(storages, reads, writes, restored, profile.fixed_kind)
@@ -704,7 +701,7 @@ def build_problem(
         autocast_cache_bytes=profile.fixed_bytes("autocast cache"),
         checkpoint_seconds=cost_model.checkpoint_seconds,
         keep_seconds=cost_model.keep_seconds,
-        buffer_copies=_buffer_copies(gm, nodes),
+        buffer_copies=_buffer_copies(gm, nodes, reads_buffer),
         loss_bytes=profile.loss_bytes + profile.seed_bytes,
         default_loss_high=profile.default_loss_high if profile.loss is None else 0,
         summed_output_bytes=profile.summed_output_bytes,

@@ -853,7 +853,9 @@ class _Recorder(fx.Interpreter):
         nodes = self.backward.nodes  # the compute nodes in order, and a loss_fn's last
         after = nodes[nodes.index(saver) :]  # the saver itself too: a loss_fn is one node
         writers = [n for n in after if key in n.meta.get("planner.writes", ())]
-        where = f"node {saver.name!r} ({saver.op} {saver.target}) saved a tensor for backward"
+        where = (
+            f"node {saver.name!r} ({saver.op} {_target_name(saver)}) saved a tensor for backward"
+        )
         if writers and writers[0].target is write_back:
             buffer = cast(fx.Node, writers[0].args[0]).target
             return (
@@ -864,7 +866,7 @@ class _Recorder(fx.Interpreter):
                 "train with wrong gradients. Read the buffer through a copy where an operation "
                 "saves it (x * self.x.clone()), or plan a model symbolic_trace can capture."
             )
-        by = f" by node {writers[0].name!r} ({writers[0].target})" if writers else ""
+        by = f" by node {writers[0].name!r} ({_target_name(writers[0])})" if writers else ""
         return (
             f"the model's own backward fails: {where} that the forward then modified in "
             f"place{by} (autograd raises 'one of the variables needed for gradient "
@@ -1401,3 +1403,9 @@ def profile(
         seed_bytes=seed_bytes,
         summed_output_bytes=summed,
     )
+
+
+def _target_name(node: fx.Node) -> str:
+    """A node's target as a message names it: a function by its name (``iadd``, ``mul``)."""
+    target = node.target
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))

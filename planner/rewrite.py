@@ -45,7 +45,7 @@ from planner.errors import PlanningError
 from planner.export_leaves import CALLS_KEY, positions
 from planner.fakes import casts_a_leaf, op_facts, tensors_in
 from planner.gcpause import paused_collection
-from planner.in_place import buffer_read
+from planner.in_place import BufferReads
 from planner.model_call import CALL_KEY
 from planner.nested import Nest, NestedChoice
 from planner.planned_module import (
@@ -684,11 +684,6 @@ def _holds(module: nn.Module, target: str) -> bool:
     return True
 
 
-def _is_buffer(holder: nn.Module, node: fx.Node) -> bool:
-    """Whether ``node`` is a buffer, or a view of one (passed boxed: ``_Box``)."""
-    return buffer_read(holder, node, through_views=True) is not None
-
-
 def _takes_item(node: fx.Node) -> bool:
     """Whether ``node`` takes an item out of another: ``t[0]``, or a field of a named tuple
     (``torch.sort(h).values``, a ``getattr`` node)."""
@@ -703,19 +698,13 @@ def _unpacks(node: fx.Node) -> bool:
     return isinstance(source, fx.Node) and all(map(_takes_item, source.users))
 
 
-def _segment_buffers(
-    holder: nn.Module, members: list[fx.Node], inputs: list[fx.Node], buffered: dict[str, bool]
-):
+def _segment_buffers(members: list[fx.Node], inputs: list[fx.Node], reads_buffer: BufferReads):
     """Buffers a segment can write, by name: (targets of the modules it calls that have
-    buffers, targets of the buffers it reads directly or through a view). ``buffered``
-    remembers which module targets have buffers: a nested plan asks again for every segment
-    holding a module."""
+    buffers, targets of the buffers its inputs are or were computed from). ``reads_buffer``
+    remembers its answers: a nested plan asks again for every segment holding a node."""
     targets = [str(node.target) for node in members if node.op == "call_module"]
-    for target in targets:
-        if target not in buffered:
-            buffered[target] = next(holder.get_submodule(target).buffers(), None) is not None
-    modules = [target for target in targets if buffered[target]]
-    tensors = [buffer_read(holder, node, through_views=True) for node in inputs]
+    modules = [target for target in targets if reads_buffer.holds_buffers(target)]
+    tensors = [reads_buffer(node, derived=True) for node in inputs]
     return tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(t for t in tensors if t))
 
 
@@ -760,12 +749,12 @@ def rewrite(
     graph._codegen = captured.graph._codegen  # keeps torch.export's input/output pytree handling
     env: dict[fx.Node, fx.Node] = {}
     built: list[Segment] = []
-    buffered: dict[str, bool] = {}
+    reads_buffer = BufferReads(holder)
     for node in captured.graph.nodes:
         if node in first:
             k, nest = first[node]
             name = f"segment_{k}"
-            _checkpoint_segment(graph, env, holder, name, nodes, nest, marks, built, buffered)
+            _checkpoint_segment(graph, env, holder, name, nodes, nest, marks, built, reads_buffer)
         elif node not in inside and node not in env:
             env[node] = graph.node_copy(node, lambda n: env[n])
 
@@ -808,12 +797,13 @@ def _checkpoint_segment(
     nest: Nest,
     marks: dict[fx.Node, tuple],
     built,
-    buffered: dict[str, bool],
+    reads_buffer: BufferReads,
 ) -> None:
     """Append to ``graph`` a checkpoint call of ``nodes[nest.start:nest.stop]`` as a ``Segment``
     named ``name``, keeping the members in ``kept``; its inner segments (``nest.inner``) become
     checkpoint calls inside its body. Every segment built is appended to ``built``;
-    ``buffered`` is ``_segment_buffers``'s."""
+    ``reads_buffer`` is ``_segment_buffers``'s. Inputs that are buffers, or were computed from
+    one (a view), are passed boxed (``_Box``)."""
     members = nodes[nest.start : nest.stop]
     inner = {nodes[child.start]: child for child in nest.inner}
     inner_members = {m for child in nest.inner for m in nodes[child.start : child.stop]}
@@ -833,7 +823,7 @@ def _checkpoint_segment(
         )
     )
     outputs = [m for m in members if m in member_set and any(u not in member_set for u in m.users)]
-    boxed = {a for a in inputs if _is_buffer(holder, a)}
+    boxed = {a for a in inputs if reads_buffer(a, derived=True) is not None}
     body = fx.Graph()
     body_env = {a: body.placeholder(a.name) for a in inputs}
     for a in inputs:
@@ -846,7 +836,7 @@ def _checkpoint_segment(
             child = inner[m]
             child_name = f"{name}_{nest.inner.index(child)}"
             _checkpoint_segment(
-                body, body_env, holder, child_name, nodes, child, marks, built, buffered
+                body, body_env, holder, child_name, nodes, child, marks, built, reads_buffer
             )
             continue
         if m in inner_members or m not in member_set:
@@ -859,7 +849,7 @@ def _checkpoint_segment(
         if mark is not None:
             body.call_function(off)
     body.output(tuple(body_env[m] for m in outputs))
-    modules, tensors = _segment_buffers(holder, members, inputs, buffered)
+    modules, tensors = _segment_buffers(members, inputs, reads_buffer)
     targets = dict.fromkeys(str(m.target) for m in members if m.op == "call_module")
     called = tuple({id(m): m for t in targets for m in holder.get_submodule(t).modules()}.values())
     segment = Segment(fx.GraphModule(holder, body), modules, tensors, selective, called, replays)

@@ -414,12 +414,13 @@ def _restore(model: nn.Module, before: dict, changed: list[tuple[str, str]]) -> 
 
 
 def _plain_tensors(attributes: dict[tuple[str, str], object]) -> dict[str, tuple]:
-    """Tensor attributes that are not parameters or buffers, by name: (tensor, version, copy)."""
-    kept = {}
+    """Tensor attributes that are not parameters or buffers, by the first name each has:
+    (tensor, version, copy)."""
+    kept: dict[int, tuple] = {}
     for (path, key), value in attributes.items():
-        if isinstance(value, torch.Tensor) and not value.is_inference():
-            kept[_dotted(path, key)] = (value, value._version, value.detach().clone())
-    return kept
+        if isinstance(value, torch.Tensor) and not value.is_inference() and id(value) not in kept:
+            kept[id(value)] = (_dotted(path, key), value, value._version, value.detach().clone())
+    return {entry[0]: entry[1:] for entry in kept.values()}
 
 
 def _put_back_tensors(kept: dict[str, tuple]) -> list[str]:

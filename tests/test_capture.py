@@ -133,10 +133,9 @@ def assert_trains_like_the_model_under_every_single_segment(model, x, method: st
 
 
 class WritesIntoViewsOfABuffer(nn.Module):
-    """Writes into views of a buffer, directly and through an in-place ReLU module: a segment
-    restores the buffers it reads or whose module it calls, not those reached through a view,
-    so these writes are never recomputed (twice applied, or refused by autograd's version
-    check, before)."""
+    """Writes into views of a buffer, directly and through an in-place ReLU module: such writes
+    are never recomputed (a segment holding one raised in backward, before: the recompute
+    wrote the view again, which autograd's version check refused)."""
 
     def __init__(self, untraceable: bool):
         super().__init__()
@@ -178,8 +177,9 @@ class ReadsViewsOfBuffersUpdatedLater(nn.Module):
 
     def forward(self, x):
         mean, running = self.bn.running_mean.unsqueeze(0), self.running.view(1, -1)
+        variance = self.bn.running_var.type_as(x)  # the buffer itself, at this dtype
         h = torch.tanh(self.a(x) - mean)
-        h = torch.sin(torch.tanh(h + running))
+        h = torch.sin(torch.tanh(h + running) + variance)
         h = self.bn(h)
         self.running.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
         return self.b(h)
@@ -207,8 +207,10 @@ class ChecksItsBuffers(nn.Module):
             h = h * self.mask
         if self.mask.dtype is torch.float32 and self.mask.device.type == "cpu":
             h = h + 1
-        if torch.is_tensor(self.index):
+        if torch.is_tensor(self.index) and not isinstance(self.index, nn.Parameter):
             h = torch.tanh(h)
+        if self.mask.ndim == 1 and self.mask.dim() == 1:
+            h = h * 2
         return h
 
 
@@ -244,6 +246,32 @@ def test_a_buffer_written_back_by_export_leaves_the_nodes_before_it_free_to_reco
     pinned = [n for n, free in zip(problem.names, problem.checkpointable) if not free]
     assert pinned == ["_guards_fn"]  # export's shape guards, never in a segment
     assert_trains_like_the_model_under_every_single_segment(model, x, "export")
+
+
+class AddsToASize(nn.Module):
+    """``+=`` on a size and a tuple, which Python never changes in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        n = x.size(1)
+        m = n
+        m += 8
+        shape = x.shape
+        grown = shape
+        grown += (1,)
+        h = self.a(x).reshape(grown).squeeze(-1).reshape(shape)
+        return h * n + m
+
+
+def test_an_augmented_assignment_to_a_size_leaves_the_other_names_of_it_alone():
+    """Found by review: recorded as fx's ``operator.iadd``, which fx writes back as ``m += 8``,
+    the graph rebound ``m``'s source: the output was twice eager mode's."""
+    torch.manual_seed(0)
+    model, x = AddsToASize(), torch.randn(4, 8)
+    assert_trains_like_the_model_under_every_single_segment(model, x, "symbolic_trace")
 
 
 def test_an_augmented_assignment_to_a_view_writes_what_it_views():
