@@ -1,11 +1,16 @@
-"""In-place writes and views in captured graphs: traced as eager mode makes them, and
+"""In-place writes and buffers in captured graphs: traced as eager mode runs them, and
 recognised where a segment must restore, or must not recompute, what they write.
 
-fx's ``Proxy`` has no in-place operators, so under ``symbolic_trace`` Python runs ``h += 1`` as
-``h = h + 1``, and the graph loses the write wherever ``h`` is a view (``v = h[:, :2]; v += 1``
-changes ``h`` in eager mode, and nothing in the graph). ``InPlaceProxy`` records
-``operator.iadd`` and its kin instead, which the graph's code writes back as ``v += 1``; and it
-refuses ``proxy.data = ...``, which would set an attribute of the proxy and record nothing.
+* fx's ``Proxy`` has no in-place operators, so under ``symbolic_trace`` Python runs ``h += 1``
+  as ``h = h + 1``, and the graph loses the write wherever ``h`` is a view
+  (``v = h[:, :2]; v += 1`` changes ``h`` in eager mode, and nothing in the graph).
+  ``InPlaceProxy`` records a node ``iadd(v, 1)`` (and its kin) that runs ``operator.iadd``;
+  it refuses ``proxy.data = ...``, which would set an attribute of the proxy and record nothing.
+* ``BufferProxy``: a buffer read as a graph node (``planner.capture`` traces so where forward
+  runs ops on a buffer alone).
+* ``updates_in_place`` and ``BufferReads``: which nodes write their first argument, and which
+  buffer a node is or was computed from (``planner.problem``'s pins, ``planner.rewrite``'s
+  restores); ``write_back``: torch.export's write-back of a buffer, skipped onto itself.
 """
 
 from __future__ import annotations
@@ -69,9 +74,8 @@ class BufferProxy(InPlaceProxy):
     """A buffer read as a graph node, which forward's Python checks see as eager mode sees the
     buffer: a tensor (``isinstance(self.mask, torch.Tensor)``, ``torch.is_tensor``), of the
     buffer's dtype, device and number of dimensions as Python values (``self.scale.dtype is
-    torch.float32``). A
-    graph bakes such branches in; the planned module runs the model itself once the model's
-    dtypes change."""
+    torch.float32``). A graph bakes such branches in; the planned module runs the model itself
+    once the model's dtypes change."""
 
     _buffer: torch.Tensor
     _is_param = False  # what nn.Parameter's and nn.Buffer's isinstance checks read
