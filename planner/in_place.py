@@ -154,8 +154,10 @@ class BufferReads:
     long as the model, which every node's question would walk again), and which of the modules
     it calls hold buffers."""
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, storages: dict[int, str] | None = None):
         self.module = module
+        # The profile's buffer storages (``planner.output_storages``), or None without one.
+        self.storages = storages
         self.roots: dict[tuple[fx.Node, bool], fx.Node | None] = {}
         self.holders: dict[str, bool] = {}
 
@@ -183,6 +185,19 @@ class BufferReads:
         value = operator.attrgetter(target)(self.module)
         is_buffer = isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
         return target if is_buffer else None
+
+    def restored(self, node) -> str | None:
+        """The buffer a segment taking ``node`` as an input restores around its recompute and
+        passes by reference: the one ``node`` is (directly, or after in-place ops on it), or
+        whose storage its output lives in, as the profile saw it (a view, ``buffer.type_as(x)``
+        returning the buffer itself, ``nn.Identity()(buffer)``, an item of
+        ``torch.broadcast_tensors``); without a profile, one ``node`` was computed from."""
+        if (target := self(node)) is not None:
+            return target
+        keys = node.meta.get("planner.output_storages") if isinstance(node, fx.Node) else None
+        if self.storages is None or keys is None:
+            return self(node, derived=True)
+        return next((self.storages[key] for key in sorted(keys) if key in self.storages), None)
 
     def holds_buffers(self, target: str) -> bool:
         """Whether the module called as ``target`` holds buffers (its own, or its children's)."""

@@ -455,8 +455,8 @@ def _mutation_pins(
 
 def _buffer_copies(gm: fx.GraphModule, nodes: list[fx.Node], reads_buffer: BufferReads) -> tuple:
     """``Problem.buffer_copies``: per node, the buffers of the module it calls, and those it
-    reads (directly, through what it was computed from, or after in-place updates by the node
-    that passes them in); () if none."""
+    reads (``BufferReads.restored``: directly, through a view or alias, or after in-place
+    updates by the node that passes them in); () if none."""
     position = {node: i for i, node in enumerate(nodes)}
     keys: dict[int, int] = {}  # id of a buffer tensor -> its key
 
@@ -470,7 +470,7 @@ def _buffer_copies(gm: fx.GraphModule, nodes: list[fx.Node], reads_buffer: Buffe
         if node.op == "call_module" and node.graph is gm.graph:
             copies += [entry(b, -1) for b in gm.get_submodule(str(node.target)).buffers()]
         for source in node.all_input_nodes if node.graph is gm.graph else ():
-            target = reads_buffer(source, derived=True)
+            target = reads_buffer.restored(source)
             if target is not None:
                 tensor = operator.attrgetter(target)(gm)
                 copies.append(entry(tensor, position.get(source, -1)))
@@ -592,7 +592,7 @@ def build_problem(
             cut_delta[end + 1] -= s.nbytes
     cut_bytes = np.cumsum(cut_delta)[: n + 1]
 
-    reads_buffer = BufferReads(gm)
+    reads_buffer = BufferReads(gm, gm.meta.get("planner.buffer_storages"))
     restored = [
         reads_buffer(node) is not None
         or (node.op == "call_module" and reads_buffer.holds_buffers(str(node.target)))

@@ -22,6 +22,11 @@ Keys written into ``node.meta`` (the one place they are documented):
     checkpointing the node does not drop them (its recompute makes a copy of its own).
 ``planner.writes``
     storages this node mutates in place.
+``planner.output_storages``
+    storages its output tensors live in: its own, or an earlier one it returns a view or an
+    alias of (``nn.Identity`` of a buffer). With ``gm.meta["planner.buffer_storages"]``
+    (storage -> a name of the buffer in it), they tell which inputs of a segment are buffers
+    however forward reached them (``planner.in_place.BufferReads``).
 ``planner.workspace``
     the most the node holds at once beyond the storages it creates and keeps: its temporaries
     at their high point (each dies as the node's code drops it).
@@ -171,6 +176,7 @@ META_KEYS = (
     "planner.high_before_last_save",
     "planner.cost_before_last_save",
     "planner.context_saved",
+    "planner.output_storages",
 )
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 # ``tensor.device`` of a fake tensor, dispatched like an op; it reads and moves no memory, and
@@ -962,6 +968,7 @@ class _Recorder(fx.Interpreter):
             {self.storages.key(t) for t in stashed} - {None}
         )
         node.meta["planner.writes"] = frozenset(self.cost.writes)
+        node.meta["planner.output_storages"] = frozenset(out_keys)
         # What the node holds at once beyond what it keeps: its temporaries die as it goes.
         node.meta["planner.workspace"] = max(self.cost.high - sum(nbytes[k] for k in kept), 0)
         node.meta["planner.kept_bytes"] = sum(nbytes[k] for k in new)
@@ -1324,10 +1331,13 @@ def profile(
             fixed_kind[key] = "parameter"
             if p.requires_grad:
                 trainable.add(key)
-        for b in gm.buffers():
+        buffers: dict[int, str] = {}  # storage -> a name of the buffer, for the rewrite
+        for name, b in gm.named_buffers():
             key = storages.fixed_key(b, copies(b))
             if key is not None:
                 fixed_kind.setdefault(key, "buffer")
+                buffers.setdefault(key, name)
+        gm.meta["planner.buffer_storages"] = buffers
         for original, t in zip(originals, tree_leaves((args, kwargs))):
             key = storages.fixed_key(original, t)  # None for non-tensors
             if key is not None:

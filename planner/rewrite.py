@@ -700,11 +700,12 @@ def _unpacks(node: fx.Node) -> bool:
 
 def _segment_buffers(members: list[fx.Node], inputs: list[fx.Node], reads_buffer: BufferReads):
     """Buffers a segment can write, by name: (targets of the modules it calls that have
-    buffers, targets of the buffers its inputs are or were computed from). ``reads_buffer``
-    remembers its answers: a nested plan asks again for every segment holding a node."""
+    buffers, targets of the buffers its inputs are, or live in: ``BufferReads.restored``).
+    ``reads_buffer`` remembers its answers: a nested plan asks again for every segment holding
+    a node."""
     targets = [str(node.target) for node in members if node.op == "call_module"]
     modules = [target for target in targets if reads_buffer.holds_buffers(target)]
-    tensors = [reads_buffer(node, derived=True) for node in inputs]
+    tensors = [reads_buffer.restored(node) for node in inputs]
     return tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(t for t in tensors if t))
 
 
@@ -749,7 +750,7 @@ def rewrite(
     graph._codegen = captured.graph._codegen  # keeps torch.export's input/output pytree handling
     env: dict[fx.Node, fx.Node] = {}
     built: list[Segment] = []
-    reads_buffer = BufferReads(holder)
+    reads_buffer = BufferReads(holder, captured.meta.get("planner.buffer_storages"))
     for node in captured.graph.nodes:
         if node in first:
             k, nest = first[node]
@@ -802,8 +803,8 @@ def _checkpoint_segment(
     """Append to ``graph`` a checkpoint call of ``nodes[nest.start:nest.stop]`` as a ``Segment``
     named ``name``, keeping the members in ``kept``; its inner segments (``nest.inner``) become
     checkpoint calls inside its body. Every segment built is appended to ``built``;
-    ``reads_buffer`` is ``_segment_buffers``'s. Inputs that are buffers, or were computed from
-    one (a view), are passed boxed (``_Box``)."""
+    ``reads_buffer`` is ``_segment_buffers``'s. Inputs that are buffers, or live in one (a
+    view), are passed boxed (``_Box``)."""
     members = nodes[nest.start : nest.stop]
     inner = {nodes[child.start]: child for child in nest.inner}
     inner_members = {m for child in nest.inner for m in nodes[child.start : child.stop]}
@@ -823,7 +824,7 @@ def _checkpoint_segment(
         )
     )
     outputs = [m for m in members if m in member_set and any(u not in member_set for u in m.users)]
-    boxed = {a for a in inputs if reads_buffer(a, derived=True) is not None}
+    boxed = {a for a in inputs if reads_buffer.restored(a) is not None}
     body = fx.Graph()
     body_env = {a: body.placeholder(a.name) for a in inputs}
     for a in inputs:

@@ -171,6 +171,7 @@ class ReadsViewsOfBuffersUpdatedLater(nn.Module):
         super().__init__()
         self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
         self.bn = nn.BatchNorm1d(8)
+        self.same = nn.Identity()
         self.register_buffer("running", torch.linspace(-1, 1, 8))
         with torch.no_grad():
             self.bn.running_mean.normal_()
@@ -178,8 +179,11 @@ class ReadsViewsOfBuffersUpdatedLater(nn.Module):
     def forward(self, x):
         mean, running = self.bn.running_mean.unsqueeze(0), self.running.view(1, -1)
         variance = self.bn.running_var.type_as(x)  # the buffer itself, at this dtype
-        h = torch.tanh(self.a(x) - mean)
-        h = torch.sin(torch.tanh(h + running) + variance)
+        weight = self.same(self.bn.weight)  # not a buffer: passed as it is
+        alias = torch.broadcast_tensors(x, self.same(self.bn.running_mean))[1]
+        h = torch.tanh(self.a(x) - mean) * weight
+        h = torch.sin(torch.tanh(h + alias) + running)
+        h = torch.sin(torch.tanh(h + alias) + variance)
         h = self.bn(h)
         self.running.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
         return self.b(h)
@@ -189,6 +193,22 @@ def test_a_segment_reading_views_of_buffers_updated_later_recomputes_from_their_
     torch.manual_seed(0)
     model, x = ReadsViewsOfBuffersUpdatedLater(), torch.randn(4, 8)
     assert_trains_like_the_model_under_every_single_segment(model, x, "symbolic_trace")
+
+
+@pytest.mark.parametrize("solver", ["rotor", "optimal"])
+def test_nested_and_selective_plans_reading_aliases_of_buffers_train_like_the_model(solver):
+    """Found by a tester: a buffer reached through ``nn.Identity`` or ``broadcast_tensors``
+    (aliases no op name gives away) was neither restored nor passed by reference: gradients
+    2% off, silently, under a nested plan at the lowest peak and a selective one above it."""
+    torch.manual_seed(0)
+    model, x = ReadsViewsOfBuffersUpdatedLater(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    _, problem = planner.prepare(copy.deepcopy(model), (x,))
+    low, high = lowest_peak(problem).peak_bytes, simulate(problem, ()).peak_bytes
+    budget = low if solver == "rotor" else (low + high) // 2
+    p = planner.plan(model, (x,), budget_bytes=budget, solver=solver)
+    assert p.segments
+    assert_equivalent(reference, model, p.module, (x,), {})
 
 
 class ChecksItsBuffers(nn.Module):
