@@ -42,7 +42,7 @@ from planner.hooks import (
     process_wide_hooks_message,
     restoring_output_recorders,
 )
-from planner.in_place import BufferProxy, InPlaceProxy, write_back
+from planner.in_place import BufferProxy, InPlaceProxy, updates_in_place, write_back
 from planner.model_call import CALL_KEY, ModelCall, container_types
 from planner.model_code import global_loads, loaded_attributes
 from planner.planned_module import PlannedModule
@@ -650,12 +650,24 @@ def _keeping_buffers(model: nn.Module):
             # A batch norm's kernel updates its running statistics without bumping their
             # version (eager runs of the model here: planner.attention, export_leaves).
             rewritten = tensor._version != version or not same_bits(tensor, value)
-            if module._buffers.get(name) is not tensor or rewritten:
+            now = module._buffers.get(name)
+            if now is not tensor and _updates_itself(now, qualified):
+                module._buffers[name] = tensor  # ``self.calls += 1`` traced: recorded in place
+            elif now is not tensor or rewritten:
                 changed.append(qualified)
                 module._buffers[name] = tensor
                 if rewritten:
                     with torch.no_grad():
                         tensor.copy_(value)
+
+
+def _updates_itself(value, target: str) -> bool:
+    """Whether ``value``, set as buffer ``target`` while tracing, is what in-place ops on that
+    buffer's graph node returned: ``self.calls += 1`` sets the buffer to itself in eager mode."""
+    node = value.node if isinstance(value, fx.Proxy) else None
+    while node is not None and updates_in_place(node):
+        node = node.args[0] if isinstance(node.args[0], fx.Node) else None
+    return node is not None and node.op == "get_attr" and node.target == target
 
 
 def more_than_one_value_per_channel(x: torch.Tensor) -> None:

@@ -211,6 +211,31 @@ def test_nested_and_selective_plans_reading_aliases_of_buffers_train_like_the_mo
     assert_equivalent(reference, model, p.module, (x,), {})
 
 
+class CountsItsCalls(nn.Module):
+    """A call counter in a buffer, ``self.calls += 1``: Python sets the buffer to itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.b(torch.tanh(self.a(x))) * self.calls
+
+
+def test_a_counter_buffer_incremented_with_plus_equals_is_traced_and_takes_any_batch():
+    """Found by a tester: the assignment of the buffer to itself sent the model to
+    torch.export, whose plan refused every other batch size."""
+    torch.manual_seed(0)
+    model, x = CountsItsCalls(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    p = planner.plan(model, (x,), budget_gb=1)
+    assert p.capture_method == "symbolic_trace" and model.calls.item() == 0
+    assert_equivalent(reference, model, p.module, (x,), {})
+    assert_equivalent(reference, model, p.module, (torch.randn(3, 8),), {})
+
+
 class ChecksItsBuffers(nn.Module):
     """Python checks of buffers in forward, beside an op on a buffer alone (which makes capture
     read buffers as graph nodes): they must take the branches eager mode takes."""

@@ -40,13 +40,13 @@ EXAMPLES = settings.default.max_examples
 
 
 def _exported(spec: RegionSpec) -> bool:
-    """Whether capture takes the torch.export path: forced, or a buffer assigned anew in
-    forward (``+= 1`` and ``assign``: symbolic_trace records in-place updates of a buffer, but
-    cannot set the module's attribute to a traced value)."""
+    """Whether capture takes the torch.export path: forced, or a buffer assigned a new value in
+    forward (``assign``: symbolic_trace records in-place updates of a buffer, ``+= 1`` too,
+    but cannot set the module's attribute to another traced value)."""
 
     def updates(body):
         return any(
-            (item[0] == "buffer" and item[1] in ("+= 1", "assign"))
+            (item[0] == "buffer" and item[1] == "assign")
             or (item[0] == "region" and updates(item[2]))
             for item in body
         )
