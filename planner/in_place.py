@@ -149,14 +149,15 @@ def updates_in_place(node) -> bool:
 
 
 class BufferReads:
-    """Which buffer of ``module`` each node of its graph is, or reads: ``buffer_read``, walked
-    once per chain (a residual stream written ``h += block(h)`` is a chain of in-place nodes as
-    long as the model, which every node's question would walk again), and which of the modules
-    it calls hold buffers."""
+    """Which buffer of ``module`` each node of its graph is, or reads, each chain of in-place
+    nodes walked once (a residual stream written ``h += block(h)`` is a chain as long as the
+    model, which every node's question would walk again), and which of the modules it calls
+    hold buffers."""
 
     def __init__(self, module: torch.nn.Module, storages: dict[int, str] | None = None):
         self.module = module
-        # The profile's buffer storages (``planner.output_storages``), or None without one.
+        # Storage -> buffer name, ``gm.meta["planner.buffer_storages"]`` from the profile, read
+        # with each node's ``planner.output_storages``; None without a profile.
         self.storages = storages
         self.roots: dict[tuple[fx.Node, bool], fx.Node | None] = {}
         self.holders: dict[str, bool] = {}
