@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 from planner.capture import Captured
 from planner.costs import CostModel
-from planner.errors import PlanningError, positive_int
+from planner.errors import InputsRefused, PlanningError, positive_int
 from planner.nested import NestedChoice
 from planner.options import CaptureOptions
 from planner.pipeline import assemble, budget_in_bytes, prepare
@@ -254,7 +254,8 @@ def plan_batch(
 
     Memory is only assumed to grow with the micro-batch: once a size with accumulation cannot
     fit even with maximal recompute, larger sizes with accumulation are reported as skipped
-    (the single-step size, without accumulated gradients, is still evaluated).
+    (the single-step size, without accumulated gradients, is still evaluated). A size the
+    model's forward refuses (``BatchNorm1d`` on one sample) is reported as skipped too.
 
     Parameters
     ----------
@@ -294,6 +295,7 @@ def plan_batch(
         across sizes: the message gives the expected and the received batch size).
     PlanningError
         When no candidate fits even with maximal recompute; the message gives the minimum memory.
+        When the model's forward refuses every size, the error of the first.
 
     Examples
     --------
@@ -341,6 +343,7 @@ def plan_batch(
     smallest_minimum: tuple[int, int, int] | None = None  # (micro-batch, steps, lowest peak)
     too_big = None  # the smallest accumulating size that cannot fit at all
     first = None  # the first size's inputs: where they hold the batch (see _check_batch)
+    refused = None  # the first size the model's forward refused (see InputsRefused)
     for m in sizes:
         steps = per_rank // m
         if too_big is not None and steps > 1:
@@ -360,15 +363,24 @@ def plan_batch(
             continue
         inputs = _inputs(make_inputs, m)
         first = _check_batch(_shapes(inputs), m, first)
-        captured, problem = prepare(
-            model,
-            inputs,
-            cost_model=cost_model,
-            optimizer_state_bytes=optimizer_state_bytes,
-            capture_options=capture_options,
-            loss_fn=None if make_loss_fn is None else make_loss_fn(m),
-            optimizer=optimizer,
-        )
+        try:
+            captured, problem = prepare(
+                model,
+                inputs,
+                cost_model=cost_model,
+                optimizer_state_bytes=optimizer_state_bytes,
+                capture_options=capture_options,
+                loss_fn=None if make_loss_fn is None else make_loss_fn(m),
+                optimizer=optimizer,
+            )
+        except InputsRefused as error:
+            # The model cannot train on m samples (BatchNorm on one): other sizes may.
+            refused = refused or error
+            reason = f"{type(error.__cause__).__name__}: {error.__cause__}"
+            options.append(
+                BatchOption(m, steps, None, None, None, None, None, False, f"skipped: {reason}")
+            )
+            continue
         if steps > 1:
             problem = accumulation_problem(problem, max(0, batch_bytes - _input_bytes(inputs)))
         solve_start = time.perf_counter()
@@ -409,8 +421,11 @@ def plan_batch(
         if fits and (best is None or key < best[0]):
             best = (key, option, captured, problem, segments, result, solve_seconds, name)
 
+    if best is None and smallest_minimum is None:
+        # The forward refused every size (nothing else stops a size before the first fails).
+        assert refused is not None
+        raise refused
     if best is None:
-        # Nothing fits, so the first size, always evaluated, set smallest_minimum.
         assert smallest_minimum is not None
         m, steps, needed = smallest_minimum
         raise PlanningError(

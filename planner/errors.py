@@ -8,6 +8,12 @@ class PlanningError(RuntimeError):
     """A model, its inputs or a budget that cannot be planned; the message says what to do next."""
 
 
+class InputsRefused(PlanningError):
+    """The model's own forward raised on the example inputs (a BatchNorm given one sample per
+    channel, a wrong shape): other inputs of the same model may plan (``plan_batch`` skips
+    such a micro-batch size)."""
+
+
 def short_repr(value) -> str:
     """A bad value as an error message names it: its type and repr, or its size when long."""
     text, kind = repr(value), type(value).__name__

@@ -130,7 +130,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from planner.errors import PlanningError
+from planner.errors import InputsRefused, PlanningError
 from planner.fakes import (
     Copies,
     FakeCall,
@@ -924,7 +924,7 @@ class _Recorder(fx.Interpreter):
                 f"have sizes only. The inputs are not at fault. {advice}"
             ) from error
         except Exception as error:
-            raise PlanningError(
+            raise InputsRefused(
                 f"the model's forward failed on the example inputs at node {node.name!r} "
                 f"({node.op} {node.target}): {type(error).__name__}: {error}. Check the "
                 "example inputs' shapes and dtypes against what the model expects."

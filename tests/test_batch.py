@@ -194,6 +194,30 @@ def test_make_inputs_that_ignores_the_batch_size_is_refused(model):
                    micro_batches=[2, 4])  # fmt: skip
 
 
+def batch_norm_mlp() -> nn.Module:
+    """BatchNorm1d refuses to train on one sample per channel."""
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def features(batch_size):
+    return (torch.randn(batch_size, 16),)
+
+
+def test_a_micro_batch_size_the_model_refuses_is_skipped_and_the_others_still_planned():
+    choice = plan_batch(batch_norm_mlp(), features, budget_bytes=2**30, global_batch=8)
+    refused, *planned = choice.alternatives
+    assert refused.micro_batch == 1 and not refused.fits and refused.predicted_peak_bytes is None
+    assert "skipped: ValueError: Expected more than 1 value per channel" in refused.note
+    assert [o.micro_batch for o in planned] == [2, 4, 8] and all(o.fits for o in planned)
+    assert choice.micro_batch == 8
+
+
+def test_a_model_refusing_every_micro_batch_size_gets_the_first_sizes_error():
+    with pytest.raises(planner.PlanningError, match=r"failed on the example inputs.*size torch"):
+        plan_batch(batch_norm_mlp(), features, budget_bytes=2**30, global_batch=4,
+                   micro_batches=[1])  # fmt: skip
+
+
 def measured_window(choice, batch: tuple, loss_of_output) -> int:
     """Measured peak of one accumulation window of ``choice`` over ``batch``, as the loop of
     docs/training.md runs it."""
