@@ -254,6 +254,39 @@ def test_a_replay_computes_the_copies_a_matmul_saves_for_its_own_backward():
     assert_equivalent(copy.deepcopy(model), model, planned, args, {})
 
 
+class FrozenLayersUnderAutocast(nn.Module):
+    """Fine-tuning the last layer of a bf16 model: autocast casts the frozen weights at every
+    call (it caches casts of weights that train only), inside the Linear's node."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 64), nn.Linear(64, 16), nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.a.requires_grad_(False)
+        self.b.requires_grad_(False)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.b(torch.nn.functional.gelu(self.a(x))) + x
+            return self.c(self.norm(h)).float()
+
+
+def test_a_frozen_linear_under_autocast_is_replayed_on_its_real_weight_casts():
+    """Found by a tester: replaying ``b`` (its output read only by the kept ``add``) faked the
+    casts of its frozen weight and bias; ``F.linear`` took the ``mm`` path on those stand-ins,
+    not the profile's ``addmm``, and the recompute raised in backward. The casts are computed,
+    the matmul is not: the step trains exactly like the model."""
+    torch.manual_seed(0)
+    model, args = FrozenLayersUnderAutocast(), (torch.randn(4, 32, 16),)
+    captured, problem = prepare(model, args)
+    add = next(k for k in range(problem.size) if problem.labels[k] == "add")
+    choice = Choice(((1, add + 2),), frozenset({add}))  # to the norm, which saves the sum
+    validate_choice(problem, choice)
+    assert _named(problem, np.flatnonzero(replayed_nodes(problem, choice))) == ["b"]
+    planned = rewrite(captured.graph_module, model, choice, problem=problem)
+    assert_equivalent(copy.deepcopy(model), model, planned, args, {})
+
+
 class ScaledAttention(nn.Module):
     """Scores scaled by a parameter and by a tensor argument: ``scores * t`` saves the scores
     for ``t``'s gradient only when ``t`` requires grad."""
