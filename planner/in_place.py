@@ -6,6 +6,8 @@ recognised where a segment must restore, or must not recompute, what they write.
   (``v = h[:, :2]; v += 1`` changes ``h`` in eager mode, and nothing in the graph).
   ``InPlaceProxy`` records a node ``iadd(v, 1)`` (and its kin) that runs ``operator.iadd``;
   it refuses ``proxy.data = ...``, which would set an attribute of the proxy and record nothing.
+  Item assignments (``h[:, :k] = 0``), which fx's ``Proxy`` refuses, are recorded as ``setitem``
+  nodes.
 * ``BufferProxy``: a buffer read as a graph node (``planner.capture`` traces so where forward
   runs ops on a buffer alone).
 * ``updates_in_place`` and ``BufferReads``: which nodes write their first argument, and which
@@ -68,6 +70,20 @@ def _recording(node_function):
 for _operation, _node_function in _AUGMENTED.items():
     setattr(InPlaceProxy, f"__{_operation}__", _recording(_node_function))
 _AUGMENTED_NODES = frozenset(_AUGMENTED.values())
+
+
+def setitem(target, index, value):
+    """``target[index] = value`` as a graph node, which returns ``target``: fx writes
+    ``operator.setitem`` back as the statement, and the node's value would then be None."""
+    target[index] = value
+    return target
+
+
+def _set_item(self, index, value) -> None:
+    self.tracer.create_proxy("call_function", setitem, (self, index, value), {})
+
+
+InPlaceProxy.__setitem__ = _set_item  # type: ignore[method-assign]
 
 
 class BufferProxy(InPlaceProxy):
@@ -142,7 +158,7 @@ def updates_in_place(node) -> bool:
         first = schema.arguments[0].alias_info if schema.arguments else None
         result = schema.returns[0].alias_info if len(schema.returns) == 1 else None
         return bool(first and first.is_write and result and result.before_set == first.before_set)
-    if target is write_back or target in _AUGMENTED_NODES:
+    if target is write_back or target is setitem or target in _AUGMENTED_NODES:
         return True
     name = _name(node)
     return name.endswith("_") and not name.startswith("_")

@@ -325,6 +325,49 @@ def test_an_augmented_assignment_to_a_view_writes_what_it_views():
     assert_trains_like_the_model_under_every_single_segment(model, x, "symbolic_trace")
 
 
+class AssignsItems(nn.Module):
+    """Item assignments, which fx's proxies refuse: into an activation by sizes of the input,
+    through a view (``+=`` on a slice), by a mask, into a positional table made in forward, and
+    into a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("seen", torch.zeros(8))
+
+    def forward(self, x):
+        table = x.new_zeros(x.shape[0], x.shape[1])
+        table[:, 0::2] = torch.arange(x.shape[0], dtype=x.dtype).unsqueeze(1)
+        h = self.a(x + table) * 2
+        h[:, : x.shape[1] // 4] = 0
+        y = self.b(h)
+        y[:, 3:] += 1
+        z = self.c(y.tanh())
+        z[z > 0.5] = 0.5
+        self.seen[:2] = z[0, :2].detach()
+        return z * 1.5
+
+
+def test_item_assignments_are_traced_and_run_in_place_as_in_eager_mode():
+    torch.manual_seed(0)
+    model, x = AssignsItems(), torch.randn(4, 8)
+    assert_trains_like_the_model_under_every_single_segment(model, x, "symbolic_trace")
+
+
+def test_a_plan_of_a_model_assigning_items_takes_other_batch_sizes():
+    """Before, such models went to torch.export, whose plans took only the example's shapes."""
+    torch.manual_seed(0)
+    model = AssignsItems()
+    _, problem = planner.prepare(model, (torch.randn(8, 8),))
+    budget = lowest_peak(problem).peak_bytes
+    p = planner.plan(model, (torch.randn(8, 8),), budget_bytes=budget, loss_fn=torch.sum)
+    assert p.segments
+    reference = copy.deepcopy(model)
+    for batch in (3, 1):
+        x = torch.randn(batch, 8)
+        assert_equivalent(reference, model, p.module, (x,), {})
+
+
 class Pair(NamedTuple):
     out: torch.Tensor
     aux: dict

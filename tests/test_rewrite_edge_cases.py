@@ -99,7 +99,8 @@ def test_so_is_it_by_a_segment_inside_another(length_from_input):
 
 
 class Masked(nn.Module):
-    """``h[h < 0] = 0``: symbolic_trace cannot trace it, and export lifts the 0 it writes."""
+    """``h[h < 0] = 0``, which export lifts the 0 it writes from; the branch on a size is what
+    symbolic_trace cannot trace."""
 
     def __init__(self):
         super().__init__()
@@ -107,7 +108,8 @@ class Masked(nn.Module):
 
     def forward(self, x):
         h = self.a(x)
-        h[h < 0] = 0
+        if x.size(0) > 0:
+            h[h < 0] = 0
         return h
 
 
