@@ -468,8 +468,15 @@ class Snapshot:
         self.own_forwards = [m.__dict__.get("forward") for _, m in traced]
         self.class_forwards = [type(m).forward for _, m in traced]
         # Hooks on a module the graph traced through would never run (the graph inlined it).
-        # Hooks that never act on it (transformers' output recorders) are counted apart.
-        hooks = [(name, getattr(m, t)) for name, m in traced for t in HOOK_TABLES if hasattr(m, t)]
+        # Hooks that never act on it (transformers' output recorders) are counted apart. A
+        # container without a forward (``nn.ModuleList``) runs none in the model either.
+        hooks = [
+            (name, getattr(m, t))
+            for name, m in traced
+            if type(m).forward is not nn.Module.forward
+            for t in HOOK_TABLES
+            if hasattr(m, t)
+        ]
         self.hook_owners = [name for name, _ in hooks]
         self.hook_dicts = [table for _, table in hooks]
         self.hook_counts = list(map(len, self.hook_dicts))  # as last checked: the quick test

@@ -1590,6 +1590,18 @@ def test_a_hook_added_after_planning_where_the_graph_traced_through_refuses(wher
         p.module(x)
 
 
+def test_a_hook_on_a_container_forward_never_calls_is_allowed_as_in_the_model():
+    """Found by a tester: a logger hooking every module put one on the ``nn.ModuleList``, which
+    has no forward, and the plan refused the call; the model never runs such a hook."""
+    model, x = Blocks(), torch.randn(4, 8)
+    p = tight_plan(model, (x,))
+    model.blocks.register_forward_hook(lambda module, args, out: out * 2)
+    torch.manual_seed(0)
+    planned = p.module(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(planned, model(x), rtol=0, atol=0)
+
+
 def test_a_hook_on_a_leaf_module_after_planning_runs():
     model, x = Blocks(), torch.randn(4, 8)
     p = tight_plan(model, (x,))
