@@ -49,8 +49,19 @@ globals().update(_AUGMENTED)  # importable by name, as fx names a node's functio
 _PROXY_FIELDS = frozenset({"node", "tracer"})  # what fx.Proxy.__init__ sets
 
 
+def setitem(target, index, value):
+    """``target[index] = value`` as a graph node, which returns ``target``: fx writes
+    ``operator.setitem`` back as the statement, and the node's value would then be None."""
+    target[index] = value
+    return target
+
+
 class InPlaceProxy(fx.Proxy):
-    """A ``Proxy`` whose augmented assignments are recorded in place, as eager mode runs them."""
+    """A ``Proxy`` whose augmented and item assignments are recorded in place, as eager mode
+    runs them."""
+
+    def __setitem__(self, index, value) -> None:
+        self.tracer.create_proxy("call_function", setitem, (self, index, value), {})
 
     def __setattr__(self, name: str, value) -> None:
         if name not in _PROXY_FIELDS:
@@ -70,20 +81,6 @@ def _recording(node_function):
 for _operation, _node_function in _AUGMENTED.items():
     setattr(InPlaceProxy, f"__{_operation}__", _recording(_node_function))
 _AUGMENTED_NODES = frozenset(_AUGMENTED.values())
-
-
-def setitem(target, index, value):
-    """``target[index] = value`` as a graph node, which returns ``target``: fx writes
-    ``operator.setitem`` back as the statement, and the node's value would then be None."""
-    target[index] = value
-    return target
-
-
-def _set_item(self, index, value) -> None:
-    self.tracer.create_proxy("call_function", setitem, (self, index, value), {})
-
-
-InPlaceProxy.__setitem__ = _set_item  # type: ignore[method-assign]
 
 
 class BufferProxy(InPlaceProxy):

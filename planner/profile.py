@@ -99,8 +99,8 @@ Keys written into ``node.meta`` (the one place they are documented):
     outermost autocast region exits, whoever reads them.
 
 Under an autocast region entered before the profile (around ``plan(...)``, as around the
-training step), that region outlives the step: its cached casts are fixed memory, of the kind
-``"autocast cache"``, and no node creates them.
+training step; one turned off counts too), that region outlives the step: its cached casts are
+fixed memory, of the kind ``"autocast cache"``, and no node creates them.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ from planner.fakes import (
 )
 from planner.gcpause import paused_collection
 from planner.in_place import write_back
-from planner.regions import closing_regions, enter_autocast
+from planner.regions import autocast_region_open, closing_regions, enter_autocast
 from planner.side_effects import keeping_random_states, repeated_effects
 from planner.step import grad_fn_of, nothing_to_differentiate, output_tensors, training_loss
 
@@ -820,8 +820,9 @@ class _Recorder(fx.Interpreter):
         self.made_before_last_save: set[int] = set()  # new storages when a tensor was saved
         self.high_before_last_save = 0  # and the most its new storages held until then
         self.cost_before_last_save = (0, 0)  # and the FLOPs and bytes its ops had moved
-        # Under an autocast region entered before the step, cached casts outlive it: fixed.
-        self.casts_outlive_step = caching_casts()
+        # Under an autocast region entered before the step (casting or not), cached casts
+        # outlive it: fixed.
+        self.casts_outlive_step = autocast_region_open()
         self.fixed_casts: set[int] = set()
         nodes = [n for n in module.graph.nodes if n.op in COMPUTE_OPS]
         self.backward = _BackwardMemory(storages, nodes, cost.call)

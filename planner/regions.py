@@ -119,6 +119,16 @@ def exit_region(region: tuple) -> None:
 REGION_ENTRIES = (enter_grad_mode, enter_inference_mode, enter_autocast)
 
 
+def autocast_region_open() -> bool:
+    """Whether a ``torch.autocast`` region is open here, casting or not. Autocast empties its
+    cache of weight casts when the outermost region exits, whether that region casts or not
+    (``with torch.autocast("cpu", enabled=use_amp)``, ``use_amp=False``): inside one, the casts
+    that forward's own regions make outlive the step."""
+    depth = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return depth > 1
+
+
 @contextlib.contextmanager
 def closing_regions(*, always: bool):
     """Exit the regions entered inside the block and left open by an exception (by any way out

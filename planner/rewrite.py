@@ -56,7 +56,7 @@ from planner.planned_module import (
     share_user_state,
 )
 from planner.problem import Problem, compute_nodes
-from planner.regions import REGION_ENTRIES, closing_regions, enter_inference_mode
+from planner.regions import REGION_ENTRIES, closing_regions, enter_autocast, enter_inference_mode
 from planner.simulate import Choice, as_choice, replayed_nodes, validate_choice
 
 # The cache scope of the selective segment running now (its forward or its recompute); per
@@ -777,6 +777,7 @@ def rewrite(
         replays=bool(replay),
         checkpoints=bool(built),
         reads_grad_mode=captured.meta.get("planner.reads_grad_mode", False),
+        autocast_regions=bool(captured.graph.find_nodes(op="call_function", target=enter_autocast)),
     )
     if replay:
         targets = {n.target for n in planned.graph.find_nodes(op="get_attr")}
