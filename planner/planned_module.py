@@ -953,9 +953,12 @@ class Snapshot:
             )
         return " and ".join(parts)
 
+    @torch.compiler.disable  # planning cannot run inside Dynamo's trace: the form runs eagerly
     def run_form(self, form: CallForm, args: tuple, kwargs: dict):
         """A call unlike the planning call (``call_form``): that call form's own plan (made
-        the first time it is seen), else the model itself (exact, not planned)."""
+        the first time it is seen), else the model itself (exact, not planned). Under
+        ``torch.compile`` it runs eagerly (found by a tester: planning the form inside the
+        compiled call failed on an internal assertion of torch's dispatcher)."""
         if torch.is_grad_enabled() and self.plan_call is not None:
             planned = self._planned_form(form, args, kwargs)
             if planned is not None:

@@ -11,6 +11,7 @@ RNG state and every buffer, exactly).
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import enum
 import functools
@@ -1471,6 +1472,36 @@ def test_torch_compile_traces_the_planned_module_in_one_graph():
     reference(x).sum().backward()
     for a, b in zip(reference.parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("form", ["float64", "autocast"])
+def test_a_compiled_plan_called_in_a_new_form_plans_it_outside_the_compiled_graph(form):
+    """Found by a tester: the plan of a new call form (a dtype move, autocast around the call)
+    was made inside Dynamo's trace, which failed on an internal assertion of torch's
+    dispatcher. The new form runs eagerly, planned, exactly like the model."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(4, 8)
+    p = sqrt_n_plan(model, (x,))
+    compiled = torch.compile(p.module, backend="aot_eager")
+    compiled(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    if form == "float64":
+        model.double()
+        x = x.double()
+    reference = copy.deepcopy(model)
+    run = torch.autocast("cpu", dtype=torch.bfloat16) if form == "autocast" else contextlib.nullcontext()
+    with run, pytest.warns(UserWarning, match="planned this call form once"):
+        torch.manual_seed(1)
+        out = compiled(x)
+    with run:
+        torch.manual_seed(1)
+        expected = reference(x)
+    out.float().sum().backward()
+    expected.float().sum().backward()
+    assert torch.equal(out, expected)
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
 
 
 class NumpyScaledAndTempered(nn.Module):
