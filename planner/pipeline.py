@@ -100,6 +100,15 @@ def _check_model(model: nn.Module, args: tuple, kwargs: dict) -> None:
             "plan.module shares that model's parameters, so the new plan trains the same "
             "weights."
         )
+    inner = [name for name, m in model.named_modules() if name and isinstance(m, PlannedModule)]
+    if inner:
+        raise PlanningError(
+            f"{', '.join(inner)} of {type(model).__name__} "
+            f"{'is a plan' if len(inner) == 1 else 'are plans'} (the module planner.plan returns "
+            "as plan.module): a model is planned whole, once. Put back the module each was "
+            f"planned from (plan.module shares its parameters) and plan {type(model).__name__}: "
+            "the plan chooses segments inside it too."
+        )
     lazy = [
         name
         for name, p in [*model.named_parameters(), *model.named_buffers()]

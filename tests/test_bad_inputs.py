@@ -341,6 +341,15 @@ def test_a_planned_module_cannot_be_planned_again(solver):
         plan_of(p.module, args, kwargs, budget_gb=1)
 
 
+def test_a_model_holding_a_planned_module_is_refused_by_its_name():
+    """Found by a tester: the message said the model calls torch.utils.checkpoint."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    x = torch.randn(4, 8)
+    model[1] = planner.plan(model[1], (x,), budget_gb=1, solver="sqrt_n").module
+    with pytest.raises(PlanningError, match=r"^1 of Sequential is a plan .*Put back the module"):
+        planner.plan(model, (x,), budget_gb=1)
+
+
 @pytest.mark.parametrize("where", ["root", "inlined submodule"])
 def test_hooks_the_planned_module_would_drop_are_refused(where):
     model = nn.Sequential(Block(), nn.Linear(4, 4))
