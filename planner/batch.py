@@ -454,6 +454,8 @@ def plan_batch(
     )
     # Later micro-batches of a window start with the gradients held: counted, so no warning.
     cast(PlannedModule, chosen.module)._planner.gradients_held = option.steps > 1
+    if isinstance(optimizer, torch.optim.Optimizer):
+        cast(PlannedModule, chosen.module)._planner.watch_optimizer(optimizer)
     options = [
         dataclasses.replace(o, note="chosen" + (f"; {o.note}" if o.note else ""))
         if o is option

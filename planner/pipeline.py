@@ -495,6 +495,8 @@ def plan(
         loss_fn=loss_fn,
         optimizer=optimizer,
     )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        cast(PlannedModule, planned.module)._planner.watch_optimizer(optimizer)
     return planned
 
 

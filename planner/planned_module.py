@@ -521,6 +521,9 @@ class Snapshot:
         # call starts with gradients held.
         self.gradients_held = False
         self.warned_gradients = False
+        self.optimizer: weakref.ref[torch.optim.Optimizer] | None = None  # watch_optimizer
+        self.optimizer_parameters = 0
+        self.warned_optimizer = False
         self.earlier_calls: list[weakref.ref[_CallGraph]] = []  # the last call's graph, if any
         self.warned_two_forwards = False
         self.attribute_dicts = [a[1] for a in self.attributes]
@@ -713,6 +716,31 @@ class Snapshot:
             f"parameters of {type(self.model).__name__} {what}: the plan's memory prediction "
             "was made for the others and no longer holds (gradients stay exact). Plan again "
             "after changing which parameters train.",
+            stacklevel=_callers_stacklevel(),
+        )
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Remember how many parameters ``optimizer``, the instance the plan counted, trains:
+        one added later (``add_param_group``, staged fine-tuning) holds state the plan left
+        out (found by a tester: 36% over the budget without a word)."""
+        self.optimizer = weakref.ref(optimizer)
+        self.optimizer_parameters = _trained_by(optimizer)
+
+    def warn_if_optimizer_grew(self) -> None:
+        """Once: a call after the optimizer the plan counted was given more parameters."""
+        if self.optimizer is None or self.warned_optimizer or torch.compiler.is_compiling():
+            return
+        optimizer = self.optimizer()
+        if optimizer is None or _trained_by(optimizer) <= self.optimizer_parameters:
+            return
+        self.warned_optimizer = True
+        warnings.warn(
+            f"the optimizer planner counted for the planned {type(self.model).__name__} trains "
+            f"{_trained_by(optimizer)} parameters now, {self.optimizer_parameters} at planning "
+            "(add_param_group): the state of the ones added is not in the plan, and the step "
+            "can exceed the budget by its size. Plan again with the optimizer as it trains "
+            "now.",
+            UserWarning,
             stacklevel=_callers_stacklevel(),
         )
 
@@ -1158,6 +1186,10 @@ def _layout_name(layout: tuple[bool, bool]) -> str:
     return f"{'requires' if requires_grad else 'no'} grad, {'' if contiguous else 'not '}contiguous"
 
 
+def _trained_by(optimizer: torch.optim.Optimizer) -> int:
+    return sum(len(group["params"]) for group in optimizer.param_groups)
+
+
 def _autocast_name(state: tuple[tuple[str, torch.dtype | None], ...]) -> str:
     if not state:
         return "no autocast"
@@ -1302,6 +1334,7 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
                 snapshot, functools.partial(snapshot.run_form, form), args, kwargs
             )
         snapshot.warn_if_gradients_held(args, kwargs)
+        snapshot.warn_if_optimizer_grew()
         snapshot.warn_if_saved_tensor_hooks()
         # Under saved-tensor hooks (the user's own checkpoint around the call, offloading)
         # the activations may not be held: nothing to warn of.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import warnings
 
 import pytest
 import torch
@@ -232,3 +233,20 @@ def test_an_optimizer_planning_cannot_rebuild_is_refused_with_what_to_pass():
         planner.PlanningError, match=r"_Wrapper\(param_groups\).*optimizer_state_bytes="
     ):
         optimizer_memory(wrapper)
+
+
+def test_parameters_added_to_the_optimizer_after_planning_are_warned_of():
+    """Found by a tester (staged fine-tuning): the head trained first, the backbone added with
+    ``add_param_group`` later; its state took the step 36% over the budget without a word."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+    x = torch.randn(16, 32)
+    optimizer = torch.optim.AdamW(model[2].parameters())
+    p = planner.plan(model, (x,), budget_gb=1, optimizer=optimizer, loss_fn=torch.sum)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as planned: no warning
+        p.module(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    optimizer.add_param_group({"params": model[0].parameters()})
+    with pytest.warns(UserWarning, match=r"trains 4 parameters now, 2 at planning"):
+        p.module(x).sum().backward()
