@@ -1490,7 +1490,9 @@ def test_a_compiled_plan_called_in_a_new_form_plans_it_outside_the_compiled_grap
         model.double()
         x = x.double()
     reference = copy.deepcopy(model)
-    run = torch.autocast("cpu", dtype=torch.bfloat16) if form == "autocast" else contextlib.nullcontext()
+    run = contextlib.nullcontext()
+    if form == "autocast":
+        run = torch.autocast("cpu", dtype=torch.bfloat16)
     with run, pytest.warns(UserWarning, match="planned this call form once"):
         torch.manual_seed(1)
         out = compiled(x)
