@@ -289,7 +289,7 @@ def prepare(
     prof = profile(
         captured.graph_module, *captured.inputs(args, kwargs), loss_fn=loss_fn, model=model
     )
-    counted = optimizer_memory(optimizer, model) if optimizer is not None else None
+    counted = None if optimizer is None else optimizer_memory(optimizer, model, prof.gradless)
     if optimizer_state_bytes is None:
         optimizer_state_bytes = counted.state_bytes if counted is not None else 0
     if cost_model is not None and cost_model.measure_repeat:

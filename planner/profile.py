@@ -194,6 +194,9 @@ class Profile:
     trainable: frozenset[int]  # parameter storages that require grad (backward makes a grad)
     output_storages: frozenset[int]  # storages reachable from the graph's output
     seconds: float = 0.0
+    # ids of the model's parameters that require grad but get none in the step (an unused
+    # head, a teacher run under no_grad): an optimizer makes them no state.
+    gradless: frozenset[int] = frozenset()
     # The user's loss, recorded as one more node after the graph's last (see ``loss_node``).
     loss: fx.Node | None = None
     # The loss's storage: the training step holds the loss until it ends (its backward and
@@ -1061,14 +1064,15 @@ def _grads_left_alone(loss: torch.Tensor):
     """Puts back the ``.grad`` of every tensor the backward of ``loss`` accumulates into. A
     ``loss_fn`` may read the user's own tensors that require grad (an L2 penalty on the model's
     parameters, a learnable loss weight): the fake backward would leave fake gradients there,
-    or fail adding one to a real gradient they already hold."""
+    or fail adding one to a real gradient they already hold. Yields those tensors: the leaves
+    that get a gradient."""
     reached = _backward_functions([loss.grad_fn], stops=set())
     leaves = [grad_fn.variable for grad_fn in reached if _accumulates(grad_fn)]
     grads = [leaf.grad for leaf in leaves]
     for leaf in leaves:
         leaf.grad = None
     try:
-        yield
+        yield leaves
     finally:
         for leaf, grad in zip(leaves, grads):
             leaf.grad = grad
@@ -1384,7 +1388,13 @@ def profile(
         loss_bytes, seed_bytes = loss.untyped_storage().nbytes(), loss.element_size()
         # A loss_fn's labels, saved for backward, are the user's: replaced there as well.
         labels = _StandIns(copies) if loss_fn is not None else contextlib.nullcontext()
-        with _grads_left_alone(loss):
+        with _grads_left_alone(loss) as graded:
+            reached = {id(leaf) for leaf in graded}
+            gradless = frozenset(
+                id(p)
+                for p in (model or gm).parameters()
+                if p.requires_grad and id(copies.memo.get(id(p))) not in reached
+            )
             # Anomaly mode's NaN check reads values, which fake tensors have not. (The mode
             # is process-wide: switched only when on, and only its NaN check.)
             nan_check = (
@@ -1412,6 +1422,7 @@ def profile(
         fixed_kind=fixed_kind,
         # A parameter no node reads gets no gradient (an unused head an export keeps).
         trainable=frozenset(trainable & read),
+        gradless=gradless,
         output_storages=frozenset(output_keys),
         seconds=time.perf_counter() - start,
         loss=loss_at,
