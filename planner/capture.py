@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from planner.attention import exact_attention
-from planner.errors import PlanningError, checkpointing_disable_advice
+from planner.errors import PlanningError, checkpointing_disable_advice, input_require_grads_advice
 from planner.export_leaves import (
     CALLS_KEY,
     eager_none_arguments,
@@ -745,6 +745,13 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
             "before planning (handle.remove()) and put that logic in forward, or keep the "
             "modules they are on whole (pass their classes as leaf_modules) and register the "
             "hooks after planning."
+            + (
+                " The hook making the input embeddings require grad, which Hugging Face's "
+                "gradient checkpointing installs and leaves when disabled, goes with "
+                "model.disable_input_require_grads()."
+                if input_require_grads_advice(model)
+                else ""
+            )
         )
 
 

@@ -42,5 +42,14 @@ def checkpointing_disable_advice(model) -> str:
     ``activation_checkpointing_disable``."""
     for method in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
         if callable(getattr(model, method, None)):
-            return f"call model.{method}()"
+            return f"call model.{method}()" + input_require_grads_advice(model)
     return "turn the library's gradient checkpointing off"
+
+
+def input_require_grads_advice(model) -> str:
+    """Hugging Face's checkpointing also hooks the input embeddings to require grad
+    (``enable_input_require_grads``), and disabling checkpointing leaves that hook, which
+    planning refuses (found by a tester): how to remove it, where the model holds one."""
+    if getattr(model, "_require_grads_hooks", None):
+        return " and model.disable_input_require_grads()"
+    return ""

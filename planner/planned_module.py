@@ -594,15 +594,12 @@ class Snapshot:
             if self._unchanged():
                 return
         if hooked and getattr(self.model, "is_gradient_checkpointing", False):
-            # Hugging Face's enable also hooks the input embeddings, which its disable leaves.
-            embeddings = callable(getattr(self.model, "disable_input_require_grads", None))
             raise PlanningError(
                 f"gradient checkpointing was enabled on {type(self.model).__name__} after "
                 "planning (model.gradient_checkpointing_enable() hooks the model, and the "
                 f"graph traced through it). The plan already chooses what {planned_name} "
-                f"recomputes: {checkpointing_disable_advice(self.model)}"
-                f"{' and model.disable_input_require_grads()' if embeddings else ''} to train "
-                "with the plan, or train the model itself with its own checkpointing."
+                f"recomputes: {checkpointing_disable_advice(self.model)} to train with the "
+                "plan, or train the model itself with its own checkpointing."
             )
         if hooked:
             raise PlanningError(

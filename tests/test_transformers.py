@@ -224,3 +224,21 @@ def test_attributes_a_librarys_own_modules_set_in_forward_are_refused_as_not_pla
     model = transformers.FunnelForMaskedLM(config).train()
     with pytest.raises(PlanningError, match=r"installed package \(transformers\).*cannot be"):
         plan(model, (torch.randint(0, 100, (2, 8)),), budget_gb=1)
+
+
+def test_the_advice_after_gradient_checkpointing_was_enabled_before_planning_leads_to_a_plan():
+    """Found by a tester: disabling checkpointing as advised left Hugging Face's hook making
+    the input embeddings require grad, which planning refused with advice the user could not
+    follow (no handle to remove). Both messages name ``disable_input_require_grads``."""
+    model, args, kwargs = gpt2()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with pytest.raises(PlanningError, match=r"and model.disable_input_require_grads\(\)"):
+            plan(model, args, budget_gb=1, example_kwargs=kwargs)
+        model.activation_checkpointing_disable()
+        with pytest.raises(PlanningError, match=r"goes with model.disable_input_require_grads"):
+            plan(model, args, budget_gb=1, example_kwargs=kwargs)
+        model.disable_input_require_grads()
+        p = plan(model, args, budget_gb=1, example_kwargs=kwargs)
+    assert p.predicted_peak_bytes <= p.budget_bytes
