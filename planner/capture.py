@@ -438,23 +438,36 @@ def _any_size(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     vary (``Dim.AUTO``: export keeps a dimension static where the model needs it to be)."""
     signature = inspect.signature(model.forward)
     bound = signature.bind(*args, **kwargs)
-    through = [
-        key
+    through = {
+        key: item
         for name, value in bound.arguments.items()
         if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD
-        for key in value
-    ]
+        for key, item in value.items()
+    }
     if through:
         # torch.export (2.11-2.13) checks the spec against ``**kwargs`` as one dict, then
         # builds its constraints with the keys of that dict beside it: no spec passes both.
+        options = [key for key, item in through.items() if isinstance(item, bool)]  # flags
         raise PlanningError(
             f"torch.export cannot capture {type(model).__name__} with dynamic_shapes=True "
             f"when values reach its forward through **kwargs ({', '.join(through)}): it "
             "checks the sizes it may vary against **kwargs as one dict, then looks the values "
             "up by their own names, and no specification satisfies both. Plan with "
             "dynamic_shapes=False (the plan then takes the example's sizes), or leave "
-            f"{', '.join(through)} out of the call (a loss normalised by a count can be "
-            "computed outside the model: loss_fn=, docs/pipeline.md)."
+            f"{', '.join(through)} out of the call"
+            + (
+                f" (a flag such as {options[0]} can be set on the model instead: for "
+                f"Hugging Face, model.config.{options[0]} = {through[options[0]]!r})"
+                if options
+                else ""
+            )
+            + (
+                " (a loss normalised by a count can be computed outside the model: loss_fn=, "
+                "docs/pipeline.md)"
+                if len(options) < len(through)
+                else ""
+            )
+            + "."
         )
     return {
         name: tree_map_only(

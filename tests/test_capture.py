@@ -871,3 +871,12 @@ def test_dynamic_shapes_with_values_through_kwargs_say_what_torch_export_cannot_
                      budget_bytes=10**9, dynamic_shapes=True)  # fmt: skip
     p = planner.plan(model, (x,), example_kwargs={"num_items_in_batch": count}, budget_bytes=10**9)
     assert torch.equal(p.module(x, num_items_in_batch=count), model(x, num_items_in_batch=count))
+
+
+def test_a_flag_through_kwargs_under_dynamic_shapes_is_advised_onto_the_config():
+    """Found by a tester: ``output_hidden_states=True`` in a Hugging Face call was refused with
+    advice about losses; the model's config takes the flag, and then the plan captures."""
+    model, x = _CountedLoss(), torch.randn(4, 8)
+    with pytest.raises(planner.PlanningError, match=r"model\.config\.flag = True\)\.$"):
+        planner.plan(model, (x,), example_kwargs={"flag": True}, budget_bytes=10**9,
+                     dynamic_shapes=True)  # fmt: skip
