@@ -1349,6 +1349,14 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         try:
             output = graph_forward(self, *args, **kwargs)
         except AssertionError as error:
+            if "has been specialized to have value" in str(error):
+                # symbolic_trace's check of an argument it traced as a constant (None, a
+                # flag); its bare assertion was all a user saw (found by a tester).
+                raise ValueError(
+                    f"{error}: this plan of {type(snapshot.model).__name__} was traced with "
+                    "that argument's value at planning, and its graph computes with it. Plan "
+                    "with the value you train with in example_inputs or example_kwargs."
+                ) from error
             if "Guard failed" not in str(error):
                 raise
             raise PlanningError(
