@@ -61,8 +61,8 @@ Keys written into ``node.meta`` (the one place they are documented):
     whole (``call_module``), attributes its forward sets and draws from Python's or numpy's
     random generators (``planner.side_effects.repeated_effects``); and an op that writes into a
     tensor the node saved before (RReLU fills the noise it saved), which a recompute, stopping
-    once the last tensor is saved, would hand backward unwritten. Such nodes are never
-    recomputed.
+    once the last tensor is saved, would hand backward unwritten; and an item assignment into
+    a Python container (``CONTAINER_WRITE``). Such nodes are never recomputed.
 ``planner.backward_high``, ``planner.backward_net``
     measured in the fake backward that follows the forward: the most bytes the node's backward
     has allocated at once (input and parameter gradients, temporaries), and what of it is still
@@ -145,7 +145,7 @@ from planner.fakes import (
     tensors_in,
 )
 from planner.gcpause import paused_collection
-from planner.in_place import write_back
+from planner.in_place import setitem, write_back
 from planner.regions import autocast_region_open, closing_regions, enter_autocast
 from planner.side_effects import keeping_random_states, repeated_effects
 from planner.step import grad_fn_of, nothing_to_differentiate, output_tensors, training_loss
@@ -179,6 +179,9 @@ META_KEYS = (
     "planner.output_storages",
 )
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
+# The repeated effect of an item assignment into a Python container (``batch["x"] = h``):
+# ``planner.problem`` also pins the nodes that read the container.
+CONTAINER_WRITE = "writes into a Python container"
 # ``tensor.device`` of a fake tensor, dispatched like an op; it reads and moves no memory, and
 # meta tensors never dispatch it, so counting it would make the two runs disagree.
 _DEVICE_QUERY = torch.ops.prim.device.default
@@ -900,7 +903,10 @@ class _Recorder(fx.Interpreter):
             passed = [t for n in node.all_input_nodes for t in tree_leaves(self.env.get(n))]
             run = functools.partial(super().run_node, node)
             if node.op != "call_module":
-                return self.record(node, run, passed)
+                out = self.record(node, run, passed)
+                if node.target is setitem and not isinstance(out, torch.Tensor):
+                    node.meta["planner.repeated_effects"] += (CONTAINER_WRITE,)
+                return out
             with repeated_effects(self.fetch_attr(cast(str, node.target))) as effects:
                 out = self.record(node, run, passed)
             node.meta["planner.repeated_effects"] += tuple(effects)
