@@ -282,3 +282,31 @@ def test_parameters_that_get_no_gradient_get_no_optimizer_state():
     p = planner.plan(model, (x,), budget_gb=1, optimizer=optimizer)
     measured = peak_memory(p.module, (x,), optimizer=optimizer)
     assert measured.peak_bytes == p.predicted_peak_bytes
+
+
+class ScaledByTheLoss(nn.Module):
+    """A learnable scale read only by the loss (CLIP's ``logit_scale`` pattern)."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.scale = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return self.b(self.a(x).tanh())
+
+
+def test_a_parameter_only_the_loss_reads_gets_its_optimizer_state():
+    """Found by review: the profile's loss reads the user's own parameter, not a stand-in,
+    and the first version of the rule above took it for one without a gradient: its AdamW
+    state was left out, 65% over the budget on a larger scale."""
+    torch.manual_seed(0)
+    model, x = ScaledByTheLoss(), torch.randn(16, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def loss_fn(out):
+        return (out * model.scale).pow(2).mean()
+
+    _, problem = prepare(model, (x,), optimizer=optimizer, loss_fn=loss_fn)
+    params = list(model.parameters())
+    assert problem.optimizer_state_bytes == 2 * sum(p.nbytes for p in params) + FLOAT * len(params)
