@@ -328,21 +328,25 @@ def replay_ops(ops: list, saved: set) -> tuple[tuple[str, bool, int, int], ...]:
     replayed_nodes``), from its ``ops`` as ``_CostMode`` recorded them: per op, (name, whether
     to fake it, FLOPs and bytes moved when computed). An op is computed where it cannot be
     replayed (``OpFacts.replayable``), where the node saves what it makes (``saved``:
-    autograd saves an op's inputs, which may be copies the node made, and outputs), where an
-    op that is computed reads what it makes, and where a later op of the node computes from
-    what it makes (a view, ``_unsafe_view``, may take a stand-in): a stand-in's strides are
-    not the real result's, and composite ops above the replay choose their path by them
-    (``F.linear`` under autocast of a frozen weight, whose cast is not cached: ``addmm`` on
-    the real cast, ``mm`` on a stand-in; found by a tester). The others return stand-ins
-    (``planner.rewrite._Replaying``). () when none would be faked."""
+    autograd saves an op's inputs, which may be copies the node made, and outputs), and where
+    an op that is computed reads what it makes; the others return stand-ins
+    (``planner.rewrite._Replaying``). () when none would be faked, or where a faked op would
+    compute from another's stand-in (a view of it, ``_unsafe_view``, may take one): a
+    stand-in's strides are not the real result's, and composite ops above the replay choose
+    their path by them (``F.linear`` under autocast of a frozen weight, whose cast is not
+    cached: ``addmm`` on the real cast, ``mm`` on a stand-in, which raised in backward; found
+    by a tester). Such a node is recomputed, not replayed."""
     needed = set(saved)
-    computed_from: set = set()  # what later ops of the node read, views left out
+    faked_from: set = set()  # what later faked ops of the node compute from, views left out
     replayed = []
     for name, replayable, read, made, flops, moved in reversed(ops):
-        fake = replayable and not made & (needed | computed_from)
-        if not fake:
+        fake = replayable and not made & needed
+        if fake and made & faked_from:
+            return ()
+        if fake:
+            faked_from |= read - made
+        else:
             needed |= read
-        computed_from |= read - made
         replayed.append((name, fake, flops, moved))
     replayed.reverse()
     return tuple(replayed) if any(fake for _, fake, _, _ in replayed) else ()
