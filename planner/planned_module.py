@@ -163,7 +163,16 @@ def autocast_state(off_regions: bool = True) -> tuple[tuple[str, torch.dtype | N
     state = tuple(
         [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
     )
-    if off_regions and not state and not torch.compiler.is_compiling() and autocast_region_open():
+    if (
+        off_regions
+        and not state
+        and not torch.compiler.is_compiling()
+        # Not in backward: the recompute of a checkpoint around the call (the user's own)
+        # enters regions turned off for its own reasons (found by review: a recompute called
+        # the planned module as a new call form, which raised).
+        and torch._C._current_graph_task_id() == -1
+        and autocast_region_open()
+    ):
         return (("off", None),)
     return state
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import planner
 from planner.pipeline import assemble, prepare
@@ -217,6 +218,23 @@ def test_a_model_without_autocast_regions_runs_its_plan_inside_a_region_turned_o
         warnings.simplefilter("error")  # the same call form: no new plan
         measured = peak_memory(p.module, args)
     assert measured.peak_bytes == p.predicted_peak_bytes
+
+
+def test_a_checkpoint_of_ones_own_around_a_plan_with_autocast_regions_trains_like_the_model():
+    """Found by review: the recompute of a checkpoint around the planned module enters
+    autocast regions turned off, and the planned module took that call for a new call form,
+    planned inside backward, which raised."""
+    inner, args = _mlp(width=32, depth=4)
+    model = AutocastingMLP(inner)
+    reference = copy.deepcopy(model)
+    budget = lowest_peak(prepare(model, args)[1]).peak_bytes
+    p = planner.plan(model, args, budget_bytes=budget, loss_fn=torch.sum)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no new call form
+        checkpoint(p.module, *args, use_reentrant=False).float().sum().backward()
+    checkpoint(reference, *args, use_reentrant=False).float().sum().backward()
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
 
 
 class AutocastingMLP(nn.Module):
