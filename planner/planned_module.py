@@ -492,7 +492,7 @@ class Snapshot:
         hooks = [
             (name, getattr(m, t))
             for name, m in traced
-            if type(m).forward is not nn.Module.forward
+            if type(m).forward is not nn.Module.forward or "forward" in m.__dict__
             for t in HOOK_TABLES
             if hasattr(m, t)
         ]

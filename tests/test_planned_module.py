@@ -1635,6 +1635,20 @@ def test_a_hook_on_a_container_forward_never_calls_is_allowed_as_in_the_model():
     torch.testing.assert_close(planned, model(x), rtol=0, atol=0)
 
 
+def test_a_hook_on_a_module_whose_forward_is_set_on_the_instance_still_refuses():
+    """Found by review: the container rule above took a module given its forward as an
+    attribute (``inner.forward = ...``) for one without, and dropped its hook silently."""
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(4, 8)
+    adapter = nn.Module()
+    adapter.forward = lambda h: h * 2
+    model.blocks[1].append(adapter)
+    p = tight_plan(model, (x,))
+    adapter.register_forward_hook(lambda module, args, out: out * 2)
+    with pytest.raises(planner.PlanningError, match=r"hooks were added.*after planning"):
+        p.module(x)
+
+
 def test_a_hook_on_a_leaf_module_after_planning_runs():
     model, x = Blocks(), torch.randn(4, 8)
     p = tight_plan(model, (x,))
