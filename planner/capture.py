@@ -25,7 +25,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from planner.attention import exact_attention
-from planner.errors import PlanningError, checkpointing_disable_advice, input_require_grads_advice
+from planner.errors import (
+    InputsRefused,
+    PlanningError,
+    checkpointing_disable_advice,
+    input_require_grads_advice,
+)
 from planner.export_leaves import (
     CALLS_KEY,
     eager_none_arguments,
@@ -525,8 +530,9 @@ def _export(
 
 def _raised_by_model_code(error: Exception) -> str | None:
     """``file:line`` where ``error`` was raised when that is a ``raise`` or ``assert`` statement
-    of the model's own code (or its library's), not torch's or planner's: a check of the
-    inputs in forward, which fails on the example whatever captures it. (A kernel of the
+    of the model's own code (or its library's, or ``torch.nn``'s checks of a module's inputs),
+    not torch's or planner's: a check of the inputs in forward, which fails on the example
+    whatever captures it. (A kernel of the
     model's that fails under tracing raises below a line of the model's too, but that line is
     a call: a capture failure.)"""
     frames = traceback.extract_tb(error.__traceback__)
@@ -534,7 +540,8 @@ def _raised_by_model_code(error: Exception) -> str | None:
         return None
     last = frames[-1]
     where = Path(last.filename).resolve()
-    if any(where.is_relative_to(package) for package in _OWN_PACKAGES):
+    checks = where.is_relative_to(_TORCH_NN)  # torch.nn's own checks of a module's inputs
+    if not checks and any(where.is_relative_to(package) for package in _OWN_PACKAGES):
         return None
     statement = (last.line or "").lstrip()
     if not statement.startswith(("raise", "assert")):
@@ -543,6 +550,9 @@ def _raised_by_model_code(error: Exception) -> str | None:
 
 
 _OWN_PACKAGES = (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parent)
+# BatchNorm refusing one value per channel raises in torch.nn.functional (found by review:
+# plan_batch stopped at a micro-batch of one of an exported model).
+_TORCH_NN = Path(torch.nn.__file__).resolve().parent
 
 
 def _unaliased(tree):
@@ -834,7 +844,7 @@ def _trace_or_export(
             ) from inexact
         except Exception as export_error:
             if (line := _raised_by_model_code(export_error)) is not None:
-                raise PlanningError(
+                raise InputsRefused(
                     f"{type(model).__name__}'s forward raised {type(export_error).__name__}: "
                     f"{export_error} (at {line}) on the example inputs, while torch.export "
                     "ran it: the model refuses them, capture is not at fault. Check the "

@@ -212,6 +212,26 @@ def test_a_micro_batch_size_the_model_refuses_is_skipped_and_the_others_still_pl
     assert choice.micro_batch == 8
 
 
+class UntraceableBatchNormMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = batch_norm_mlp()
+
+    def forward(self, x):
+        if x.size(0) > 0:  # symbolic_trace refuses: torch.export captures
+            x = x * 1.0
+        return self.body(x)
+
+
+def test_a_micro_batch_size_an_exported_model_refuses_is_skipped_too():
+    """Found by review: under torch.export the batch norm's refusal came out of capture as a
+    capture failure, and the whole call ended."""
+    choice = plan_batch(UntraceableBatchNormMLP(), features, budget_bytes=2**30, global_batch=4)
+    refused, *planned = choice.alternatives
+    assert refused.micro_batch == 1 and "skipped: ValueError: Expected more than 1" in refused.note
+    assert [o.micro_batch for o in planned] == [2, 4] and choice.plan.capture_method == "export"
+
+
 def test_a_model_refusing_every_micro_batch_size_gets_the_first_sizes_error():
     with pytest.raises(planner.PlanningError, match=r"failed on the example inputs.*size torch"):
         plan_batch(batch_norm_mlp(), features, budget_bytes=2**30, global_batch=4,
