@@ -121,8 +121,13 @@ def _aliases(op) -> bool:
 
 def _keep_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Save what ops of kept nodes create (the cache sees no other: ``_CacheScope``). Views and
-    in-place ops are recomputed (free): saving them would hold the storage they alias."""
-    return CheckpointPolicy.PREFER_RECOMPUTE if _aliases(op) else CheckpointPolicy.MUST_SAVE
+    in-place ops are recomputed (free): saving them would hold the storage they alias. So are
+    ops outside ATen: those of hooks on a kept module, such as FSDP2's all-gather into buffers
+    it frees and reuses, which a recompute served from the cache read as garbage (found by a
+    tester: NaN gradients after accumulation), or the profiler's records."""
+    if _aliases(op) or getattr(op, "namespace", "aten") not in ("aten", "prims"):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
 
 
 class _Caching(_CachingTorchDispatchMode):
