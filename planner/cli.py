@@ -314,7 +314,10 @@ def _one_line(error: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     parser = _parser()
-    args = parser.parse_args(argv)  # exits with status 2 and a usage line on bad syntax
+    try:
+        args = parser.parse_args(argv)  # a usage line and status 2 on bad syntax, 0 on --help
+    except SystemExit as exit_:  # returned, as documented (found by a tester: it raised)
+        return exit_.code if isinstance(exit_.code, int) else 2
     from planner.errors import PlanningError
 
     try:

@@ -142,13 +142,13 @@ def test_a_type_error_inside_the_factory_is_the_factorys_not_the_command_lines(t
     assert "unexpected keyword argument 'depth'" in capsys.readouterr().err
 
 
-def test_main_usage_errors_exit_2(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["plan", "gpt"])  # no budget
-    assert exit_info.value.code == 2
+def test_main_usage_errors_return_2_and_help_0(capsys):
+    """``main`` returns the status (found by a tester: argparse's exit escaped it)."""
+    assert cli.main(["plan", "gpt"]) == 2  # no budget
     assert "--budget-gb" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli.main(["plan", "gpt", "--budget-gb", "1", "--budget-bytes", "5"])
+    assert cli.main(["plan", "gpt", "--budget-gb", "1", "--budget-bytes", "5"]) == 2
+    assert cli.main(["plan", "gpt", "--budget-gb", "x"]) == 2
+    assert cli.main(["--help"]) == 0
 
 
 def test_traceback_flag_reraises():
