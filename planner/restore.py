@@ -276,6 +276,11 @@ def load(
     segments = [(s.start, s.stop) for s in nests]
     try:
         if any(s.inner for s in nests):  # version 4: nested segments, nothing kept inside
+            if keep:
+                raise ValueError(
+                    "it nests segments and keeps nodes, which no plan does; the file was "
+                    "edited or corrupted"
+                )
             choice: Choice | NestedChoice = validate_nested(problem, NestedChoice(nests))
         else:
             choice = validate_choice(problem, Choice(tuple(segments), frozenset(keep)))

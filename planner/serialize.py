@@ -399,7 +399,12 @@ def read(path) -> dict:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise PlanningError(f'{path} is not a saved plan (no "format": "{FORMAT}" field)')
     version = data.get("version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version:
+        raise PlanningError(
+            f"{path} has plan format version {version!r}, which no planner writes (1 to "
+            f"{FORMAT_VERSION}); the file was edited or corrupted"
+        )
+    if version > FORMAT_VERSION:
         raise PlanningError(
             f"{path} has plan format version {version!r}; this planner reads versions up to "
             f"{FORMAT_VERSION}. Upgrade planner, or re-plan with planner.plan(...)."
@@ -407,4 +412,8 @@ def read(path) -> dict:
     for key in ("segments", "budget_bytes", "graph", "solver"):
         if key not in data:
             raise PlanningError(f"{path} is not a complete saved plan: no {key!r} field")
+    if not isinstance(data["solver"], str):
+        raise PlanningError(
+            f"solver {data['solver']!r} of {path} is not a name; the file was edited or corrupted"
+        )
     return data

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import warnings
 
 import numpy as np
@@ -619,3 +620,10 @@ def test_plan_below_every_flat_plan_is_nested_exact_and_saved(tmp_path):
     loaded = planner.load(tmp_path / "plan.json", model, args)
     assert loaded.nesting == p.nesting
     assert loaded.predicted_peak_bytes == p.predicted_peak_bytes
+    # A file nesting segments and keeping nodes, which no plan does, is refused (found by a
+    # tester: the kept nodes were dropped without a word).
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data["keep"] = [{"position": 0, "name": problem.names[0]}]
+    (tmp_path / "edited.json").write_text(json.dumps(data))
+    with pytest.raises(planner.PlanningError, match="nests segments and keeps nodes"):
+        planner.load(tmp_path / "edited.json", model, args)

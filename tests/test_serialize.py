@@ -161,6 +161,10 @@ def test_plan_saved_without_inputs_needs_them(saved, tmp_path):
         ('{"hello": 1}', "not a saved plan"),
         ('{"format": "planner.plan", "version": 99}', "version 99"),
         ('{"format": "planner.plan", "version": 1}', "no 'segments' field"),
+        # Found by a tester: versions no planner writes loaded.
+        ('{"format": "planner.plan", "version": 0}', "version 0, which no planner writes"),
+        ('{"format": "planner.plan", "version": -3}', "version -3, which no planner writes"),
+        ('{"format": "planner.plan", "version": true}', "version True, which no planner"),
     ],
 )
 def test_bad_files(tmp_path, content, expected):
@@ -185,6 +189,17 @@ def test_edited_segment_names_are_caught(saved, tmp_path):
     edited.write_text(json.dumps(data))
     model, _ = small_gpt()
     with pytest.raises(PlanningError, match="does not name the nodes"):
+        planner.load(edited, model, inputs)
+
+
+def test_an_edited_solver_that_is_no_name_is_caught(saved, tmp_path):
+    _, path, inputs = saved
+    data = json.loads(path.read_text())
+    data["solver"] = 12
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    model, _ = small_gpt()
+    with pytest.raises(PlanningError, match=r"solver 12 .* is not a name"):
         planner.load(edited, model, inputs)
 
 
