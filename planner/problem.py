@@ -466,7 +466,7 @@ def _container_readers(nodes: list[fx.Node]) -> np.ndarray:
     ]
     roots = set()
     for node in written:
-        while node.op == "call_function" and node.target is operator.getitem:
+        while node.target is operator.getitem and isinstance(node.args[0], fx.Node):
             node = node.args[0]
         roots.add(node)
     reached, stack = set(roots), list(roots)  # the containers and the items read from them
