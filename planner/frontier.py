@@ -86,9 +86,17 @@ class Frontier:
         return f"{nbytes / MIB:,.{_decimals(sizes)}f}"
 
     def __str__(self) -> str:
+        # A sweep of a solver that cannot reach the lowest peak (or of budgets given) starts
+        # above it (found by a tester: the header named the lowest peak as its start).
+        first = self.points[0].budget_bytes if self.points else self.lowest_peak_bytes
+        start = (
+            f"the lowest peak {self.in_mib(first)} MiB"
+            if first == self.lowest_peak_bytes
+            else f"{self.in_mib(first)} MiB (lowest peak found: "
+            f"{self.in_mib(self.lowest_peak_bytes)} MiB)"
+        )
         lines = [
-            f"Frontier: {len(self.points)} budgets from the lowest peak "
-            f"{self.in_mib(self.lowest_peak_bytes)} MiB to the baseline "
+            f"Frontier: {len(self.points)} budgets from {start} to the baseline "
             f"{self.in_mib(self.baseline_peak_bytes)} MiB",
             f"  {'budget MiB':>12} {'peak MiB':>12} {'recompute':>10} {'FLOPs':>10} "
             f"{'segments':>8}  solver",

@@ -218,9 +218,15 @@ def peak_memory(
     MemoryReport
     """
     kwargs = kwargs or {}
+    device = step_device(module, args, kwargs)
+    if device.type == "meta":  # nothing is allocated there (found by a tester: it read 0)
+        raise ValueError(
+            "peak_memory measures a real step, and this one is on the meta device, where "
+            "nothing is allocated: move the model and inputs to a device (to_empty(device=...) "
+            "for a meta model) to measure, or read the plan's prediction"
+        )
     clear_grads(module)
     gc.collect()
-    device = step_device(module, args, kwargs)
     if device.type == "cuda":
         return _cuda_peak_memory(module, args, kwargs, device, loss_fn, optimizer)
     tracker = LiveStorageTracker(record_timeline=record_timeline)

@@ -73,6 +73,13 @@ def test_rows_and_table(swept):
     }
     text = str(swept)
     assert text.startswith("Frontier: 8 budgets") and "budget MiB" in text
+    # The header names where the sweep starts: the lowest peak, or above it (found by a tester:
+    # a flat solver's sweep was said to start from the nested plans' lowest peak).
+    first = swept.in_mib(swept.points[0].budget_bytes)
+    if swept.points[0].budget_bytes == swept.lowest_peak_bytes:
+        assert f"from the lowest peak {first} MiB to" in text
+    else:
+        assert f"from {first} MiB (lowest peak found: " in text
     assert len(text.splitlines()) == 2 + len(swept.points)
     # Each budget row is printed with enough decimals to tell the budgets apart.
     budgets = [line.split()[0] for line in text.splitlines()[2:]]

@@ -789,3 +789,10 @@ def test_a_recompute_stopping_inside_a_node_holds_its_temporaries_as_at_its_last
     model, x = nn.Sequential(_Recurrent(), _Recurrent()).train(), torch.randn(12, 16, 32)
     predicted, measured = _predicted_and_measured(model, (x,), ((0, 4), (4, 7), (7, 9), (9, 12)))
     assert measured == predicted
+
+
+def test_measuring_a_step_on_the_meta_device_is_refused_not_read_as_zero():
+    """Found by a tester: ``peak_memory`` of a meta model returned 0 bytes."""
+    model = nn.Linear(4, 4, device="meta")
+    with pytest.raises(ValueError, match="meta device, where nothing is allocated"):
+        peak_memory(model, (torch.empty(2, 4, device="meta"),))
