@@ -119,13 +119,21 @@ def _aliases(op) -> bool:
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
+# Ops of hooks on a kept module, not of its computation: FSDP2's all-gathers into buffers it
+# frees and reuses, which a recompute served from the cache read as garbage (found by a tester:
+# NaN gradients after accumulation), collectives, the profiler's records. A kept custom op of
+# the model's own (``torch.library``) is cached like ATen's (found by review: recomputing it
+# from a replayed input gave garbage gradients).
+_HOOK_NAMESPACES = frozenset(
+    {"fsdp", "c10d", "_c10d_functional", "c10d_functional", "_dtensor", "profiler"}
+)
+
+
 def _keep_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Save what ops of kept nodes create (the cache sees no other: ``_CacheScope``). Views and
-    in-place ops are recomputed (free): saving them would hold the storage they alias. So are
-    ops outside ATen: those of hooks on a kept module, such as FSDP2's all-gather into buffers
-    it frees and reuses, which a recompute served from the cache read as garbage (found by a
-    tester: NaN gradients after accumulation), or the profiler's records."""
-    if _aliases(op) or getattr(op, "namespace", "aten") not in ("aten", "prims"):
+    in-place ops are recomputed (free): saving them would hold the storage they alias; and so
+    are the ops of hooks (``_HOOK_NAMESPACES``)."""
+    if _aliases(op) or getattr(op, "namespace", "aten") in _HOOK_NAMESPACES:
         return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE
 
