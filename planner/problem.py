@@ -23,7 +23,7 @@ from planner.costs import CostModel
 from planner.export_leaves import LEAF_CALL
 from planner.gcpause import paused_collection
 from planner.in_place import BufferReads
-from planner.profile import COMPUTE_OPS, CONTAINER_WRITE, Profile, require_meta
+from planner.profile import COMPUTE_OPS, Profile, require_meta
 from planner.regions import enter_autocast, region_spans
 
 SOURCE, SINK = "planner.source", "planner.sink"
@@ -454,29 +454,14 @@ def _mutation_pins(
 
 
 def _container_readers(nodes: list[fx.Node]) -> np.ndarray:
-    """The nodes that read a Python container forward writes into (``batch["x"] = h`` on a
-    dict argument, an item of a list a module returned): a recompute would read it as the
-    whole forward left it, not as it was (found by review: gradients 3.65 off). Each item read
-    from it, at any depth, and every node given it or such an item are never recomputed."""
-    written = [
-        n.args[0]
-        for n in nodes
-        if CONTAINER_WRITE in n.meta.get("planner.repeated_effects", ())
-        and isinstance(n.args[0], fx.Node)
-    ]
-    roots = set()
-    for node in written:
-        while node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-            node = node.args[0]
-        roots.add(node)
-    reached, stack = set(roots), list(roots)  # the containers and the items read from them
-    while stack:
-        for user in stack.pop().users:
-            if user.op == "call_function" and user.target is operator.getitem:
-                if user not in reached:
-                    reached.add(user)
-                    stack.append(user)
-    return np.array([bool(reached.intersection(n.all_input_nodes)) for n in nodes], bool)
+    """The nodes given a Python container that forward writes into (``batch["x"] = h`` on a
+    dict argument, ``hs.append(h)``, through any alias: ``batch.get("inner")``), by identity
+    (profile key ``planner.containers``): a recompute would read it as the whole forward left
+    it, not as it was (found by review: gradients 3.65 off, 1996 through ``update``). They are
+    never recomputed, nor are the writers (``planner.profile.CONTAINER_WRITE``)."""
+    seen = [n.meta.get("planner.containers", (set(), set())) for n in nodes]
+    written = set().union(*(writes for _, writes in seen))
+    return np.array([bool(written & reads) for reads, _ in seen], bool)
 
 
 def _buffer_copies(gm: fx.GraphModule, nodes: list[fx.Node], reads_buffer: BufferReads) -> tuple:

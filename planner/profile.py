@@ -22,6 +22,9 @@ Keys written into ``node.meta`` (the one place they are documented):
     checkpointing the node does not drop them (its recompute makes a copy of its own).
 ``planner.writes``
     storages this node mutates in place.
+``planner.containers``
+    (ids of the Python containers among its argument values, ids of those it wrote into):
+    a recompute would read a container as the whole forward left it (``planner.problem``).
 ``planner.output_storages``
     storages its output tensors live in: its own, or an earlier one it returns a view or an
     alias of (``nn.Identity`` of a buffer). With ``gm.meta["planner.buffer_storages"]``
@@ -145,7 +148,7 @@ from planner.fakes import (
     tensors_in,
 )
 from planner.gcpause import paused_collection
-from planner.in_place import setitem, write_back
+from planner.in_place import write_back
 from planner.regions import autocast_region_open, closing_regions, enter_autocast
 from planner.side_effects import keeping_random_states, repeated_effects
 from planner.step import grad_fn_of, nothing_to_differentiate, output_tensors, training_loss
@@ -177,10 +180,11 @@ META_KEYS = (
     "planner.cost_before_last_save",
     "planner.context_saved",
     "planner.output_storages",
+    "planner.containers",
 )
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
-# The repeated effect of an item assignment into a Python container (``batch["x"] = h``):
-# ``planner.problem`` also pins the nodes that read the container.
+# The repeated effect of a write into a Python container (``batch["x"] = h``,
+# ``hs.append(h)``): ``planner.problem`` also pins the nodes that read the container.
 CONTAINER_WRITE = "writes into a Python container"
 # ``tensor.device`` of a fake tensor, dispatched like an op; it reads and moves no memory, and
 # meta tensors never dispatch it, so counting it would make the two runs disagree.
@@ -457,6 +461,23 @@ class _CostMode(TorchDispatchMode):
             self.ops.append((str(func), fakeable, {key(t) for t in inputs}, made, flops, moved))
         self.just_saved.clear()
         return out
+
+
+def _containers(values) -> list:
+    """The Python containers among a node's argument values (a dict or list argument, what
+    ``getitem`` or a module returned), by identity: forward may write into them."""
+    found = {id(v): v for v in values if isinstance(v, (dict, list, set))}
+    return list(found.values())
+
+
+def _contents(container) -> tuple:
+    """What a container holds, by identity, to tell whether a node wrote into it
+    (``batch["x"] = h``, ``hs.update(...)``, ``hs.append(...)``)."""
+    if isinstance(container, dict):
+        return tuple((key, id(value)) for key, value in container.items())
+    if isinstance(container, set):
+        return tuple(sorted(map(id, container)))
+    return tuple(map(id, container))
 
 
 def _written_through_view(tensor: torch.Tensor) -> bool:
@@ -905,15 +926,19 @@ class _Recorder(fx.Interpreter):
             # The tensors passed in count as read even when no operation touches them
             # (``nn.Identity``): a checkpoint starting at a later node still takes them.
             passed = [t for n in node.all_input_nodes for t in tree_leaves(self.env.get(n))]
+            containers = _containers(self.env.get(n) for n in node.all_input_nodes)
+            before = [_contents(c) for c in containers]
             run = functools.partial(super().run_node, node)
             if node.op != "call_module":
                 out = self.record(node, run, passed)
-                if node.target is setitem and not isinstance(out, torch.Tensor):
-                    node.meta["planner.repeated_effects"] += (CONTAINER_WRITE,)
-                return out
-            with repeated_effects(self.fetch_attr(cast(str, node.target))) as effects:
-                out = self.record(node, run, passed)
-            node.meta["planner.repeated_effects"] += tuple(effects)
+            else:
+                with repeated_effects(self.fetch_attr(cast(str, node.target))) as effects:
+                    out = self.record(node, run, passed)
+                node.meta["planner.repeated_effects"] += tuple(effects)
+            written = {id(c) for c, was in zip(containers, before) if _contents(c) != was}
+            if written:
+                node.meta["planner.repeated_effects"] += (CONTAINER_WRITE,)
+            node.meta["planner.containers"] = ({id(c) for c in containers}, written)
             return out
         except PlanningError:
             raise
