@@ -14,6 +14,7 @@ it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -42,7 +43,7 @@ from planner.hooks import (
 from planner.model_call import CALL_KEY
 from planner.model_code import codes, global_loads, loaded_attributes, method_codes
 from planner.model_state import ModelStateDict
-from planner.regions import autocast_region_open
+from planner.regions import autocast_region_open, closing_regions
 from planner.step import grad_fn_of
 from planner.units import mib
 
@@ -406,10 +407,12 @@ class Snapshot:
         replays: bool = False,
         graph_reads: set[str] | None = None,
         autocast_regions: bool = False,
+        opens_regions: bool = False,
     ):
         self.model = model
         # Whether forward enters autocast regions, whose casts a region around the call keeps.
         self.autocast_regions = autocast_regions
+        self.opens_regions = opens_regions  # any region (grad mode, autocast): see _checked_call
         self.checkpoints = checkpoints  # whether the graph runs checkpointed segments
         self.replays = replays and grads is not None  # whether its recomputes replay nodes
         self.graph_tensors: list[Callable] = []  # see remember_graph_tensors
@@ -1355,8 +1358,17 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         compiling = torch.compiler.is_compiling()  # a compiled recompute replays nothing
         if not compiling:
             outer, _CALL.replays = replays_allowed(), snapshot.replays_hold(self, args, kwargs)
+        # A region of forward (autocast, no_grad) left open by an exception through the graph
+        # is exited, as the model's ``with`` would (found by review: the early stop of a
+        # checkpoint around the call left autocast's nesting raised for the whole process).
+        closing = (
+            closing_regions(always=False)
+            if snapshot.opens_regions and not compiling
+            else contextlib.nullcontext()
+        )
         try:
-            output = graph_forward(self, *args, **kwargs)
+            with closing:
+                output = graph_forward(self, *args, **kwargs)
         except AssertionError as error:
             if "has been specialized to have value" in str(error):
                 # symbolic_trace's check of an argument it traced as a constant (None, a

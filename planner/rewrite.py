@@ -791,6 +791,9 @@ def rewrite(
         checkpoints=bool(built),
         reads_grad_mode=captured.meta.get("planner.reads_grad_mode", False),
         autocast_regions=bool(captured.graph.find_nodes(op="call_function", target=enter_autocast)),
+        opens_regions=any(
+            captured.graph.find_nodes(op="call_function", target=entry) for entry in REGION_ENTRIES
+        ),
     )
     if replay:
         targets = {n.target for n in planned.graph.find_nodes(op="get_attr")}

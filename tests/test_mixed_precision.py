@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 import planner
 from planner.pipeline import assemble, prepare
-from planner.regions import enter_autocast, enter_grad_mode
+from planner.regions import autocast_region_open, enter_autocast, enter_grad_mode
 from planner.simulate import Choice, simulate
 from planner.solvers.auto import lowest_peak
 from planner.step import peak_memory
@@ -232,6 +232,9 @@ def test_a_checkpoint_of_ones_own_around_a_plan_with_autocast_regions_trains_lik
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no new call form
         checkpoint(p.module, *args, use_reentrant=False).float().sum().backward()
+    # The recompute stops early inside forward's region: the planned module exits it, as the
+    # model's ``with`` does (found by review: autocast's nesting stayed raised for good).
+    assert not autocast_region_open()
     checkpoint(reference, *args, use_reentrant=False).float().sum().backward()
     for a, b in zip(reference.parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad)
