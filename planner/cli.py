@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)  # a usage line and status 2 on bad syntax, 0 on --help
     except SystemExit as exit_:  # returned, as documented (found by a tester: it raised)
-        return exit_.code if isinstance(exit_.code, int) else 2
+        return 0 if exit_.code is None else exit_.code if isinstance(exit_.code, int) else 2
     from planner.errors import PlanningError
 
     try:
