@@ -465,8 +465,16 @@ class _CostMode(TorchDispatchMode):
 
 def _containers(values) -> list:
     """The Python containers among a node's argument values (a dict or list argument, what
-    ``getitem`` or a module returned), by identity: forward may write into them."""
-    found = {id(v): v for v in values if isinstance(v, (dict, list, set))}
+    ``getitem`` or a module returned) and those they hold, by identity: forward may write into
+    them, a module kept whole into one inside another."""
+    found: dict[int, object] = {}
+    stack = list(values)
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (dict, list, set, tuple)) and id(value) not in found:
+            if not isinstance(value, tuple):  # a tuple cannot be written into
+                found[id(value)] = value
+            stack.extend(value.values() if isinstance(value, dict) else value)
     return list(found.values())
 
 
