@@ -43,7 +43,7 @@ from planner.hooks import (
 from planner.model_call import CALL_KEY
 from planner.model_code import codes, global_loads, loaded_attributes, method_codes
 from planner.model_state import ModelStateDict
-from planner.regions import autocast_region_open, closing_regions
+from planner.regions import ClosingRegions, autocast_region_open
 from planner.step import grad_fn_of
 from planner.units import mib
 
@@ -1362,7 +1362,7 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         # is exited, as the model's ``with`` would (found by review: the early stop of a
         # checkpoint around the call left autocast's nesting raised for the whole process).
         closing = (
-            closing_regions(always=False)
+            ClosingRegions()
             if snapshot.opens_regions and not compiling
             else contextlib.nullcontext()
         )

@@ -147,6 +147,22 @@ def closing_regions(*, always: bool):
         _exit_regions_since(depth)
 
 
+class ClosingRegions:
+    """``closing_regions(always=False)`` as a class whose methods Dynamo leaves to Python: a
+    frame that Dynamo runs eagerly (past its recompile limit) has the frames it calls traced,
+    and a generator's cannot be (found by a rehearsal: "Attempt to trace generator")."""
+
+    @torch.compiler.disable
+    def __enter__(self):
+        self.depth = len(_open_regions())
+        return self
+
+    @torch.compiler.disable
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is not None:
+            _exit_regions_since(self.depth)
+
+
 def _exit_regions_since(depth: int) -> None:
     regions = _open_regions()
     while len(regions) > depth:
