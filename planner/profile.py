@@ -149,7 +149,7 @@ from planner.fakes import (
 )
 from planner.gcpause import paused_collection
 from planner.in_place import write_back
-from planner.regions import autocast_region_open, closing_regions, enter_autocast
+from planner.regions import ClosingRegions, autocast_region_open, enter_autocast
 from planner.side_effects import keeping_random_states, repeated_effects
 from planner.step import grad_fn_of, nothing_to_differentiate, output_tensors, training_loss
 
@@ -1402,8 +1402,8 @@ def profile(
                 fixed_kind.setdefault(key, kind)
         cost = _CostMode(storages, call)
         recorder = _Recorder(gm, storages, cost, copies)
-        # closing_regions: a forward that leaves a grad mode set must not leave it set here.
-        with cost, warnings.catch_warnings(), closing_regions(always=True):
+        # ClosingRegions: a forward that leaves a grad mode set must not leave it set here.
+        with cost, warnings.catch_warnings(), ClosingRegions(always=True):
             warnings.simplefilter("ignore", FutureWarning)  # pytree specs of exported modules
             output = recorder.run(*placeholder_values(gm, args, kwargs))
         output_keys = {k for t in tree_leaves(output) if (k := storages.key(t)) is not None}

@@ -129,28 +129,20 @@ def autocast_region_open() -> bool:
     return depth > 1
 
 
-@contextlib.contextmanager
-def closing_regions(*, always: bool):
+class ClosingRegions:
     """Exit the regions entered inside the block and left open by an exception (by any way out
     when ``always``), as the model's own ``with`` statements would have.
 
     A checkpointed segment needs it: non-reentrant checkpoint stops a recompute by raising once
-    every saved tensor is back, possibly between a region's entry and exit nodes.
+    every saved tensor is back, possibly between a region's entry and exit nodes. A class whose
+    methods Dynamo leaves to Python, not a generator: a frame that Dynamo runs eagerly (past its
+    recompile limit) has the frames it calls traced, and a generator's cannot be (found by a
+    rehearsal: "Attempt to trace generator"). Compiled code needs none: a compiled graph's
+    regions are closed by the graph, and its recompute never stops early.
     """
-    depth = len(_open_regions())
-    try:
-        yield
-    except BaseException:
-        _exit_regions_since(depth)
-        raise
-    if always:
-        _exit_regions_since(depth)
 
-
-class ClosingRegions:
-    """``closing_regions(always=False)`` as a class whose methods Dynamo leaves to Python: a
-    frame that Dynamo runs eagerly (past its recompile limit) has the frames it calls traced,
-    and a generator's cannot be (found by a rehearsal: "Attempt to trace generator")."""
+    def __init__(self, *, always: bool = False):
+        self.always = always
 
     @torch.compiler.disable
     def __enter__(self):
@@ -159,7 +151,7 @@ class ClosingRegions:
 
     @torch.compiler.disable
     def __exit__(self, kind, value, traceback) -> None:
-        if kind is not None:
+        if kind is not None or self.always:
             _exit_regions_since(self.depth)
 
 

@@ -56,7 +56,7 @@ from planner.planned_module import (
     share_user_state,
 )
 from planner.problem import Problem, compute_nodes
-from planner.regions import REGION_ENTRIES, closing_regions, enter_autocast, enter_inference_mode
+from planner.regions import REGION_ENTRIES, ClosingRegions, enter_autocast, enter_inference_mode
 from planner.simulate import Choice, as_choice, replayed_nodes, validate_choice
 
 # The cache scope of the selective segment running now (its forward or its recompute); per
@@ -410,7 +410,7 @@ class Segment:
         self.selective = selective
         self.replays = replays  # its body marks replayed nodes (``_Replaying``)
         # Only a body that enters regions (autocast, grad mode) can leave one open when the
-        # recompute stops early; the others skip closing_regions (a few us per call).
+        # recompute stops early; the others skip ClosingRegions (a few us per call).
         entries = {n.target for n in body.graph.nodes if n.op == "call_function"}
         self.opens_regions = not entries.isdisjoint(REGION_ENTRIES)
         self.infers = enter_inference_mode in entries
@@ -425,9 +425,9 @@ class Segment:
             )
         # ``forward``, not ``body(...)``: a GraphModule's call wrapper walks the traceback of
         # every exception, and the recompute's early stop is one (about 80 us per segment).
-        if not self.opens_regions:
+        if not self.opens_regions or torch.compiler.is_compiling():
             return self.body.forward(*args)
-        with closing_regions(always=False):
+        with ClosingRegions():
             return self.body.forward(*args)
 
     @property

@@ -20,7 +20,7 @@ from torch import nn
 import planner
 from planner.options import CaptureOptions
 from planner.pipeline import prepare
-from planner.regions import closing_regions, enter_autocast, enter_grad_mode, exit_region
+from planner.regions import ClosingRegions, enter_autocast, enter_grad_mode, exit_region
 from planner.rewrite import rewrite
 from planner.simulate import simulate
 from planner.solvers.auto import lowest_peak
@@ -363,7 +363,7 @@ def test_a_region_left_by_an_exception_unwinds_as_nested_with_statements_do():
     leaving the inner one must forget it, not an equal outer one (found in review: grad mode
     was left off where ``with`` statements restore it)."""
     torch.set_grad_enabled(True)
-    with pytest.raises(KeyError), closing_regions(always=False):
+    with pytest.raises(KeyError), ClosingRegions():
         enter_grad_mode(False)
         enter_grad_mode(True)
         exit_region(enter_grad_mode(False))
