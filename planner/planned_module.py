@@ -109,6 +109,12 @@ def call_grads(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, tuple[b
     return {name: flags for name, flags in grads.items() if flags}
 
 
+@torch.compiler.disable  # Dynamo cannot trace ``is_inference``
+def _any_inference(args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor of the call is an inference tensor (made under inference mode)."""
+    return any(torch.is_tensor(t) and t.is_inference() for t in tree_leaves((args, kwargs)))
+
+
 def _requires_grad(value) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad
 
@@ -1404,6 +1410,15 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
                     f"{type(snapshot.model).__name__}'s checkpointed segments need saved-tensor "
                     "hooks (torch.utils.checkpoint recomputes through them). Call it outside "
                     f"that block, or call the model itself there. The block's message: {error}"
+                ) from error
+            if "Inference tensors cannot be saved" in str(error) and _any_inference(args, kwargs):
+                raise PlanningError(
+                    f"An input of the planned {type(snapshot.model).__name__} is an inference "
+                    "tensor (made under torch.inference_mode), and a checkpointed segment takes "
+                    "it: checkpoint saves its inputs, which autograd refuses for inference "
+                    "tensors. Clone it outside inference mode (x = x.clone()), make it under "
+                    "torch.no_grad() instead, or plan with such a tensor as the example input "
+                    f"(segments then never take it). PyTorch's message: {error}"
                 ) from error
             raise
         finally:

@@ -24,7 +24,7 @@ from planner.export_leaves import LEAF_CALL
 from planner.gcpause import paused_collection
 from planner.in_place import BufferReads
 from planner.profile import COMPUTE_OPS, Profile, require_meta
-from planner.regions import enter_autocast, region_spans
+from planner.regions import enter_autocast, enter_inference_mode, region_spans
 
 SOURCE, SINK = "planner.source", "planner.sink"
 # A phase of a node's backward beyond all it has: what ends there is not gone within it.
@@ -453,6 +453,26 @@ def _mutation_pins(
     return forbidden_cuts, pinned
 
 
+def _inference_crossings(
+    nodes: list[fx.Node], storages: dict[int, Storage], reads: list, fixed: frozenset[int]
+) -> np.ndarray:
+    """Per cut: whether an inference tensor (made under ``torch.inference_mode``, or one of
+    ``fixed``: inputs, parameters and buffers) crosses it to a reader. A segment starting
+    there would take it as an input, which checkpoint saves and autograd refuses to ("Inference
+    tensors cannot be saved for backward", found by a tester); one holding its producer
+    recomputes it under the mode, as forward made it."""
+    crossed = np.zeros(len(nodes) + 1, bool)
+    for entry, exit_ in region_spans(nodes):
+        if nodes[entry].target is enter_inference_mode and nodes[entry].args[:1] != (False,):
+            for s in storages.values():
+                if entry < s.producer < exit_:
+                    crossed[s.producer + 1 : s.last_reader + 1] = True
+    if fixed:
+        readers = [i for i, read in enumerate(reads) if not fixed.isdisjoint(read)]
+        crossed[: max(readers, default=-1) + 1] = True
+    return crossed
+
+
 def _container_readers(nodes: list[fx.Node]) -> np.ndarray:
     """The nodes given a Python container that forward writes into (``batch["x"] = h`` on a
     dict argument, ``hs.append(h)``, through any alias: ``batch.get("inner")``), by identity
@@ -622,6 +642,7 @@ def build_problem(
             pinned[[entry, exit_]] = True
         else:
             cut_allowed[entry + 1 : exit_ + 1] = False
+    cut_allowed &= ~_inference_crossings(nodes, storages, reads, profile.inference_storages)
     # A module kept whole under torch.export (planner.export_leaves) is profiled op by op but
     # runs as one call: no cut and no keep inside it.
     inside_call = np.array([LEAF_CALL in n.meta for n in nodes], bool)

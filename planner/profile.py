@@ -218,6 +218,9 @@ class Profile:
     # Bytes of the outputs the default loss sums, when none of them is a 0-dim loss
     # (``Problem.summed_output_bytes``).
     summed_output_bytes: int = 0
+    # Inputs, parameters and buffers that are inference tensors (made under
+    # ``torch.inference_mode``): autograd cannot save them, and a checkpoint saves its inputs.
+    inference_storages: frozenset[int] = frozenset()
 
     def fixed_bytes(self, kind: str) -> int:
         return sum(self.storage_bytes[s] for s, k in self.fixed_kind.items() if k == kind)
@@ -1356,6 +1359,7 @@ def profile(
     storages = _Storages()
     fixed_kind: dict[int, str] = {}
     trainable: set[int] = set()
+    inference: set[int] = set()
     call: Callable[[Any, tuple, dict], Any]
     with contextlib.ExitStack() as stack:
         stack.enter_context(quiet_fake_failures())
@@ -1396,6 +1400,11 @@ def profile(
             key = storages.fixed_key(original, t)  # None for non-tensors
             if key is not None:
                 fixed_kind.setdefault(key, "input")
+        for original in (*originals, *gm.parameters(), *gm.buffers()):
+            if isinstance(original, torch.Tensor) and original.is_inference():
+                key = storages.key(copies(original))
+                if key is not None:
+                    inference.add(key)
         for kind, tensor in _unread_state(model, gm) if model is not None else ():
             key = storages.key(tensor)  # the user's own tensor: nothing runs on it
             if key is not None:
@@ -1477,6 +1486,7 @@ def profile(
         default_loss_high=default_loss.high,
         seed_bytes=seed_bytes,
         summed_output_bytes=summed,
+        inference_storages=frozenset(inference),
     )
 
 

@@ -310,6 +310,98 @@ class InferenceScale(nn.Module):
         return self.a(x) / k.clone()
 
 
+class InferenceStatistic(nn.Module):
+    """A statistic computed in ``torch.inference_mode`` and cloned two operations after the
+    region: the inference tensor crosses the cuts between (found by a tester: a plan whose
+    segment started there raised "Inference tensors cannot be saved for backward")."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(5))
+
+    def forward(self, x):
+        h = x
+        for i, layer in enumerate(self.layers):
+            if i == 2:
+                with torch.inference_mode():
+                    statistic = h.mean(0, keepdim=True) * 0.5
+                h = torch.tanh(h) * 2
+                h = h - statistic.clone()
+            h = torch.tanh(layer(h)) + h
+        return h
+
+
+class InputScaled(nn.Module):
+    """A model whose first operation saves nothing of its input: it trains on an inference
+    tensor (a batch prepared under ``torch.inference_mode``), which a checkpoint cannot take."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        h = x * 2 - 1
+        for layer in self.layers:
+            h = torch.tanh(layer(h)) + h
+        return h
+
+
+def _longest_segments(problem) -> list[tuple[int, int]]:
+    """The longest valid segment from each cut that starts one."""
+    n = problem.size
+    return [
+        (a, max(b for b in range(a + 1, n + 1) if problem.is_valid_segment(a, b)))
+        for a in range(n)
+        if any(problem.is_valid_segment(a, b) for b in range(a + 1, n + 1))
+    ]
+
+
+def _step_grads(module, x):
+    module.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    out = module(x)
+    out.sum().backward()
+    return out, [p.grad for p in module.parameters()]
+
+
+def test_no_segment_takes_a_tensor_made_in_inference_mode():
+    """Segments never start where an inference tensor crosses to a later reader, and every
+    segment that may start trains exactly."""
+    torch.manual_seed(0)
+    model, x = InferenceStatistic(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    captured, problem = prepare(model, (x,))
+    for segments in [(segment,) for segment in _longest_segments(problem)]:
+        planned = rewrite(captured.graph_module, model, segments, problem=problem)
+        assert_equivalent(reference, model, planned, (x,), {})
+
+
+def test_an_inference_tensor_given_at_planning_is_never_a_segment_input():
+    torch.manual_seed(0)
+    model = InputScaled()
+    with torch.inference_mode():
+        x = torch.randn(4, 8)
+    expected_out, expected = _step_grads(copy.deepcopy(model), x)
+    captured, problem = prepare(model, (x,))
+    assert not problem.is_valid_segment(0, 2)  # x * 2 reads x
+    for segments in [(segment,) for segment in _longest_segments(problem)]:
+        planned = rewrite(captured.graph_module, model, segments, problem=problem)
+        out, grads = _step_grads(planned, x)
+        assert torch.equal(out, expected_out)
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+
+
+def test_an_inference_tensor_given_to_a_plan_made_without_one_gets_advice():
+    model, x = InputScaled(), torch.randn(4, 8)
+    captured, problem = prepare(model, (x,))
+    planned = rewrite(captured.graph_module, model, (_longest_segments(problem)[0],))
+    with torch.inference_mode():
+        inference = torch.randn(4, 8)
+    with pytest.raises(planner.PlanningError, match=r"inference tensor.*x = x\.clone\(\)"):
+        planned(inference)
+    planned(inference.clone()).sum().backward()
+
+
 def _longest_segment(problem) -> tuple[int, int]:
     n = problem.size
     return max(
