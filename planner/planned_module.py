@@ -568,7 +568,7 @@ class Snapshot:
         # entry of the planned module's own that differs was swapped there since, without
         # __setattr__ (torch.func.functional_call), and wins for that call.
         self.synced = {t: dict(getattr(model, t)) for t in ("_parameters", "_buffers")}
-        self.warned = False
+        self.warned: set[tuple[bool, ...]] = set()  # training flags run_model warned of
         self.warned_forms: set[CallForm] = set()
         # ``plan_call(args, example_kwargs=kwargs)`` plans another call form with the options of
         # the planning call (set by ``planner.pipeline.plan``; None for loaded plans).
@@ -1104,8 +1104,10 @@ class Snapshot:
 
     def run_model(self, args: tuple, kwargs: dict):
         """The model itself, for a mode the plan was not made in."""
-        if torch.is_grad_enabled() and not self.warned:
-            self.warned = True
+        flags = tuple(d["training"] for d in self.module_dicts)
+        if torch.is_grad_enabled() and flags not in self.warned:
+            self.warned.add(flags)  # once per set of flags (found by a tester: a whole-model
+            # eval call used the warning up before the partial eval that overshot the budget)
             differing = [
                 f"{name or 'the model'} {'train' if before else 'eval'} then, "
                 f"{'train' if d['training'] else 'eval'} now"
@@ -1530,6 +1532,7 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
 
     def __deepcopy__(self, memo):
         copied = cast(PlannedModule, super().__deepcopy__(memo))  # fx copies the class too
+        type(copied).__name__ = type(self).__name__  # not fx's "GraphModule" (found by a tester)
         copied._planner = copy.deepcopy(self._planner, memo)
         share_user_state(copied, copied._planner.model)
         # fx's copy starts with no module hooks: the copied call takes the model's calls again

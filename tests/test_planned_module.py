@@ -647,6 +647,20 @@ def test_the_eval_warning_comes_once_and_never_under_no_grad():
         p.module(x)
 
 
+def test_the_eval_warning_comes_once_for_each_set_of_training_flags():
+    """Found by a tester: a whole-model eval call used the warning up, and a later training
+    step with one block frozen in eval ran the model itself over the budget without a word."""
+    model, x = Blocks(), torch.randn(4, 8)
+    p = tight_plan(model, (x,))
+    p.module.eval()
+    with pytest.warns(UserWarning, match="checkpointing is not applied"):
+        p.module(x)
+    p.module.train()
+    model.blocks[1].eval()
+    with pytest.warns(UserWarning, match=r"blocks\.1 train then, eval now"):
+        p.module(x)
+
+
 def test_the_eval_warning_names_the_switched_modules_and_points_at_the_call():
     model, x = Blocks(), torch.randn(4, 8)
     p = tight_plan(model, (x,))
@@ -754,6 +768,7 @@ def test_a_deep_copy_of_the_planned_module_trains_like_a_deep_copy_of_the_model(
     model, args, kwargs = MODELS[capture]()
     p = tight_plan(model, args, kwargs)
     copied = copy.deepcopy(p.module)
+    assert type(copied).__name__ == type(p.module).__name__  # messages name the model's class
     assert not {id(t) for t in copied.parameters()} & {id(t) for t in model.parameters()}
     assert_equivalent(copy.deepcopy(model), copied, copied, args, kwargs)
     assert_equivalent(copy.deepcopy(model), model, p.module, args, kwargs)
