@@ -860,6 +860,16 @@ def _trace_or_export(
                 "What to try: "
                 + _packing_advice(model)
                 + (
+                    # A wrapper passing **kwargs through (PEFT's) hides use_cache from
+                    # _without_cache (found by a tester: the advice began with the loss).
+                    "the model returns a key/value cache object: set model.config.use_cache "
+                    "= False (a wrapper such as PEFT's passes its keywords through to the "
+                    "model, which then reads its config), or pass use_cache=False in "
+                    "example_kwargs and in every call; "
+                    if "Cache" in str(export_error)
+                    else ""
+                )
+                + (
                     f"the loss the model computes from {', '.join(labels)} may be what cannot "
                     "be captured: plan without it and pass the loss as loss_fn= (a function "
                     "of the output, e.g. lambda out: F.cross_entropy(out.logits.flatten(0, 1), "
@@ -867,9 +877,7 @@ def _trace_or_export(
                     if labels
                     else ""
                 )
-                + "for a model that returns a cache object (Hugging Face "
-                "use_cache=True), pass use_cache=False in example_kwargs; pass flags and "
-                "sizes as plain Python values in "
+                + "pass flags and sizes as plain Python values in "
                 "example_inputs or example_kwargs, so that tracing specialises on them; make "
                 "torch.export.export(model, example_inputs, example_kwargs, strict=False) "
                 "work (the fallback path: its error above names the data-dependent line; "

@@ -242,3 +242,31 @@ def test_the_advice_after_gradient_checkpointing_was_enabled_before_planning_lea
         model.disable_input_require_grads()
         p = plan(model, args, budget_gb=1, example_kwargs=kwargs)
     assert p.predicted_peak_bytes <= p.budget_bytes
+
+
+class KeywordWrapper(torch.nn.Module):
+    """Passes its keywords through to a Hugging Face model, as PEFT's task wrappers do: its
+    own signature has no ``use_cache``, so planner cannot turn the cache off for it."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def forward(self, input_ids, labels=None, **kwargs):
+        return self.inner(input_ids=input_ids, labels=labels, **kwargs)
+
+
+def test_a_wrapper_of_a_model_that_returns_a_cache_gets_advice_that_leads_to_a_plan():
+    """Found by a tester: PEFT's ``get_peft_model(..., task_type="CAUSAL_LM")`` failed to
+    capture, and the advice began with the loss."""
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=64)
+    torch.manual_seed(0)
+    model = KeywordWrapper(transformers.GPT2LMHeadModel(config).train())
+    ids = torch.randint(0, 64, (2, 12))
+    with pytest.raises(PlanningError, match=r"What to try: the model returns a key/value cache"):
+        plan(model, (ids,), budget_gb=1)
+    model.config.use_cache = False  # the advice
+    reference = copy.deepcopy(model)
+    p = plan(model, (ids,), budget_gb=1)
+    assert_equivalent(reference, model, p.module, (ids,), {})
