@@ -44,7 +44,7 @@ from planner.model_call import CALL_KEY
 from planner.model_code import codes, global_loads, loaded_attributes, method_codes
 from planner.model_state import ModelStateDict
 from planner.regions import ClosingRegions, autocast_region_open
-from planner.step import grad_fn_of
+from planner.step import grad_fn_of, output_tensors
 from planner.units import mib
 
 # One call form is planned at a time, in whichever thread first makes that call.
@@ -79,15 +79,27 @@ def call_dtypes(
 ) -> CallDtypes:
     """The dtypes of the call ``model(*args, **kwargs)``, which the planned graph was captured
     for: a forward may branch on them (``if h.dtype == torch.float16``), and sizes follow them.
-    ``layouts``: the tensor arguments' ``_layout`` too, for a capture that bakes in branches on
-    it (torch.export: ``if x.requires_grad``, ``if not x.is_contiguous()``)."""
+    ``layouts``: the tensor arguments' ``_layout`` and the devices of the call too, for a
+    capture that bakes in branches on the layouts (torch.export: ``if x.requires_grad``, ``if
+    not x.is_contiguous()``) and the devices (``torch.arange(n, device=x.device)``)."""
     tensors = [(n, v) for n, v in _named_arguments(model, args, kwargs) if torch.is_tensor(v)]
+    tables = _state_tables(model)
     return CallDtypes(
-        _state_dtypes(_state_tables(model)),
+        _state_dtypes(tables),
         {name: value.dtype for name, value in tensors},
         autocast_state(),
         {name: _layout(value) for name, value in tensors} if layouts else {},
+        _devices(tables, [value for _, value in tensors]) if layouts else (),
     )
+
+
+def _devices(tables: list[dict], values: list) -> tuple[torch.device, ...]:
+    """The devices of the tensor arguments ``values`` (None where not a tensor) and of the
+    first parameter or buffer, each once, in a fixed order: a model and its inputs move
+    together (the device of every parameter would cost about 0.5 us each on every call)."""
+    first = next((t for table in tables for t in table.values() if t is not None), None)
+    devices = {v.device for v in (*values, first) if isinstance(v, torch.Tensor)}
+    return tuple(sorted(devices, key=str))
 
 
 def _layout(tensor: torch.Tensor) -> tuple[bool, bool]:
@@ -158,6 +170,7 @@ class CallDtypes(NamedTuple):
     arguments: dict[str, torch.dtype]  # of the arguments that are tensors, by name
     autocast: tuple[tuple[str, torch.dtype | None], ...]  # autocast_state() around the call
     layouts: dict[str, tuple[bool, bool]]  # of the tensor arguments where baked (call_dtypes)
+    devices: tuple[torch.device, ...] = ()  # of the call where baked (call_dtypes)
 
 
 def autocast_state(off_regions: bool = True) -> tuple[tuple[str, torch.dtype | None], ...]:
@@ -232,6 +245,7 @@ _SCALARS = (bool, int, float, str, type(None))
 # numpy's scalars (``np.float32(0.5)``, a schedule's ``np.cos(...)``): tracing bakes them in as
 # it does Python's, and they are compared by value and type (``_Held``).
 _NUMPY_SCALARS = (np.bool_, np.number)
+_CONTAINER_ITEMS = 64  # longer lists and dicts are not compared (see _is_plain_container)
 # What every module holds privately for torch itself (``_is_full_backward_hook``...): never the
 # model's own values, whatever its code names.
 _TORCH_BOOKKEEPING = frozenset(vars(nn.Module()))
@@ -239,6 +253,19 @@ _TORCH_BOOKKEEPING = frozenset(vars(nn.Module()))
 
 def _is_scalar(value) -> bool:
     return _is_plain(value) or (type(value) is tuple and all(map(_is_plain, value)))
+
+
+def _is_plain_container(value) -> bool:
+    """A short list, or dict, of scalars: state a forward may branch on, changed in place by a
+    library's methods (PEFT's ``merged_adapters`` list, the ``scaling`` dict of a LoRA layer,
+    found by a tester: ``merge_adapter()`` after planning applied the adapter twice)."""
+    if type(value) is list:
+        return len(value) <= _CONTAINER_ITEMS and all(map(_is_scalar, value))
+    if type(value) is dict:
+        return len(value) <= _CONTAINER_ITEMS and all(
+            _is_plain(k) and _is_scalar(v) for k, v in value.items()
+        )
+    return False
 
 
 def _is_plain(value) -> bool:
@@ -258,8 +285,10 @@ def _same(then, now) -> bool:
         return True
     if type(then) is not type(now):
         return False
-    if type(then) is tuple:
+    if type(then) in (tuple, list):
         return len(then) == len(now) and all(map(_same, then, now))
+    if type(then) is dict:
+        return then.keys() == now.keys() and all(_same(v, now[k]) for k, v in then.items())
     return bool(then == now)
 
 
@@ -296,6 +325,8 @@ def _reference(value):
     scalars, else the value itself)."""
     if isinstance(value, torch.Tensor):
         return _Held(value, operator.is_)
+    if type(value) in (list, dict):  # a copy: the library changes the object in place
+        return _Held(copy.copy(value), _same)
     return _Held(value, _same) if _holds_numpy(value) else value
 
 
@@ -303,16 +334,16 @@ _BY_IDENTITY = (torch.Generator, torch.Tensor)
 
 
 def _compared(module: nn.Module, key: str, value, names: _Names) -> bool:
-    """Whether the attribute ``key`` of ``module`` is compared on every call: a scalar, or (by
-    identity) a ``torch.Generator`` or a tensor that is neither a parameter nor a buffer
-    (``self.tau = torch.tensor(0.5)`` replaced: the graph holds the old one; reseeding or
-    updating it in place is followed). Public ones where the module's code names them
-    (``names.mentioned``); private ones (``self._tau`` behind a property; not what torch keeps
-    on every module or on its own modules) and tensors only where the code a call runs reads
-    them (``names.loaded``, within ``mentioned``)."""
+    """Whether the attribute ``key`` of ``module`` is compared on every call: a scalar, a short
+    list or dict of scalars (by contents), or (by identity) a ``torch.Generator`` or a tensor
+    that is neither a parameter nor a buffer (``self.tau = torch.tensor(0.5)`` replaced: the
+    graph holds the old one; reseeding or updating it in place is followed). Public ones where
+    the module's code names them (``names.mentioned``); private ones (``self._tau`` behind a
+    property; not what torch keeps on every module or on its own modules) and tensors only
+    where the code a call runs reads them (``names.loaded``, within ``mentioned``)."""
     if key == "training" or key not in names.mentioned:
         return False  # most attributes, by the cheapest test first
-    if not (_is_scalar(value) or isinstance(value, _BY_IDENTITY)):
+    if not (_is_scalar(value) or _is_plain_container(value) or isinstance(value, _BY_IDENTITY)):
         return False
     if key.startswith("_") and (key in _TORCH_BOOKKEEPING or _torch_own(type(module))):
         return False
@@ -561,6 +592,7 @@ class Snapshot:
         self.argument_dtypes = tuple(dtypes.arguments.get(name) for name, _ in tensor_arguments)
         self.argument_layouts = tuple(dtypes.layouts.get(name) for name, _ in tensor_arguments)
         self.layouts_baked = bool(dtypes.layouts)
+        self.devices = dtypes.devices
         # The shapes of each tensor argument's tensors at planning (``call_sizes``).
         self.argument_sizes = [(sizes or {}).get(name, ()) for name, _ in tensor_arguments]
         self.warned_larger = False
@@ -821,8 +853,8 @@ class Snapshot:
         (``warn_if_earlier_graph_waits``)."""
         if self.warned_two_forwards:
             return
-        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
-        functions = {grad_fn_of(t) for t in tensors} - {None}
+        # output_tensors, not tree_leaves: a dataclass output is no pytree (found by a tester)
+        functions = {grad_fn_of(t) for t in output_tensors(output)} - {None}
         if not functions:
             return
         call = _CallGraph()
@@ -880,12 +912,19 @@ class Snapshot:
         arguments = tuple([v.dtype if isinstance(v, torch.Tensor) else None for v in values])
         left_out = tuple([n for (n, _), v in zip(self.tensor_arguments, values) if v is None])
         layouts: tuple[tuple[bool, bool] | None, ...] = ()
+        devices: tuple[torch.device, ...] = ()
         if self.layouts_baked:
             layouts = tuple([_layout(v) if isinstance(v, torch.Tensor) else None for v in values])
+            devices = _devices(self.state_tables, values)
         state = _state_dtypes(self.state_tables)
         autocast = autocast_state(self.autocast_regions)
-        form = CallForm(left_out, state, arguments, autocast, layouts)
-        if not left_out and not self._dtypes_moved(form) and not self._layouts_moved(form):
+        form = CallForm(left_out, state, arguments, autocast, layouts, devices)
+        if (
+            not left_out
+            and not self._dtypes_moved(form)
+            and not self._layouts_moved(form)
+            and form.devices == self.devices
+        ):
             return None  # (a value that is no tensor, a tracer's proxy, has no dtype)
         return form
 
@@ -918,6 +957,30 @@ class Snapshot:
             if _grads(value) != grads or _shapes(value) != sizes:
                 return False
         return True
+
+    @torch.compiler.disable  # an error path: it runs eagerly
+    def raise_if_ranks_changed(self, args: tuple, kwargs: dict, error: Exception) -> None:
+        """A ``PlanningError`` for ``error`` where a tensor argument has another number of
+        dimensions than at planning, in a graph torch.export captured: its graph holds the
+        example's (found by a tester: a 0-d timestep for a (batch,) one raised a bare
+        ``IndexError`` from the graph)."""
+        if not self.layouts_baked:
+            return
+        changed = [
+            f"{name} with {len(now)} dimensions, planned with {len(then)}"
+            for (name, position), planned in zip(self.tensor_arguments, self.argument_sizes)
+            for now, then in zip(_shapes(_argument(name, position, args, kwargs)), planned)
+            if len(now) != len(then)
+        ]
+        if changed:
+            raise PlanningError(
+                f"the planned {type(self.model).__name__} is called with {'; '.join(changed)}: "
+                "its graph, captured by torch.export, holds the example's number of dimensions "
+                "(dynamic_shapes=True lets sizes vary, not ranks). Call it with tensors of the "
+                "planning example's ranks (a timestep of shape (batch,), not a scalar), or plan "
+                f"with the call you train with. The graph's error: {type(error).__name__}: "
+                f"{error}"
+            ) from error
 
     def warn_if_larger(self, args: tuple, kwargs: dict) -> None:
         """Once: a tensor argument is larger than when planning (a longer batch of a
@@ -988,6 +1051,12 @@ class Snapshot:
                 "is called with tensor arguments that differ in requires_grad or contiguity "
                 f"from the planning call's ({'; '.join(layouts)}), and torch.export bakes in "
                 "forward's branches on them"
+            )
+        if form.devices != self.devices:
+            parts.append(
+                f"runs on {_device_names(form.devices)} and was planned on "
+                f"{_device_names(self.devices)}, which torch.export bakes into its graph "
+                "(torch.arange(n, device=x.device))"
             )
         if form.autocast != self.autocast:
             parts.append(
@@ -1158,13 +1227,18 @@ class CallForm(NamedTuple):
     """A call unlike the planning call: the tensor arguments it leaves out, the dtypes of the
     model's parameters and buffers and of its tensor arguments (None: not a tensor), the
     autocast in force, and, for a graph captured by torch.export, the tensor arguments'
-    ``_layout`` (empty otherwise)."""
+    ``_layout`` and the call's devices (empty otherwise)."""
 
     left_out: tuple[str, ...]
     state: tuple[torch.dtype, ...]
     arguments: tuple[torch.dtype | None, ...]
     autocast: tuple[tuple[str, torch.dtype | None], ...]
     layouts: tuple[tuple[bool, bool] | None, ...] = ()
+    devices: tuple[torch.device, ...] = ()
+
+
+def _device_names(devices: tuple[torch.device, ...]) -> str:
+    return ", ".join(map(str, devices)) or "no device"
 
 
 def _at_size(tensor: torch.Tensor, size: torch.Size) -> torch.Tensor | None:
@@ -1422,6 +1496,10 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
                     "torch.no_grad() instead, or plan with such a tensor as the example input "
                     f"(segments then never take it). PyTorch's message: {error}"
                 ) from error
+            snapshot.raise_if_ranks_changed(args, kwargs, error)
+            raise
+        except IndexError as error:
+            snapshot.raise_if_ranks_changed(args, kwargs, error)
             raise
         finally:
             if not compiling:
@@ -1471,10 +1549,25 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         super()._load_from_state_dict(*args)  # through the model (planner.model_state)
         self._read_root_state(self._planner)  # assign=True gave the model new root tensors
 
+    def named_parameters(self, *args, **kwargs):
+        self._read_root_state(self._planner)  # an optimizer made now gets the model's own
+        return super().named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args, **kwargs):
+        self._read_root_state(self._planner)
+        return super().named_buffers(*args, **kwargs)
+
     def __getattr__(self, name: str):
         """An attribute the model has and the graph does not (a Hugging Face ``config``,
         ``save_pretrained``) is missing here on purpose: the planned module is the model's
-        forward only. The error says where it is instead of a bare "no attribute"."""
+        forward only. The error says where it is instead of a bare "no attribute". A root
+        parameter or buffer is the model's current one, replaced since or not (found by a
+        tester: an optimizer made after ``to_empty`` trained a stale tensor)."""
+        state = self.__dict__
+        if name in state["_parameters"] or name in state["_buffers"]:
+            snapshot = state.get("_planner")
+            if snapshot is not None:
+                self._read_root_state(snapshot)
         try:
             return super().__getattr__(name)
         except AttributeError as error:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dataclasses
 import enum
 import functools
 import gc
@@ -575,6 +576,83 @@ def test_a_model_planned_on_meta_then_materialised_trains_its_materialised_param
     assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
 
 
+class ExportedPositions(nn.Module):
+    """Positions made on the input's device, in a forward ``symbolic_trace`` rejects (a size
+    made a Python int): torch.export bakes the device into the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions = nn.Embedding(16, 16)
+        blocks = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)]
+        self.layers = nn.Sequential(*blocks)
+
+    def forward(self, x):
+        length = int(x.shape[1])
+        return self.layers(x + self.positions(torch.arange(length, device=x.device)))
+
+
+def test_an_exported_plan_made_on_meta_computes_on_the_device_it_runs_on():
+    """Found by a tester: after ``to_empty(device="cpu")`` the graph still made its positions
+    on the meta device, and the embedding read uninitialised memory (gradients off by 7.8,
+    silently). The planned module plans the call on the new device once, as for a dtype move."""
+    with torch.device("meta"):
+        model = ExportedPositions()
+    x = torch.randn(4, 8, 16)
+    p = sqrt_n_plan(model, (x.to("meta"),))
+    assert p.capture_method == "export"
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for tensor in model.state_dict().values():
+        nn.init.normal_(tensor)
+    with pytest.warns(UserWarning, match=r"runs on cpu and was planned on meta.*torch\.export"):
+        assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
+
+
+class Timed(nn.Module):
+    """Takes a timestep per sample, in a forward ``symbolic_trace`` rejects."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(1, 16)
+        blocks = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)]
+        self.layers = nn.Sequential(*blocks)
+
+    def forward(self, x, t):
+        n = int(x.shape[0])
+        return self.layers(x + self.embed(t.reshape(n, 1).float()))
+
+
+def test_an_exported_plan_called_with_a_tensor_of_another_rank_says_so():
+    """Found by a tester: a scalar timestep for a plan made with one per sample raised a bare
+    ``IndexError`` from the graph."""
+    x, t = torch.randn(4, 16), torch.arange(4)
+    p = sqrt_n_plan(Timed(), (x, t))
+    assert p.capture_method == "export"
+    with pytest.raises(planner.PlanningError, match=r"t with 0 dimensions, planned with 1"):
+        p.module(x, torch.tensor(3))
+
+
+def test_root_tensors_replaced_on_the_model_are_listed_before_the_next_call():
+    """Found by a tester: an optimizer made from ``p.module.parameters()`` after
+    ``model.load_state_dict(..., assign=True)`` held the old root parameter, which the step
+    never trained, and the planned module kept the old tensors alive."""
+    torch.manual_seed(0)
+    model, x = RootState(), torch.randn(8, 16)
+    p = sqrt_n_plan(model, (x,))
+    old = weakref.ref(model.pos)
+    model.load_state_dict(new_state(model), assign=True)
+    assert p.module.pos is model.pos and p.module.shift is model.shift
+    assert any(t is model.pos for t in p.module.parameters())
+    assert any(t is model.shift for t in p.module.buffers())
+    optimizer = torch.optim.SGD(p.module.parameters(), lr=0.1)
+    before = model.pos.detach().clone()
+    p.module(x).sum().backward()
+    optimizer.step()
+    assert not torch.equal(model.pos, before)
+    gc.collect()
+    assert old() is None
+
+
 # --------------------------------------------------------------------------------------------
 # train and eval modes: another mode than the planning one runs the model itself
 
@@ -960,6 +1038,41 @@ class Blocks(nn.Module):
         for block in self.blocks:
             x = x + self.scale * block(x)
         return x
+
+
+class LowRankAdapted(nn.Module):
+    """A LoRA-like layer: its branch is skipped once merged, and scaled by a dict entry, state
+    a library changes in place (PEFT's ``merge_adapter()``, diffusers' ``set_adapters``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base, self.down, self.up = nn.Linear(8, 8), nn.Linear(8, 2), nn.Linear(2, 8)
+        self.merged_adapters: list[str] = []
+        self.scaling = {"default": 1.0}
+
+    def forward(self, x):
+        h = self.base(x)
+        if not self.merged_adapters:
+            h = h + self.scaling["default"] * self.up(self.down(x))
+        return torch.tanh(h)
+
+
+IN_PLACE_CHANGES = {
+    "a list appended to": lambda m: m.merged_adapters.append("default"),
+    "a dict entry set": lambda m: m.scaling.__setitem__("default", 0.3),
+}
+
+
+@pytest.mark.parametrize("change", IN_PLACE_CHANGES)
+def test_lists_and_dicts_of_values_changed_in_place_after_planning_are_refused(change):
+    """Found by a tester: PEFT's ``merge_adapter()`` after planning applied the adapter twice,
+    and diffusers' ``set_adapters(weights=...)`` was ignored, silently."""
+    model, x = nn.Sequential(*(LowRankAdapted() for _ in range(4))), torch.randn(4, 8)
+    p = sqrt_n_plan(model, (x,))
+    assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})  # unchanged: no refusal
+    IN_PLACE_CHANGES[change](model[2])
+    with pytest.raises(planner.PlanningError, match=r"changed after planning.*Plan again"):
+        p.module(x)
 
 
 CHANGES = {
@@ -1977,6 +2090,32 @@ def test_a_second_call_before_the_first_calls_backward_warns_that_the_step_holds
     with warnings.catch_warnings():
         warnings.filterwarnings("error", "the planned .* earlier call .*waits")
         p.module(x), p.module(x)  # once only
+
+
+@dataclasses.dataclass
+class Scores:
+    value: torch.Tensor
+
+
+class ScoresHead(nn.Module):
+    """Returns a dataclass, which is no pytree."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return Scores(self.b(torch.tanh(self.a(x))))
+
+
+def test_a_second_call_warns_whatever_container_holds_the_first_calls_output():
+    """Found by a tester: with a dataclass output nothing warned (31% over the budget)."""
+    x = torch.randn(4, 8)
+    p = planner.plan(ScoresHead(), (x,), budget_gb=1)
+    first = p.module(x)
+    with pytest.warns(UserWarning, match="graph of an earlier call .*waits for its backward"):
+        second = p.module(x)
+    (first.value - second.value).pow(2).sum().backward()
 
 
 def test_calls_whose_backward_ran_or_whose_graph_is_gone_do_not_warn():
