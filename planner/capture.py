@@ -773,9 +773,30 @@ def _refuse_dropped_hooks(model: nn.Module, captured: Captured) -> None:
                 "gradient checkpointing installs and leaves when disabled, goes with "
                 "model.disable_input_require_grads()."
                 if input_require_grads_advice(model)
-                else ""
+                else _leftover_require_grads_advice(model)
             )
         )
+
+
+def _leftover_require_grads_advice(model: nn.Module) -> str:
+    """Where a ``make_inputs_require_grads`` hook is left after
+    ``disable_input_require_grads()``: PEFT has the model register a second one, and the
+    method removes only the last (found by a tester)."""
+    holders = [
+        name
+        for name, module in model.named_modules()
+        if any(
+            getattr(hook, "__name__", "").startswith("make_inputs_require_grad")
+            for hook in getattr(module, "_forward_hooks", {}).values()
+        )
+    ]
+    if not holders:
+        return ""
+    return (
+        f" The hook on {holders[0]} (make_inputs_require_grads: PEFT has the model register it "
+        "twice, and disable_input_require_grads() removes one) only serves reentrant "
+        "checkpointing: remove it with model.get_input_embeddings()._forward_hooks.clear()."
+    )
 
 
 def module_classes(leaf_modules) -> tuple[type, ...]:

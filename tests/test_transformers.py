@@ -244,6 +244,21 @@ def test_the_advice_after_gradient_checkpointing_was_enabled_before_planning_lea
     assert p.predicted_peak_bytes <= p.budget_bytes
 
 
+def test_a_second_input_require_grads_hook_left_after_disabling_gets_advice_that_works():
+    """Found by a tester: PEFT has the model register the hook twice, and
+    ``disable_input_require_grads()`` removed one; the message then said ``handle.remove()``,
+    and the user holds no handle."""
+    model, args, kwargs = gpt2()
+    model.enable_input_require_grads()
+    model.enable_input_require_grads()  # as PEFT's get_peft_model does on a checkpointed model
+    model.disable_input_require_grads()
+    with pytest.raises(PlanningError, match=r"_forward_hooks\.clear\(\)"):
+        plan(model, args, budget_gb=1, example_kwargs=kwargs)
+    model.get_input_embeddings()._forward_hooks.clear()
+    p = plan(model, args, budget_gb=1, example_kwargs=kwargs)
+    assert p.predicted_peak_bytes <= p.budget_bytes
+
+
 class KeywordWrapper(torch.nn.Module):
     """Passes its keywords through to a Hugging Face model, as PEFT's task wrappers do: its
     own signature has no ``use_cache``, so planner cannot turn the cache off for it."""
