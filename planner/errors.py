@@ -39,8 +39,13 @@ def positive_int(name: str, value) -> int:
 def checkpointing_disable_advice(model) -> str:
     """How to turn a library's own checkpointing off, in the name the installed version uses:
     transformers 5 deprecates ``gradient_checkpointing_disable`` for
-    ``activation_checkpointing_disable``."""
-    for method in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):
+    ``activation_checkpointing_disable``; diffusers names it ``disable_gradient_checkpointing``
+    (found by a tester)."""
+    for method in (
+        "activation_checkpointing_disable",
+        "gradient_checkpointing_disable",
+        "disable_gradient_checkpointing",
+    ):
         if callable(getattr(model, method, None)):
             return f"call model.{method}()" + input_require_grads_advice(model)
     return "turn the library's gradient checkpointing off"

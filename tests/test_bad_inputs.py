@@ -330,6 +330,20 @@ def test_manual_checkpoint_is_detected_not_dropped(how):
     assert all(p.grad is not None for p in model.parameters())
 
 
+class DiffusersStyleCheckpointing(ManualCheckpoint):
+    """diffusers' models turn their checkpointing off by this name."""
+
+    def disable_gradient_checkpointing(self):
+        self.how = "none"
+
+
+def test_the_advice_names_the_method_a_diffusers_model_turns_checkpointing_off_with():
+    """Found by a tester: the message named Hugging Face's method, which diffusers lacks."""
+    model = DiffusersStyleCheckpointing("non-reentrant")
+    with pytest.raises(PlanningError, match=r"call model\.disable_gradient_checkpointing\(\)"):
+        plan_of(model, (torch.randn(3, 4),), {}, budget_gb=1)
+
+
 @pytest.mark.parametrize("solver", ["sqrt_n", "auto"])  # with segments, and none
 def test_a_planned_module_cannot_be_planned_again(solver):
     """Planning it again would drop the plan, or plan a graph of a graph: the message says to
