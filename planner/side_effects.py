@@ -642,7 +642,10 @@ def _reasons(
             f"({', '.join(filled)}): "
             "the graph has no way to carry values out through them, so the planned module "
             "would never put them there. Return such values from forward instead (e.g. the "
-            "auxiliary losses as an output: return out, torch.stack(aux))"
+            "auxiliary losses as an output: return out, torch.stack(aux)); a setting forward "
+            "applies for the call and restores (diffusers' cross_attention_kwargs={'scale': "
+            "s} scales the LoRA layers' scaling dicts) is set outside forward instead "
+            "(set_adapters(..., weights=...)) and left out of the call"
         )
     if updated:
         reasons.append(
