@@ -880,6 +880,7 @@ def _trace_or_export(
                 f"{export_error}\n"
                 "What to try: "
                 + _packing_advice(model)
+                + _causal_mask_advice(model, export_error)
                 + (
                     # A wrapper passing **kwargs through (PEFT's) hides use_cache from
                     # _without_cache (found by a tester: the advice began with the loss).
@@ -918,6 +919,28 @@ def _trace_or_export(
 
 
 _PACKING = frozenset({"pack_padded_sequence", "pack_sequence"})
+_TORCH_TRANSFORMERS = (
+    nn.Transformer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+)
+
+
+def _causal_mask_advice(model: nn.Module, export_error: Exception) -> str:
+    """torch's own transformer modules read a mask's values to see whether it is causal
+    (``_detect_is_causal_mask``), which no capture can follow (found by a tester: the advice
+    was generic)."""
+    if "DataDependent" not in type(export_error).__name__ + str(export_error):
+        return ""
+    if not any(isinstance(m, _TORCH_TRANSFORMERS) for m in model.modules()):
+        return ""
+    return (
+        "torch's nn.Transformer modules read a causal mask's values to check that it is "
+        "causal: pass is_causal=True (tgt_is_causal=True for a decoder) with the mask, which "
+        "skips the check, or leave the mask out; "
+    )
 
 
 def _packing_advice(model: nn.Module) -> str:

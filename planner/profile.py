@@ -983,7 +983,9 @@ class _Recorder(fx.Interpreter):
             raise InputsRefused(
                 f"the model's forward failed on the example inputs at node {node.name!r} "
                 f"({node.op} {node.target}): {type(error).__name__}: {error}. Check the "
-                "example inputs' shapes and dtypes against what the model expects."
+                "example inputs' shapes and dtypes against what the model expects; if the "
+                "model itself fails on them (an out= argument that requires grad), the "
+                "forward is at fault, not the inputs."
             ) from error
 
     def record(self, node: fx.Node, run: Callable, passed=()):

@@ -967,3 +967,29 @@ def test_a_backward_hook_that_reads_a_number_is_named_when_backward_cannot_be_pr
     model[2].register_full_backward_hook(lambda m, gi, go: norms.append(go[0].norm().item()))
     with pytest.raises(planner.PlanningError, match=r"\.item\(\).*backward hook.*after planning"):
         planner.plan(model, (torch.randn(4, 16),), budget_gb=1)
+
+
+class CausalEncoder(nn.Module):
+    """torch's own encoder given a causal mask, told it is causal or not."""
+
+    def __init__(self, is_causal):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.is_causal = is_causal
+
+    def forward(self, x, mask):
+        return self.encoder(x, mask=mask, is_causal=self.is_causal)
+
+
+def test_torchs_transformer_given_a_causal_mask_is_told_to_say_it_is_causal():
+    """Found by a tester: torch reads the mask's values to check that it is causal, and the
+    capture error's advice was generic."""
+    x, mask = torch.randn(2, 5, 16), nn.Transformer.generate_square_subsequent_mask(5)
+    with pytest.raises(PlanningError, match=r"What to try: .*pass is_causal=True"):
+        plan_of(CausalEncoder(None), (x, mask), {}, budget_gb=1)
+    torch.manual_seed(0)
+    model = CausalEncoder(True)
+    reference = copy.deepcopy(model)
+    p = plan_of(model, (x, mask), {}, budget_gb=1)
+    assert_equivalent(reference, model, p.module, (x, mask), {})
