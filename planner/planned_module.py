@@ -278,6 +278,15 @@ def _holds_numpy(value) -> bool:
     )
 
 
+def _same_settings(then, now) -> bool:
+    """``_same`` for a list or dict of scalars (``_is_plain_container``); one filled with other
+    values since (tensors: a cache an eval-mode forward fills, found by review) is no setting
+    the graph baked in, and counts as unchanged."""
+    if type(now) is not type(then):
+        return False
+    return not _is_plain_container(now) or _same(then, now)
+
+
 def _same(then, now) -> bool:
     """Whether ``now`` is the value ``then`` was, of the same type: ``np.float32(0.5)`` is not
     ``0.5``, nor ``np.float64(0.5)`` (arithmetic with them promotes differently)."""
@@ -325,8 +334,8 @@ def _reference(value):
     scalars, else the value itself)."""
     if isinstance(value, torch.Tensor):
         return _Held(value, operator.is_)
-    if type(value) in (list, dict):  # a copy: the library changes the object in place
-        return _Held(copy.copy(value), _same)
+    if _is_plain_container(value):  # a copy: a library changes the object in place
+        return _Held(copy.copy(value), _same_settings)
     return _Held(value, _same) if _holds_numpy(value) else value
 
 
@@ -347,7 +356,9 @@ def _compared(module: nn.Module, key: str, value, names: _Names) -> bool:
         return False
     if key.startswith("_") and (key in _TORCH_BOOKKEEPING or _torch_own(type(module))):
         return False
-    return key in names.loaded or not (key.startswith("_") or isinstance(value, torch.Tensor))
+    return key in names.loaded or not (
+        key.startswith("_") or isinstance(value, (torch.Tensor, list, dict))
+    )
 
 
 def _torch_own(cls: type) -> bool:
@@ -915,6 +926,7 @@ class Snapshot:
         devices: tuple[torch.device, ...] = ()
         if self.layouts_baked:
             layouts = tuple([_layout(v) if isinstance(v, torch.Tensor) else None for v in values])
+        if self.devices:  # recorded for export's graphs, with or without tensor arguments
             devices = _devices(self.state_tables, values)
         state = _state_dtypes(self.state_tables)
         autocast = autocast_state(self.autocast_regions)
@@ -958,14 +970,11 @@ class Snapshot:
                 return False
         return True
 
-    @torch.compiler.disable  # an error path: it runs eagerly
     def raise_if_ranks_changed(self, args: tuple, kwargs: dict, error: Exception) -> None:
         """A ``PlanningError`` for ``error`` where a tensor argument has another number of
         dimensions than at planning, in a graph torch.export captured: its graph holds the
         example's (found by a tester: a 0-d timestep for a (batch,) one raised a bare
         ``IndexError`` from the graph)."""
-        if not self.layouts_baked:
-            return
         changed = [
             f"{name} with {len(now)} dimensions, planned with {len(then)}"
             for (name, position), planned in zip(self.tensor_arguments, self.argument_sizes)
@@ -1496,10 +1505,12 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
                     "torch.no_grad() instead, or plan with such a tensor as the example input "
                     f"(segments then never take it). PyTorch's message: {error}"
                 ) from error
-            snapshot.raise_if_ranks_changed(args, kwargs, error)
+            if snapshot.layouts_baked and not compiling:
+                snapshot.raise_if_ranks_changed(args, kwargs, error)
             raise
         except IndexError as error:
-            snapshot.raise_if_ranks_changed(args, kwargs, error)
+            if snapshot.layouts_baked and not compiling:
+                snapshot.raise_if_ranks_changed(args, kwargs, error)
             raise
         finally:
             if not compiling:
@@ -1564,7 +1575,7 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         parameter or buffer is the model's current one, replaced since or not (found by a
         tester: an optimizer made after ``to_empty`` trained a stale tensor)."""
         state = self.__dict__
-        if name in state["_parameters"] or name in state["_buffers"]:
+        if name in state.get("_parameters", ()) or name in state.get("_buffers", ()):
             snapshot = state.get("_planner")
             if snapshot is not None:
                 self._read_root_state(snapshot)

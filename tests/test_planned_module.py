@@ -632,6 +632,56 @@ def test_an_exported_plan_called_with_a_tensor_of_another_rank_says_so():
         p.module(x, torch.tensor(3))
 
 
+class ExportedDictBatch(ExportedPositions):
+    """``ExportedPositions`` taking its tensor in a dict: no tensor argument of its own."""
+
+    def forward(self, batch):
+        return super().forward(batch["x"])
+
+
+def test_an_exported_plan_without_tensor_arguments_is_no_new_call_form_where_nothing_moved():
+    """Found by review: with its tensors in a dict, every call looked like one on another
+    device and was planned again, nested until the recursion limit."""
+    torch.manual_seed(0)
+    model, batch = ExportedDictBatch(), {"x": torch.randn(4, 8, 16)}
+    p = sqrt_n_plan(model, (batch,))
+    assert p.capture_method == "export"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "the planned")
+        assert_equivalent(copy.deepcopy(model), model, p.module, (batch,), {})
+    assert p.module._planner.call_forms == {}
+
+
+class MemoisedPositions(nn.Module):
+    """Memoises a positional table per length in a dict, in eval mode only."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache: dict = {}
+        self.layers = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)))
+
+    def forward(self, x):
+        n = x.shape[0]
+        if self.training:
+            return self.layers(x + torch.arange(n)[:, None])
+        if n not in self.cache:
+            self.cache[n] = torch.arange(n)[:, None]
+        return self.layers(x + self.cache[n])
+
+
+def test_a_dict_an_eval_forward_fills_with_tensors_is_no_change_to_the_plan():
+    """Found by review: validation filled the cache, and the next training step was refused."""
+    torch.manual_seed(0)
+    model, x = MemoisedPositions(), torch.randn(4, 8)
+    p = sqrt_n_plan(model, (x,))
+    p.module.eval()
+    with torch.no_grad():
+        p.module(x)
+    p.module.train()
+    assert model.cache
+    assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
+
+
 def test_root_tensors_replaced_on_the_model_are_listed_before_the_next_call():
     """Found by a tester: an optimizer made from ``p.module.parameters()`` after
     ``model.load_state_dict(..., assign=True)`` held the old root parameter, which the step
