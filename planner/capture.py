@@ -907,13 +907,13 @@ def _trace_or_export(
                 "plan the traceable submodules (leaf blocks) separately and call them from "
                 "your own forward."
             ) from export_error
-        if regions.inference_in_autocast:
+        if regions.inference:
             raise _inexact(
                 model,
                 trace_error,
-                "torch.export records no node for a torch.inference_mode region, and one lies "
-                "inside torch.autocast in forward",
-                "use torch.no_grad() for that region, or move it out of the autocast block",
+                "torch.export records no node for a torch.inference_mode region of forward, "
+                "and its graph would compute that region with gradients",
+                "use torch.no_grad() for that region",
             ) from trace_error
         return captured
 

@@ -453,20 +453,29 @@ def _mutation_pins(
     return forbidden_cuts, pinned
 
 
+def _inference_spans(nodes: list[fx.Node]) -> list[tuple[int, int]]:
+    """``(entry, exit)`` of each ``torch.inference_mode()`` region of forward (not
+    ``inference_mode(False)``)."""
+    return [
+        (entry, exit_)
+        for entry, exit_ in region_spans(nodes)
+        if nodes[entry].target is enter_inference_mode and nodes[entry].args[:1] != (False,)
+    ]
+
+
 def _inference_crossings(
     nodes: list[fx.Node], storages: dict[int, Storage], reads: list, fixed: frozenset[int]
 ) -> np.ndarray:
     """Per cut: whether an inference tensor (made under ``torch.inference_mode``, or one of
-    ``fixed``: inputs, parameters and buffers) crosses it to a reader. A segment starting
-    there would take it as an input, which checkpoint saves and autograd refuses to ("Inference
-    tensors cannot be saved for backward", found by a tester); one holding its producer
-    recomputes it under the mode, as forward made it."""
+    ``fixed``: inputs, which a segment takes as arguments) crosses it to a reader. A segment
+    starting there would take it as an argument, which checkpoint saves and autograd refuses
+    to ("Inference tensors cannot be saved for backward", found by a tester); one holding its
+    producer recomputes it under the mode, as forward made it."""
     crossed = np.zeros(len(nodes) + 1, bool)
-    for entry, exit_ in region_spans(nodes):
-        if nodes[entry].target is enter_inference_mode and nodes[entry].args[:1] != (False,):
-            for s in storages.values():
-                if entry < s.producer < exit_:
-                    crossed[s.producer + 1 : s.last_reader + 1] = True
+    for entry, exit_ in _inference_spans(nodes):
+        for s in storages.values():
+            if entry < s.producer < exit_:
+                crossed[s.producer + 1 : s.last_reader + 1] = True
     if fixed:
         readers = [i for i, read in enumerate(reads) if not fixed.isdisjoint(read)]
         crossed[: max(readers, default=-1) + 1] = True
@@ -643,6 +652,11 @@ def build_problem(
         else:
             cut_allowed[entry + 1 : exit_ + 1] = False
     cut_allowed &= ~_inference_crossings(nodes, storages, reads, profile.inference_storages)
+    # The selective cache cannot hold what a node makes in inference mode ("Inference tensors
+    # do not track version counter", found by review): such nodes are recomputed, not kept.
+    in_inference = np.zeros(n, bool)
+    for entry, exit_ in _inference_spans(nodes):
+        in_inference[entry + 1 : exit_] = True
     # A module kept whole under torch.export (planner.export_leaves) is profiled op by op but
     # runs as one call: no cut and no keep inside it.
     inside_call = np.array([LEAF_CALL in n.meta for n in nodes], bool)
@@ -663,7 +677,7 @@ def build_problem(
     moved = np.array([require_meta(node, "planner.bytes_moved") for node in nodes], np.float64)
     fixed_bytes = sum(profile.storage_bytes[k] for k in profile.fixed_kind)
     kept_bytes = np.array([require_meta(nd, "planner.kept_bytes") for nd in nodes], np.int64)
-    keepable = _keepable(created, writes, kept_bytes) & ~pinned & ~inside_call
+    keepable = _keepable(created, writes, kept_bytes) & ~pinned & ~inside_call & ~in_inference
     random = np.array([bool(require_meta(nd, "planner.random")) for nd in nodes], dtype=bool)
     replays = [require_meta(nd, "planner.replay_ops") for nd in nodes]
     unusual = set(cast_exits) | context_saved  # storages autocast's cache or a context holds

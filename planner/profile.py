@@ -218,8 +218,9 @@ class Profile:
     # Bytes of the outputs the default loss sums, when none of them is a 0-dim loss
     # (``Problem.summed_output_bytes``).
     summed_output_bytes: int = 0
-    # Inputs, parameters and buffers that are inference tensors (made under
-    # ``torch.inference_mode``): autograd cannot save them, and a checkpoint saves its inputs.
+    # Inputs that are inference tensors (made under ``torch.inference_mode``): autograd cannot
+    # save them, and a checkpoint saves its arguments. (A segment reads a buffer or parameter
+    # in its body: never an argument it saves, found by review.)
     inference_storages: frozenset[int] = frozenset()
 
     def fixed_bytes(self, kind: str) -> int:
@@ -988,6 +989,16 @@ class _Recorder(fx.Interpreter):
                 "forward is at fault, not the inputs."
             ) from error
 
+    def release(self) -> None:
+        """Drop the stand-ins and their backward functions. Those hold hooks that hold the
+        recorder, which holds them (``hooked``, ``owned``, the values in ``env``): a cycle
+        through autograd's C++ graph, which the garbage collector cannot see, that kept the
+        graph module and the root tensors it held alive, replaced ones too (found by a
+        tester: 0.5 MiB over the budget)."""
+        self.env.clear()
+        self.hooked.clear()
+        self.owned.clear()
+
     def record(self, node: fx.Node, run: Callable, passed=()):
         """Run ``run()`` as the computation of ``node`` and write its annotations; ``passed``
         holds the values given to it (their tensors count as read)."""
@@ -1402,7 +1413,7 @@ def profile(
             key = storages.fixed_key(original, t)  # None for non-tensors
             if key is not None:
                 fixed_kind.setdefault(key, "input")
-        for original in (*originals, *gm.parameters(), *gm.buffers()):
+        for original in originals:
             if isinstance(original, torch.Tensor) and original.is_inference():
                 key = storages.key(copies(original))
                 if key is not None:
@@ -1413,6 +1424,7 @@ def profile(
                 fixed_kind.setdefault(key, kind)
         cost = _CostMode(storages, call)
         recorder = _Recorder(gm, storages, cost, copies)
+        stack.callback(recorder.release)  # on errors too (found by review)
         # ClosingRegions: a forward that leaves a grad mode set must not leave it set here.
         with cost, warnings.catch_warnings(), ClosingRegions(always=True):
             warnings.simplefilter("ignore", FutureWarning)  # pytree specs of exported modules
@@ -1473,13 +1485,6 @@ def profile(
             read.update(node.meta["planner.reads"])
     for key in recorder.fixed_casts:
         fixed_kind[key] = "autocast cache"
-    # The stand-ins' backward functions hold hooks that hold the recorder, which holds them
-    # (``hooked``, ``owned``, the values in ``env``): a cycle through autograd's C++ graph,
-    # which the garbage collector cannot see, that kept the graph module and the root tensors
-    # it held alive, replaced ones too (found by a tester: 0.5 MiB over the budget).
-    recorder.env.clear()
-    recorder.hooked.clear()
-    recorder.owned.clear()
     for key in read - produced - set(fixed_kind):
         fixed_kind[key] = "constant"  # tensors the graph holds, e.g. lifted by torch.export
     return Profile(

@@ -197,20 +197,19 @@ GRAD_SWITCH = "planner.grad_switch"  # node.meta of an exported _set_grad_enable
 class _ExportedRegions:
     """What forward's own context managers did while torch.export captured it: which of the
     exported ``_set_grad_enabled`` nodes each grad-mode region's entry and exit made (tagged
-    ``GRAD_SWITCH``: export's nodes name a mode, not the region), and the regions export
-    records no node for (``torch.inference_mode``) found inside ``torch.autocast``."""
+    ``GRAD_SWITCH``: export's nodes name a mode, not the region), and whether forward entered
+    a region export records no node for (``torch.inference_mode``: its graph computes the
+    region with gradients, found by review)."""
 
     def __init__(self):
         self.open: list = []
         self.keys: dict[int, tuple[object, list[int]]] = {}  # id(manager) -> (it, open keys)
         self.count = 0
-        self.inference_in_autocast = False
+        self.inference = False
 
     def entered(self, manager, switches: list[fx.Node]) -> None:
-        if isinstance(manager, torch.autograd.grad_mode.inference_mode) and any(
-            isinstance(m, torch.amp.autocast_mode.autocast) for m in self.open
-        ):
-            self.inference_in_autocast = True
+        if isinstance(manager, torch.autograd.grad_mode.inference_mode) and manager.mode:
+            self.inference = True
         self.open.append(manager)
         if switches:
             self.count += 1

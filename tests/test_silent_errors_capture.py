@@ -23,6 +23,7 @@ from planner.pipeline import prepare
 from planner.regions import ClosingRegions, enter_autocast, enter_grad_mode, exit_region
 from planner.rewrite import rewrite
 from planner.simulate import simulate
+from planner.solvers import SOLVERS
 from planner.solvers.auto import lowest_peak
 from planner.step import peak_memory
 from strategies import (
@@ -376,6 +377,74 @@ def test_no_segment_takes_a_tensor_made_in_inference_mode():
         assert_equivalent(reference, model, planned, (x,), {})
 
 
+class LongInferenceStatistic(nn.Module):
+    """A statistic made in inference mode after the second block, used after the fifth."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+
+    def forward(self, x):
+        h = x
+        for i, layer in enumerate(self.layers):
+            h = torch.tanh(layer(h)) + h
+            if i == 1:
+                with torch.inference_mode():
+                    statistic = h.mean(0, keepdim=True) * 0.5
+            if i == 4:
+                h = h - statistic.clone()
+        return h
+
+
+@pytest.mark.parametrize("solver", ["auto", "optimal", "rotor"])
+def test_plans_at_the_lowest_peak_of_a_model_with_an_inference_region_train_exactly(solver):
+    """Found by review: a node inside the region was kept, and the selective cache refused
+    its inference tensor ("Inference tensors do not track version counter")."""
+    torch.manual_seed(0)
+    model, x = LongInferenceStatistic(), torch.randn(256, 64)
+    reference = copy.deepcopy(model)
+    _, problem = prepare(model, (x,))
+    optimal = solver == "optimal"  # its own lowest: the lowest of all is nested
+    budget = simulate(problem, SOLVERS[solver](problem, 0)) if optimal else lowest_peak(problem)
+    p = planner.plan(model, (x,), budget_bytes=budget.peak_bytes, solver=solver)
+    assert_equivalent(reference, model, p.module, (x,), {})
+
+
+class InferenceBuffer(nn.Module):
+    """A buffer made in inference mode, read by a middle layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+        with torch.inference_mode():
+            self.register_buffer("shift", torch.randn(8))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i == 3:
+                x = x + self.shift
+        return x
+
+
+def test_a_buffer_made_in_inference_mode_leaves_every_cut_free():
+    """A segment reads a buffer in its body, never as an argument it saves: found by review,
+    such a buffer forbade every cut before its reader, and nothing could be checkpointed."""
+    torch.manual_seed(0)
+    model, x = InferenceBuffer(), torch.randn(64, 8)
+    reference = copy.deepcopy(model)
+    _, problem = prepare(model, (x,))
+    assert problem.cut_allowed.all()
+    lowest = lowest_peak(problem).peak_bytes
+    assert lowest < simulate(problem, ()).peak_bytes
+    p = planner.plan(model, (x,), budget_bytes=lowest)
+    assert p.segments
+    expected_out, expected = _step_grads(reference, x)
+    out, grads = _step_grads(p.module, x)
+    assert torch.equal(out, expected_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+
+
 def test_an_inference_tensor_given_at_planning_is_never_a_segment_input():
     torch.manual_seed(0)
     model = InputScaled()
@@ -538,11 +607,28 @@ class InferenceInAutocast(nn.Module):
             return self.a(x) * k
 
 
+class InferenceExported(nn.Module):
+    """An inference_mode statistic in a forward symbolic_trace rejects: export records no
+    node for the region (found by review: the plan computed it with gradients, 52 off)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.size(0) > 0:
+            x = x * 1.0
+        with torch.inference_mode():
+            k = self.a(x).mean(0, keepdim=True)
+        return self.a(x) + k.clone()
+
+
 @pytest.mark.parametrize(
     ("make", "match"),
     [
         (DirectGradSwitch, r"exactly.*switches grad mode to False.*torch\.no_grad\(\)"),
-        (InferenceInAutocast, r"exactly.*inference_mode region.*inside torch\.autocast"),
+        (InferenceInAutocast, r"exactly.*inference_mode region.*torch\.no_grad\(\)"),
+        (InferenceExported, r"exactly.*inference_mode region.*torch\.no_grad\(\)"),
     ],
 )
 def test_a_mode_switch_torch_export_cannot_keep_exactly_is_refused(make, match):
