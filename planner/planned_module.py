@@ -970,6 +970,22 @@ class Snapshot:
                 return False
         return True
 
+    def watch_live_dicts(self, original: nn.Module, memo: dict) -> None:
+        """After ``copy.deepcopy`` of a snapshot of ``original``: watch the copied modules'
+        own ``__dict__``s. Deepcopy hands each module a copy of its ``__dict__``, which
+        ``nn.Module.__setstate__`` merges into a new one, so the copied snapshot watched
+        dicts no module uses (found by review: an EMA copy put in eval ran the training-mode
+        graph, dropout on)."""
+        live = {}
+        for old, new in zip(original.modules(), self.model.modules()):
+            stale = memo.get(id(old.__dict__))
+            if stale is not None:
+                live[id(stale)] = new.__dict__
+        self.module_dicts = [live.get(id(d), d) for d in self.module_dicts]
+        self.forward_dicts = [live.get(id(d), d) for d in self.forward_dicts]
+        self.attribute_dicts = [live.get(id(d), d) for d in self.attribute_dicts]
+        self.attributes = [(n, live.get(id(d), d), k, v) for n, d, k, v in self.attributes]
+
     def raise_if_ranks_changed(self, args: tuple, kwargs: dict, error: Exception) -> None:
         """A ``PlanningError`` for ``error`` where a tensor argument has another number of
         dimensions than at planning, in a graph torch.export captured: its graph holds the
@@ -1638,6 +1654,7 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         copied = cast(PlannedModule, super().__deepcopy__(memo))  # fx copies the class too
         type(copied).__name__ = type(self).__name__  # not fx's "GraphModule" (found by a tester)
         copied._planner = copy.deepcopy(self._planner, memo)
+        copied._planner.watch_live_dicts(self._planner.model, memo)
         share_user_state(copied, copied._planner.model)
         # fx's copy starts with no module hooks: the copied call takes the model's calls again
         call = copied.meta.get(CALL_KEY)

@@ -902,6 +902,18 @@ def test_a_deep_copy_of_the_planned_module_trains_like_a_deep_copy_of_the_model(
     assert_equivalent(copy.deepcopy(model), model, p.module, args, kwargs)
 
 
+def test_a_deep_copy_put_in_eval_mode_computes_as_the_copied_model_in_eval_mode():
+    """An EMA copy, evaluated: found by review, the copy watched stale copies of its modules'
+    state and ran the training-mode graph, dropout on, silently."""
+    torch.manual_seed(0)
+    model, x = TrainingBranches(), torch.randn(4, 8)
+    p = tight_plan(model, (x,))
+    copied = copy.deepcopy(p.module)
+    copied.eval()
+    with torch.no_grad():
+        assert torch.equal(copied(x), copied._planner.model(x))
+
+
 class ExportedOrderedOutput(nn.Module):
     """Returns an ``OrderedDict`` (torchvision's segmentation models do) from a forward
     symbolic_trace rejects, taking a flag the plan fixes (as ``use_cache=False``)."""
