@@ -278,13 +278,24 @@ def _holds_numpy(value) -> bool:
     )
 
 
+def _is_module_globals(space: dict) -> bool:
+    """Whether ``space`` is a Python module's globals (``Snapshot.attributes`` compares some)."""
+    module = sys.modules.get(space.get("__name__", ""))
+    return module is not None and vars(module) is space
+
+
 def _same_settings(then, now) -> bool:
-    """``_same`` for a list or dict of scalars (``_is_plain_container``); one filled with other
-    values since (tensors: a cache an eval-mode forward fills, found by review) is no setting
-    the graph baked in, and counts as unchanged."""
-    if type(now) is not type(then):
+    """Whether the list or dict of scalars ``then`` (``_is_plain_container``) holds in ``now``:
+    every entry it had, unchanged (``_same``), and none added but values that are no scalars
+    (tensors: a cache an eval-mode forward fills, found by review)."""
+    if type(now) is not type(then) or len(now) < len(then):
         return False
-    return not _is_plain_container(now) or _same(then, now)
+    if type(then) is dict:
+        added = [now[k] for k in now.keys() - then.keys()]
+        return all(k in now and _same(v, now[k]) for k, v in then.items()) and not any(
+            map(_is_scalar, added)
+        )
+    return all(map(_same, then, now)) and not any(map(_is_scalar, now[len(then) :]))
 
 
 def _same(then, now) -> bool:
@@ -356,9 +367,7 @@ def _compared(module: nn.Module, key: str, value, names: _Names) -> bool:
         return False
     if key.startswith("_") and (key in _TORCH_BOOKKEEPING or _torch_own(type(module))):
         return False
-    return key in names.loaded or not (
-        key.startswith("_") or isinstance(value, (torch.Tensor, list, dict))
-    )
+    return key in names.loaded or not (key.startswith("_") or isinstance(value, torch.Tensor))
 
 
 def _torch_own(cls: type) -> bool:
@@ -1651,6 +1660,9 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         return self
 
     def __deepcopy__(self, memo):
+        for _, space, _, _ in self._planner.attributes:
+            if _is_module_globals(space):  # shared, not copied (a module cannot be pickled)
+                memo[id(space)] = space
         copied = cast(PlannedModule, super().__deepcopy__(memo))  # fx copies the class too
         type(copied).__name__ = type(self).__name__  # not fx's "GraphModule" (found by a tester)
         copied._planner = copy.deepcopy(self._planner, memo)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 import threading
 
 import torch
@@ -207,8 +209,9 @@ class _ExportedRegions:
         self.count = 0
         self.inference = False
 
-    def entered(self, manager, switches: list[fx.Node]) -> None:
-        if isinstance(manager, torch.autograd.grad_mode.inference_mode) and manager.mode:
+    def entered(self, manager, switches: list[fx.Node], by_fake_tensors: bool = False) -> None:
+        inference = isinstance(manager, torch.autograd.grad_mode.inference_mode)
+        if inference and manager.mode and not by_fake_tensors:
             self.inference = True
         self.open.append(manager)
         if switches:
@@ -268,10 +271,17 @@ def _recording_entry(original, node_of):
             node = tracer.create_node("call_function", target, node_args, {})
             tracer.open_regions[id(manager)] = (manager, node)
         if exported is not None:
-            exported.entered(manager, switches)
+            exported.entered(manager, switches, _by_fake_tensors(sys._getframe(1)))
         return result
 
     return entry
+
+
+def _by_fake_tensors(frame) -> bool:
+    """Whether a region is entered by torch's fake tensors, not by forward: a fake copy of an
+    inference tensor (an input or buffer made in inference mode) is made in inference mode
+    (found by review: export of such a model was refused as if forward entered one)."""
+    return os.path.join("torch", "_subclasses") in frame.f_code.co_filename
 
 
 def _recording_exit(original):

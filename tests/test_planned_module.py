@@ -902,6 +902,30 @@ def test_a_deep_copy_of_the_planned_module_trains_like_a_deep_copy_of_the_model(
     assert_equivalent(copy.deepcopy(model), model, p.module, args, kwargs)
 
 
+USE_GELU = False  # a module global the forward below reads
+
+
+class GlobalSwitch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = nn.functional.gelu(layer(x)) if USE_GELU else torch.tanh(layer(x))
+        return x
+
+
+def test_a_deep_copy_of_a_plan_whose_forward_reads_a_module_global_shares_that_global():
+    """Found by review: the copy tried to copy the module's globals (a module cannot be
+    pickled)."""
+    torch.manual_seed(0)
+    model, x = GlobalSwitch(), torch.randn(4, 8)
+    p = sqrt_n_plan(model, (x,))
+    copied = copy.deepcopy(p.module)
+    assert_equivalent(copy.deepcopy(copied._planner.model), copied, copied, (x,), {})
+
+
 def test_a_deep_copy_put_in_eval_mode_computes_as_the_copied_model_in_eval_mode():
     """An EMA copy, evaluated: found by review, the copy watched stale copies of its modules'
     state and ran the training-mode graph, dropout on, silently."""
@@ -1122,6 +1146,8 @@ class LowRankAdapted(nn.Module):
 IN_PLACE_CHANGES = {
     "a list appended to": lambda m: m.merged_adapters.append("default"),
     "a dict entry set": lambda m: m.scaling.__setitem__("default", 0.3),
+    # found by review: a tensor added beside the change hid it (a cache counts as no change)
+    "a dict entry set beside a tensor": lambda m: m.scaling.update(default=0.3, x=torch.ones(1)),
 }
 
 

@@ -460,6 +460,28 @@ def test_an_inference_tensor_given_at_planning_is_never_a_segment_input():
         assert all(torch.equal(a, b) for a, b in zip(grads, expected))
 
 
+class ExportedInputScaled(InputScaled):
+    def forward(self, x):
+        if x.size(0) > 0:  # a Python bool of a size: symbolic_trace fails, torch.export captures
+            x = x * 1.0
+        return super().forward(x)
+
+
+def test_an_inference_input_is_no_inference_region_of_an_exported_forward():
+    """Found by review: the fake copy of an inference input is made in inference mode, which
+    capture took for a region of forward and refused."""
+    torch.manual_seed(0)
+    model = ExportedInputScaled()
+    with torch.inference_mode():
+        x = torch.randn(4, 8)
+    expected_out, expected = _step_grads(copy.deepcopy(model), x)
+    p = planner.plan(model, (x,), budget_bytes=10**9, solver="sqrt_n")
+    assert p.capture_method == "export" and p.segments
+    out, grads = _step_grads(p.module, x)
+    assert torch.equal(out, expected_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+
+
 def test_an_inference_tensor_given_to_a_plan_made_without_one_gets_advice():
     model, x = InputScaled(), torch.randn(4, 8)
     captured, problem = prepare(model, (x,))
