@@ -580,12 +580,16 @@ def test_torch_compile_that_loses_an_autocast_region_at_a_graph_break_is_refused
             torch.clear_autocast_cache()
 
 
-class DirectGradSwitch(nn.Module):
-    """Switches grad mode by ``torch._C._set_grad_enabled``, which no region records."""
+class OneLinear(nn.Module):
+    """One layer, for forwards that symbolic_trace rejects (a Python bool of a size)."""
 
     def __init__(self):
         super().__init__()
         self.a = nn.Linear(8, 8)
+
+
+class DirectGradSwitch(OneLinear):
+    """Switches grad mode by ``torch._C._set_grad_enabled``, which no region records."""
 
     def forward(self, x):
         if x.size(0) > 0:
@@ -596,11 +600,7 @@ class DirectGradSwitch(nn.Module):
         return self.a(h)
 
 
-class InferenceInAutocast(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-
+class InferenceInAutocast(OneLinear):
     def forward(self, x):
         if x.size(0) > 0:
             x = x * 1.0
@@ -610,13 +610,9 @@ class InferenceInAutocast(nn.Module):
             return self.a(x) * k
 
 
-class InferenceExported(nn.Module):
+class InferenceExported(OneLinear):
     """An inference_mode statistic in a forward symbolic_trace rejects: export records no
     node for the region (found by review: the plan computed it with gradients, 52 off)."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 8)
 
     def forward(self, x):
         if x.size(0) > 0:
