@@ -305,10 +305,8 @@ def _same(then, now) -> bool:
         return True
     if type(then) is not type(now):
         return False
-    if type(then) in (tuple, list):
+    if type(then) is tuple:
         return len(then) == len(now) and all(map(_same, then, now))
-    if type(then) is dict:
-        return then.keys() == now.keys() and all(_same(v, now[k]) for k, v in then.items())
     return bool(then == now)
 
 

@@ -464,15 +464,15 @@ def _inference_spans(nodes: list[fx.Node]) -> list[tuple[int, int]]:
 
 
 def _inference_crossings(
-    nodes: list[fx.Node], storages: dict[int, Storage], reads: list, fixed: frozenset[int]
+    spans: list[tuple[int, int]], storages: dict[int, Storage], reads: list, fixed: frozenset
 ) -> np.ndarray:
-    """Per cut: whether an inference tensor (made under ``torch.inference_mode``, or one of
+    """Per cut: whether an inference tensor (made in one of the ``_inference_spans``, or one of
     ``fixed``: inputs, which a segment takes as arguments) crosses it to a reader. A segment
     starting there would take it as an argument, which checkpoint saves and autograd refuses
     to ("Inference tensors cannot be saved for backward", found by a tester); one holding its
     producer recomputes it under the mode, as forward made it."""
-    crossed = np.zeros(len(nodes) + 1, bool)
-    for entry, exit_ in _inference_spans(nodes):
+    crossed = np.zeros(len(reads) + 1, bool)
+    for entry, exit_ in spans:
         for s in storages.values():
             if entry < s.producer < exit_:
                 crossed[s.producer + 1 : s.last_reader + 1] = True
@@ -651,11 +651,14 @@ def build_problem(
             pinned[[entry, exit_]] = True
         else:
             cut_allowed[entry + 1 : exit_ + 1] = False
-    cut_allowed &= ~_inference_crossings(nodes, storages, reads, profile.inference_storages)
+    inference_spans = _inference_spans(nodes)
+    cut_allowed &= ~_inference_crossings(
+        inference_spans, storages, reads, profile.inference_storages
+    )
     # The selective cache cannot hold what a node makes in inference mode ("Inference tensors
     # do not track version counter", found by review): such nodes are recomputed, not kept.
     in_inference = np.zeros(n, bool)
-    for entry, exit_ in _inference_spans(nodes):
+    for entry, exit_ in inference_spans:
         in_inference[entry + 1 : exit_] = True
     # A module kept whole under torch.export (planner.export_leaves) is profiled op by op but
     # runs as one call: no cut and no keep inside it.

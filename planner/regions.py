@@ -209,7 +209,7 @@ class _ExportedRegions:
         self.count = 0
         self.inference = False
 
-    def entered(self, manager, switches: list[fx.Node], by_fake_tensors: bool = False) -> None:
+    def entered(self, manager, switches: list[fx.Node], by_fake_tensors: bool) -> None:
         inference = isinstance(manager, torch.autograd.grad_mode.inference_mode)
         if inference and manager.mode and not by_fake_tensors:
             self.inference = True
