@@ -82,24 +82,31 @@ def call_dtypes(
     ``layouts``: the tensor arguments' ``_layout`` and the devices of the call too, for a
     capture that bakes in branches on the layouts (torch.export: ``if x.requires_grad``, ``if
     not x.is_contiguous()``) and the devices (``torch.arange(n, device=x.device)``)."""
-    tensors = [(n, v) for n, v in _named_arguments(model, args, kwargs) if torch.is_tensor(v)]
+    named = _named_arguments(model, args, kwargs)
+    tensors = [(n, v) for n, v in named if torch.is_tensor(v)]
     tables = _state_tables(model)
     return CallDtypes(
         _state_dtypes(tables),
         {name: value.dtype for name, value in tensors},
         autocast_state(),
         {name: _layout(value) for name, value in tensors} if layouts else {},
-        _devices(tables, [value for _, value in tensors]) if layouts else (),
+        _devices(tables, [v for _, v in named if _holds_tensor(v)]) if layouts else (),
     )
 
 
 def _devices(tables: list[dict], values: list) -> tuple[torch.device, ...]:
-    """The devices of the tensor arguments ``values`` (None where not a tensor) and of the
-    first parameter or buffer, each once, in a fixed order: a model and its inputs move
-    together (the device of every parameter would cost about 0.5 us each on every call)."""
+    """The devices of the arguments ``values`` (None where absent; of a container, its first
+    tensor: a batch dict of a parameterless model moves too) and of the first parameter or
+    buffer, each once, in a fixed order: a model and its inputs move together (the device of
+    every parameter would cost about 0.5 us each on every call)."""
     first = next((t for table in tables for t in table.values() if t is not None), None)
-    devices = {v.device for v in (*values, first) if isinstance(v, torch.Tensor)}
+    tensors = [v if v is None or torch.is_tensor(v) else _first_tensor(v) for v in values]
+    devices = {v.device for v in (*tensors, first) if isinstance(v, torch.Tensor)}
     return tuple(sorted(devices, key=str))
+
+
+def _first_tensor(value) -> torch.Tensor | None:
+    return next((leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)), None)
 
 
 def _layout(tensor: torch.Tensor) -> tuple[bool, bool]:

@@ -652,6 +652,27 @@ def test_an_exported_plan_without_tensor_arguments_is_no_new_call_form_where_not
     assert p.module._planner.call_forms == {}
 
 
+class ParameterlessDictBatch(nn.Module):
+    """No parameter or buffer, and its tensor in a dict: only the batch says where it runs."""
+
+    def forward(self, batch):
+        x = batch["x"]
+        positions = torch.arange(int(x.shape[-1]), device=x.device, dtype=x.dtype)
+        return torch.tanh(torch.tanh(torch.tanh(x * positions) * 2) * 3) * 4
+
+
+def test_an_exported_plan_of_a_parameterless_model_made_on_meta_runs_where_its_batch_is():
+    """Found by review: the devices of a call were read from its tensor arguments and the first
+    parameter, so a dict batch for a model without parameters moved unseen from meta to the CPU
+    and the meta graph raised a device mismatch."""
+    model = ParameterlessDictBatch()
+    x = torch.randn(4, 8, requires_grad=True)
+    p = sqrt_n_plan(model, ({"x": x.detach().to("meta").requires_grad_()},))
+    assert p.capture_method == "export"
+    with pytest.warns(UserWarning, match=r"runs on cpu and was planned on meta"):
+        assert_equivalent(model, model, p.module, ({"x": x},), {})
+
+
 class MemoisedPositions(nn.Module):
     """Memoises a positional table per length in a dict, in eval mode only."""
 
