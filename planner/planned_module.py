@@ -348,7 +348,7 @@ def _still(then, now) -> bool:
 def _reference(value):
     """What the per-call check compares ``value`` with (``_Held`` for a tensor and numpy's
     scalars, else the value itself)."""
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor) or _is_callable_object(value):
         return _Held(value, operator.is_)
     if _is_plain_container(value):  # a copy: a library changes the object in place
         return _Held(copy.copy(value), _same_settings)
@@ -358,17 +358,31 @@ def _reference(value):
 _BY_IDENTITY = (torch.Generator, torch.Tensor)
 
 
+def _is_callable_object(value) -> bool:
+    """A function or callable object held as a plain attribute, which the traced forward
+    called and the graph inlined: diffusers' attention ``processor``, an ``activation``
+    function (found by a tester: ``unet.set_attn_processor(...)`` after planning was ignored).
+    Compared by identity."""
+    return callable(value) and not isinstance(value, (nn.Module, torch.Tensor))
+
+
 def _compared(module: nn.Module, key: str, value, names: _Names) -> bool:
     """Whether the attribute ``key`` of ``module`` is compared on every call: a scalar, a short
-    list or dict of scalars (by contents), or (by identity) a ``torch.Generator`` or a tensor
-    that is neither a parameter nor a buffer (``self.tau = torch.tensor(0.5)`` replaced: the
-    graph holds the old one; reseeding or updating it in place is followed). Public ones where
+    list or dict of scalars (by contents), or (by identity) a callable (``_is_callable_object``),
+    a ``torch.Generator`` or a tensor that is neither a parameter nor a buffer (``self.tau =
+    torch.tensor(0.5)`` replaced: the graph holds the old one; reseeding or updating it in
+    place is followed). Public ones where
     the module's code names them (``names.mentioned``); private ones (``self._tau`` behind a
     property; not what torch keeps on every module or on its own modules) and tensors only
     where the code a call runs reads them (``names.loaded``, within ``mentioned``)."""
-    if key == "training" or key not in names.mentioned:
-        return False  # most attributes, by the cheapest test first
-    if not (_is_scalar(value) or _is_plain_container(value) or isinstance(value, _BY_IDENTITY)):
+    if key in ("training", "forward") or key not in names.mentioned:
+        return False  # most attributes, by the cheapest test first (forward: forward_dicts)
+    if not (
+        _is_scalar(value)
+        or _is_plain_container(value)
+        or isinstance(value, _BY_IDENTITY)
+        or _is_callable_object(value)
+    ):
         return False
     if key.startswith("_") and (key in _TORCH_BOOKKEEPING or _torch_own(type(module))):
         return False
@@ -431,6 +445,11 @@ def _attribute_change(name: str, then, now) -> str:
             "graph reads the one held at planning: update it in place, or register it as a "
             "buffer, which the graph reads through the module)"
         )
+    if isinstance(then, _Held) and _is_callable_object(then.value):
+        return (
+            f"{name} was replaced ({_described(then.value)} at planning, now {_described(now)}; "
+            "the graph calls the one held at planning)"
+        )
     if isinstance(then, torch.Generator) and isinstance(now, torch.Generator):
         return (
             f"{name} was replaced by another torch.Generator (the graph draws from the one "
@@ -443,6 +462,12 @@ def _attribute_change(name: str, then, now) -> str:
 
 def _shown(value) -> str:
     return "a tensor" if isinstance(value, torch.Tensor) else repr(value)
+
+
+def _described(value) -> str:
+    """A callable by its name (``gelu``) or its class (a processor object)."""
+    name = getattr(value, "__qualname__", None)
+    return name if isinstance(name, str) else f"{type(value).__qualname__} object"
 
 
 class Snapshot:
@@ -551,6 +576,11 @@ class Snapshot:
         self.forward_keys = ["forward"] * len(traced)
         self.own_forwards = [m.__dict__.get("forward") for _, m in traced]
         self.class_forwards = [type(m).forward for _, m in traced]
+        # The attributes each traced module held at planning: one its code names, set since
+        # (FreeU's ``s1`` on diffusers' up blocks, read as ``getattr(self, "s1", None)``:
+        # ``enable_freeu()`` after planning was ignored, found by a tester), changes the graph.
+        self.traced_sizes = list(map(len, self.forward_dicts))
+        self.traced_keys = [frozenset(d) for d in self.forward_dicts]
         # Hooks on a module the graph traced through would never run (the graph inlined it).
         # Hooks that never act on it (transformers' output recorders) are counted apart. A
         # container without a forward (``nn.ModuleList``) runs none in the model either.
@@ -684,11 +714,19 @@ class Snapshot:
                 "those hooks. Remove them, or keep the modules whole with leaf_modules=(...) "
                 "and plan again (hooks on leaf modules run)."
             )
+        added = self._attributes_added()
+        if not added and list(map(len, self.forward_dicts)) != self.traced_sizes:
+            # attributes the graph cannot have read came or went: take them as they are now
+            self.traced_sizes = list(map(len, self.forward_dicts))
+            self.traced_keys = [frozenset(d) for d in self.forward_dicts]
+            if self._unchanged():
+                return
         before: dict[int, dict] = {}
         for d, k, v in zip(self.child_dicts, self.child_keys, self.child_values):
             before.setdefault(id(d), {})[k] = v
         changes = (
-            [
+            added
+            + [
                 _module_change(name, before.get(id(now), {}), now)
                 for name, now in zip(self.names, self.children)
                 if before.get(id(now), {}) != now
@@ -726,11 +764,32 @@ class Snapshot:
             and self.attribute_values
             == list(map(dict.get, self.attribute_dicts, self.attribute_keys))
             and list(map(len, self.hook_dicts)) == self.hook_counts
+            and list(map(len, self.forward_dicts)) == self.traced_sizes
             and self.class_values == list(map(getattr, self.class_owners, self.class_keys))
             and list(map(dict.get, self.forward_dicts, self.forward_keys)) == self.own_forwards
             and list(map(getattr, map(type, self.forward_owners), self.forward_keys))
             == self.class_forwards
         )
+
+    def _attributes_added(self) -> list[str]:
+        """What was set since planning on a traced module, of the public attributes its code
+        names and the per-call check compares (``_compared``): the graph was traced without it.
+        Private ones are a library's bookkeeping (transformers sets
+        ``_output_capturing_hooks_installed`` at its first call asking for attentions), and a
+        value None, False or 0 is what ``getattr(self, name, None)`` read at planning
+        (transformers' ``gradient_checkpointing = False`` after its checkpointing is off)."""
+        return [
+            f"{name}.{key}".lstrip(".")
+            + f" was set to {_described(v) if _is_callable_object(v) else _shown(v)}"
+            for name, m, d, keys in zip(
+                self.names, self.forward_owners, self.forward_dicts, self.traced_keys
+            )
+            for key, v in d.items()
+            if key not in keys
+            and not key.startswith("_")
+            and not (_is_plain(v) and not v)
+            and _compared(m, key, v, _names_read(type(m)))  # type: ignore[arg-type]
+        ]
 
     def _check_untied(self, planned_name: str) -> None:
         """Parameters tied at planning (an embedding and the output head) no longer are: a

@@ -1184,6 +1184,52 @@ def test_lists_and_dicts_of_values_changed_in_place_after_planning_are_refused(c
         p.module(x)
 
 
+class Halve:
+    """A callable object a module holds and calls (as diffusers' attention ``processor``)."""
+
+    def __call__(self, h):
+        return h / 2
+
+
+class Processed(nn.Module):
+    """Calls a function and a callable object it holds, and reads a setting that exists only
+    once set (FreeU's ``getattr(self, "s1", None)`` on diffusers' up blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.activation = torch.tanh
+        self.processor = Halve()
+
+    def forward(self, x):
+        h = self.processor(self.activation(self.linear(x)))
+        boost = getattr(self, "boost", None)
+        return h * boost if boost is not None else h
+
+
+CALLABLE_CHANGES = {
+    "a function replaced": lambda m: setattr(m, "activation", torch.sigmoid),
+    "a callable object replaced": lambda m: setattr(m, "processor", Halve()),
+    "a setting the code reads once set": lambda m: setattr(m, "boost", 2.0),
+}
+
+
+@pytest.mark.parametrize("change", CALLABLE_CHANGES)
+def test_callables_replaced_and_settings_added_after_planning_are_refused(change):
+    """Found by a tester: diffusers' ``unet.set_attn_processor(...)`` and ``enable_freeu()``
+    after planning were ignored, silently (outputs 0.21 and 0.31 off)."""
+    model, x = nn.Sequential(*(Processed() for _ in range(4))), torch.randn(4, 8)
+    p = sqrt_n_plan(model, (x,))
+    model[1].note = "set by the training script"  # named by no code: no change to the graph
+    assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
+    copied = copy.deepcopy(p.module)  # the copy holds and watches the copied callables
+    torch.testing.assert_close(copied(x), p.module(x), rtol=0, atol=0)
+    CALLABLE_CHANGES[change](model[2])
+    changed = r"changed after planning: 2\.(activation|processor|boost)"
+    with pytest.raises(planner.PlanningError, match=changed):
+        p.module(x)
+
+
 CHANGES = {
     "a leaf module replaced": lambda m: m.blocks[0].__setitem__(0, nn.Linear(8, 8)),
     "a traced-through module replaced": lambda m: m.blocks.__setitem__(
