@@ -407,7 +407,10 @@ def plan(
         copies of a low-precision model's parameters counts the copies too. Under
         ``torch.autocast``, plan inside the same region as the step (see docs/pipeline.md).
     optimizer_state_bytes
-        Bytes of optimizer state, counted by hand; overrides what ``optimizer`` counts.
+        Bytes of optimizer state, counted by hand and held through the whole step; overrides
+        the state ``optimizer`` counts (the temporaries of its ``step()`` are still counted).
+        Alone, no temporaries are counted: add the most ``step()`` allocates at once (a
+        ``foreach`` step: a few copies of the gradients) to count them, on the safe side.
 
     Raises
     ------

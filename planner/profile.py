@@ -1243,24 +1243,36 @@ class _StandIns(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+# What a loss_fn that fake tensors cannot run does, and what to write instead (found trying the
+# library: a masked-language-model loss and a one-hot target were refused without a way out).
+_LOSS_ADVICE = {
+    DataDependentOutputException: (
+        " It reads a tensor's value (.item(), float(t), .tolist(), an if on a tensor, or an op "
+        "that checks its input's values: F.one_hot(labels, n) checks that labels are not "
+        "negative), which fake tensors do not have: compute metrics outside loss_fn and return "
+        "the loss tensor (a one-hot target of labels never negative: "
+        "F.one_hot(labels.clamp(min=0), n); or F.cross_entropy)."
+    ),
+    DynamicOutputShapeException: (
+        " It makes a tensor whose size depends on values (indexing with a boolean mask, "
+        "out[labels != -100], nonzero, masked_select, unique), which fake tensors cannot size: "
+        "leave positions out by F.cross_entropy(..., ignore_index=-100), or weigh them, "
+        "(loss * mask).sum() / mask.sum()."
+    ),
+}
+
+
 def _run_loss(loss_fn: Callable, output, copies: Copies) -> torch.Tensor:
     """``loss_fn(output)`` on the stand-in output (see ``_StandIns`` for its labels)."""
     with _StandIns(copies):
         try:
             loss = loss_fn(output)
         except Exception as error:
-            reads_value = isinstance(error, DataDependentOutputException)
             raise PlanningError(
                 f"loss_fn failed on the model's output: {type(error).__name__}: {error}. It is "
                 "called as loss_fn(output) with what the model returns (on fake tensors while "
                 "planning); labels and other tensors it needs come through its closure."
-                + (
-                    " It reads a tensor's value (.item(), float(t), .tolist(), an if on a "
-                    "tensor), which fake tensors do not have: compute metrics outside loss_fn "
-                    "and return the loss tensor."
-                    if reads_value
-                    else ""
-                )
+                + _LOSS_ADVICE.get(type(error), "")
             ) from error
     check_loss(loss)
     return loss

@@ -181,6 +181,30 @@ def test_a_loss_reading_a_value_says_to_compute_metrics_outside_loss_fn():
         planner.plan(model, args, budget_gb=1, loss_fn=loss_fn)
 
 
+LABELS = torch.tensor([0, 3, -100, 5, 1, -100, 2, 7])
+CLASSES = torch.tensor([0, 3, 4, 5, 1, 6, 2, 7])
+LOSSES_SIZED_BY_VALUES = {
+    "a one-hot target": (
+        lambda out: -(F.log_softmax(out, -1) * F.one_hot(CLASSES, 8)).sum(-1).mean(),
+        r"F\.one_hot\(labels, n\) checks.*clamp\(min=0\)",
+    ),
+    "positions left out by a mask": (
+        lambda out: F.cross_entropy(out[LABELS != -100], LABELS[LABELS != -100]),
+        r"boolean mask.*ignore_index=-100",
+    ),
+}
+
+
+@pytest.mark.parametrize("form", LOSSES_SIZED_BY_VALUES)
+def test_a_loss_fake_tensors_cannot_run_says_what_to_write_instead(form):
+    """Found by a tester: a masked-language-model loss and a one-hot target were refused with
+    fake tensors' own exception and no way out, or advice about metrics."""
+    model, args = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), (torch.randn(8, 8),)
+    loss_fn, advice = LOSSES_SIZED_BY_VALUES[form]
+    with pytest.raises(PlanningError, match=advice):
+        planner.plan(model, args, budget_gb=1, loss_fn=loss_fn)
+
+
 def test_planning_on_the_meta_device_counts_the_loss_the_same():
     """Labels closed over by the loss are replaced by stand-ins, on fake and meta tensors."""
     model, args, loss_fn = _gpt_with_cross_entropy()
