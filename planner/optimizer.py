@@ -217,8 +217,7 @@ def _step_on_meta(optimizer: torch.optim.Optimizer) -> None:
         else:
             why = "its step reads tensor values, and planning steps it on the meta device"
         raise PlanningError(
-            f"cannot count the memory of {type(optimizer).__name__}: {why} ({error}). "
-            + _BY_HAND
+            f"cannot count the memory of {type(optimizer).__name__}: {why} ({error}). " + _BY_HAND
         ) from error
 
 

@@ -1245,7 +1245,7 @@ class _StandIns(TorchDispatchMode):
 
 # What a loss_fn that fake tensors cannot run does, and what to write instead (found trying the
 # library: a masked-language-model loss and a one-hot target were refused without a way out).
-_LOSS_ADVICE = {
+_LOSS_ADVICE: dict[type[Exception], str] = {
     DataDependentOutputException: (
         " It reads a tensor's value (.item(), float(t), .tolist(), an if on a tensor, or an op "
         "that checks its input's values: F.one_hot(labels, n) checks that labels are not "
