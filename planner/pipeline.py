@@ -181,7 +181,9 @@ def _warn_unplanned_loss(model: nn.Module, problem: Problem, budget: int) -> Non
         f"as large as them and its gradient, about {mib(2 * summed)}) holds memory the plan "
         "does not count and can take the step over the budget. Pass that loss as loss_fn= "
         "(e.g. lambda out: F.cross_entropy(out.flatten(0, 1), labels.flatten())) to plan for "
-        "it; a loss that is the sum of the outputs needs nothing more.",
+        "it; a loss that is the sum of the outputs needs nothing more (on the CPU some backward "
+        "kernels copy its expanded gradient whole: docs/guarantees.md, CPU kernels' own "
+        "buffers).",
         stacklevel=3,
     )
 
