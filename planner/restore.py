@@ -189,9 +189,11 @@ def load(
             spec = data.get("inputs")
             if spec is None:
                 raise PlanningError(
-                    f"{path} was saved without the shapes of its example inputs: pass them, "
-                    "planner.load(path, model, example_inputs, example_kwargs=...), as given "
-                    "to planner.plan (or save with plan.save(path, example_inputs))"
+                    f"{path} was saved without the shapes of its example inputs (none were "
+                    "given, or they hold a value the file cannot describe: an object other "
+                    "than tensors, numbers, strings, dtypes and lists, tuples and dicts of "
+                    "them): pass them, planner.load(path, model, example_inputs, "
+                    "example_kwargs=...), as given to planner.plan"
                 )
             example_inputs, example_kwargs = build_inputs(spec, model_device(model))
         optimizer_state_bytes = int(data.get("optimizer_state_bytes", 0))

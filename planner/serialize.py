@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -146,8 +147,12 @@ class _Describer:
     def spec(self, value, path: list):
         if isinstance(value, torch.Tensor):
             return self._tensor(value, path)
+        if isinstance(value, float) and not math.isfinite(value):  # JSON has no inf (clip=inf)
+            return {"kind": "float", "value": repr(value)}
         if value is None or isinstance(value, (bool, int, float, str)):
             return {"kind": "value", "value": value}
+        if isinstance(value, torch.dtype):
+            return {"kind": "dtype", "value": str(value).removeprefix("torch.")}
         if isinstance(value, (list, tuple)):
             items = [self.spec(v, [*path, i]) for i, v in enumerate(value)]
             return {"kind": type(value).__name__, "items": items}
@@ -202,6 +207,13 @@ def input_spec(example_inputs, example_kwargs=None) -> dict | None:
         return None
 
 
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"no dtype {name!r}")
+    return dtype
+
+
 class _Builder:
     """Inputs from an ``input_spec``, filled with ones (valid token ids, an attend-everywhere
     mask; only shapes matter to the planner), aliasing as the spec records."""
@@ -227,6 +239,10 @@ class _Builder:
                 ) from None
         if kind == "value":
             return spec["value"]
+        if kind == "float":
+            return float(spec["value"])
+        if kind == "dtype":
+            return _dtype(spec["value"])
         if kind in ("list", "tuple"):
             items = [self.build(s, [*path, i]) for i, s in enumerate(spec["items"])]
             return tuple(items) if kind == "tuple" else items
@@ -235,9 +251,7 @@ class _Builder:
         raise PlanningError(f"unknown input kind {kind!r} in the saved plan")
 
     def _tensor(self, spec) -> torch.Tensor:
-        dtype = getattr(torch, spec["dtype"], None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"no dtype {spec['dtype']!r}")
+        dtype = _dtype(spec["dtype"])
         if "storage" in spec:
             base = self._base(spec["storage"], spec["storage_bytes"], dtype)
             tensor = base.as_strided(spec["shape"], spec["stride"], spec["offset"])

@@ -333,6 +333,29 @@ def test_aliased_example_inputs_survive_save_and_load(case, tmp_path):
     assert loaded.predicted_peak_bytes == plan.predicted_peak_bytes
 
 
+class Clipped(torch.nn.Module):
+    """Takes a limit (``inf``: none, a common default) and a dtype to compute in."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = Pair(), Pair()
+
+    def forward(self, x, clip=float("inf"), dtype=torch.float32):
+        return self.second(self.first(x.to(dtype)).clamp(max=clip)).sum()
+
+
+@pytest.mark.parametrize("clip", [float("inf"), float("-inf"), 0.5])
+def test_infinite_limits_and_dtypes_among_the_arguments_survive_save_and_load(clip, tmp_path):
+    """Found by a tester: ``clip=float("inf")`` made ``save`` raise a bare ValueError (JSON
+    has no inf), and a dtype argument saved the plan without its inputs, unsaid."""
+    model, x = Clipped(), torch.randn(4, 8)
+    kwargs = {"clip": clip, "dtype": torch.float32}
+    plan = planner.plan(model, (x,), example_kwargs=kwargs, budget_gb=1, solver="sqrt_n")
+    loaded = planner.load(plan.save(tmp_path / "plan.json"), model)
+    assert serialize.fingerprint(loaded) == serialize.fingerprint(plan)
+    assert loaded.segments == plan.segments
+
+
 def test_aliasing_is_recorded_only_where_there_is_some():
     x = torch.randn(4, 8)
     spec = serialize.input_spec((x,), {"y": x, "z": torch.randn(2)})
