@@ -83,6 +83,45 @@ def test_main_factory_from_a_file(tmp_path, capsys):
     assert "Plan:" in capsys.readouterr().out
 
 
+def test_a_factory_file_imports_the_files_beside_it(tmp_path, capsys):
+    """Found by a tester: ``python -m planner plan path/to/models.py:make`` could not import
+    a helper module beside ``models.py``, as ``python path/to/models.py`` can."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "helpers_beside_xyz.py").write_text("WIDTH = 16\n")
+    (folder / "models.py").write_text(
+        "import torch\n"
+        "from helpers_beside_xyz import WIDTH\n"
+        "def make():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(WIDTH, 1)), torch.randn(4, WIDTH)\n"
+    )
+    assert cli.main(["plan", f"{folder / 'models.py'}:make", "--budget-gb", "1"]) == 0
+    assert "Plan:" in capsys.readouterr().out
+
+
+def test_two_outputs_on_one_path_are_refused_before_planning(tmp_path, capsys, monkeypatch):
+    """Found by a tester: ``--json x --html x`` wrote the HTML over the plan file."""
+    monkeypatch.setattr("planner.plan", None)  # planning would fail: it must not be reached
+    same = str(tmp_path / "plan.out")
+    assert cli.main(["plan", "mlp", "--budget-gb", "1", "--json", same, "--html", same]) == 2
+    assert "--json and --html name the same file" in capsys.readouterr().err
+
+
+def test_a_reader_that_closes_the_pipe_early_costs_no_file_and_no_error(tmp_path):
+    """Found by a tester: ``... --json p.json | head -1`` exited 1 with a BrokenPipeError and
+    in 3 runs of 4 wrote no file: the summary was printed before the files were written."""
+    out = tmp_path / "plan.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    argv = ["plan", "gpt", *SMALL, "--budget-gb", "1", "--json", str(out)]
+    command = subprocess.Popen(
+        [sys.executable, "-m", "planner", *argv],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env,
+    )  # fmt: skip
+    command.stdout.close()  # the reader is gone before the command prints anything
+    assert command.wait(timeout=300) == 0, command.stderr.read().decode()
+    assert json.loads(out.read_text())["format"] == "planner.plan"
+
+
 @pytest.mark.parametrize(
     "argv, status, message",
     [
