@@ -2,6 +2,7 @@
 
 import builtins
 import io
+import re
 
 import pytest
 
@@ -65,11 +66,19 @@ def test_print_and_html_show_the_same_segment_rows():
     assert any(row["input_bytes"] != problem.cut_bytes[row["start"]] for row in rows)
 
 
-def test_html_shortens_long_segment_lists(gpt_plan):
-    plan, _, _ = gpt_plan
-    text = viz.plan_html(plan, max_rows=4)
-    if len(plan.segments) > 4:
-        assert "more segments" in text
+@pytest.mark.parametrize("max_rows", [0, 1, 2, 4, 24])
+def test_html_shortens_long_segment_lists_to_at_most_max_rows(max_rows):
+    """Found by a tester: below 3, ``max_rows`` showed more rows than no limit, some twice."""
+    model, inputs = planner.zoo.mlp_chain(depth=40, batch=64)
+    plan = planner.plan(model, inputs, budget_gb=1, solver="sqrt_n")
+    assert len(plan.segments) > 4
+    text = viz.plan_html(plan, max_rows=max_rows)
+    shown = [int(n) for n in re.findall(r'margin-right:4px"></span>(\d+)</td>', text)]
+    assert len(shown) == min(max_rows, len(plan.segments)) and len(set(shown)) == len(shown)
+    if max_rows < len(plan.segments):
+        assert f"{len(plan.segments) - len(shown)} more segments" in text
+    with pytest.raises(ValueError, match="non-negative integer"):
+        viz.plan_html(plan, max_rows=-1)
 
 
 def test_html_of_a_plan_without_segments():

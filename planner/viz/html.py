@@ -92,6 +92,8 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
     str
         A self-contained ``<div>`` (inline styles only, no scripts).
     """
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
+        raise ValueError(f"max_rows must be a non-negative integer, not {max_rows!r}")
     problem = plan.problem
     e = html.escape
     saved = problem.saved_bytes_per_node()
@@ -150,9 +152,9 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
     out.append(_bar(plan.budget_bytes, scale, BUDGET_COLOUR, "budget"))
     if rows:
         shown: list[_Row | None] = list(rows)  # None: the "..." row
-        if len(rows) > max_rows:
-            tail = max(3, max_rows // 5)
-            shown = [*rows[: max_rows - tail], None, *rows[-tail:]]
+        if len(rows) > max_rows:  # the first ones and the last few (none at max_rows=0)
+            tail = min(max(3, max_rows // 5), max_rows)
+            shown = [*rows[: max_rows - tail], None, *rows[len(rows) - tail :]]
         open_attr = " open" if len(rows) <= 12 else ""
         selective = bool(getattr(plan, "keep", ()))
         replays = bool(getattr(plan, "replayed", ()))
