@@ -381,8 +381,9 @@ def plan_batch(
                 BatchOption(m, steps, None, None, None, None, None, False, f"skipped: {reason}")
             )
             continue
-        if steps > 1:
-            problem = accumulation_problem(problem, max(0, batch_bytes - _input_bytes(inputs)))
+        rest = max(0, batch_bytes - _input_bytes(inputs)) if steps > 1 else None
+        if rest is not None:
+            problem = accumulation_problem(problem, rest)
         solve_start = time.perf_counter()
         name, segments = choose(problem, budget, solver)
         solve_seconds = time.perf_counter() - solve_start
@@ -419,7 +420,7 @@ def plan_batch(
         options.append(option)
         key = (seconds, -m)
         if fits and (best is None or key < best[0]):
-            best = (key, option, captured, problem, segments, result, solve_seconds, name)
+            best = (key, option, captured, problem, segments, result, solve_seconds, name, rest)
 
     if best is None and smallest_minimum is None:
         # The forward refused every size (nothing else stops a size before the first fails).
@@ -440,7 +441,9 @@ def plan_batch(
             + f". Raise the budget to at least budget_bytes={needed}"
             + (", or try smaller micro-batches." if m > 1 else ", or shard the model (FSDP).")
         )
-    (predicted_seconds, _), option, captured, problem, segments, result, solve_seconds, name = best
+    (predicted_seconds, _), option, captured, problem, segments, result, solve_seconds, name, rest = (
+        best
+    )
     chosen = assemble(
         model,
         captured,
@@ -451,9 +454,8 @@ def plan_batch(
         solve_seconds=solve_seconds,
         started=start,
         capture_options=capture_options,
+        accumulation_bytes=rest,
     )
-    # Later micro-batches of a window start with the gradients held: counted, so no warning.
-    cast(PlannedModule, chosen.module)._planner.gradients_held = option.steps > 1
     if isinstance(optimizer, torch.optim.Optimizer):
         cast(PlannedModule, chosen.module)._planner.watch_optimizer(optimizer)
     options = [

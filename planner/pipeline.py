@@ -518,10 +518,11 @@ def assemble(
     input_spec: dict | None = None,
     capture_options: CaptureOptions | None = None,
     simulated: Simulation | None = None,
+    accumulation_bytes: int | None = None,
 ) -> Plan:
     """Simulate, rewrite and package a choice (segments, or a ``Choice``; shared by plan, load
     and plan_batch). ``simulated``: its simulation, when the caller has it (a nested plan's
-    replay is slow)."""
+    replay is slow). ``accumulation_bytes``: see ``Plan`` (``problem`` already counts them)."""
     nesting = segments if isinstance(segments, NestedChoice) and segments.flat() is None else None
     if nesting is not None:
         flat = Choice(tuple((s.start, s.stop) for s in nesting.segments))
@@ -531,6 +532,9 @@ def assemble(
     baseline = simulate(problem, ())
     result = simulated if simulated is not None else simulate(problem, choice)
     step_seconds = problem.step_seconds
+    module = rewrite(captured.graph_module, model, choice, problem=problem)
+    # Later micro-batches of a window start with the gradients held: counted, so no warning.
+    cast(PlannedModule, module)._planner.gradients_held = accumulation_bytes is not None
     return Plan(
         segments=flat.segments,
         keep=flat.keep,
@@ -544,9 +548,10 @@ def assemble(
         capture_method=captured.method,
         solve_seconds=solve_seconds,
         planning_seconds=time.perf_counter() - started,
-        module=rewrite(captured.graph_module, model, choice, problem=problem),
+        module=module,
         problem=problem,
         input_spec=input_spec,
         capture_options=capture_options or CaptureOptions(),
         training=model.training,
+        accumulation_bytes=accumulation_bytes,
     )

@@ -53,6 +53,9 @@ class Plan:
     keep: frozenset[int] = frozenset()  # positions of kept nodes inside segments
     # The whole tree when segments hold segments (planner.nested); ``segments`` is its top level.
     nesting: NestedChoice | None = field(default=None, repr=False)
+    # A plan of plan_batch's for the later micro-batches of an accumulation window: gradients
+    # held from the start, and these bytes of the rest of the batch (``accumulation_problem``).
+    accumulation_bytes: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def choice(self) -> Choice | NestedChoice:

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from planner.batch import accumulation_problem
 from planner.errors import PlanningError
 from planner.nested import Nest, NestedChoice, validate_nested
 from planner.options import CaptureOptions
@@ -198,6 +199,11 @@ def load(
             example_inputs, example_kwargs = build_inputs(spec, model_device(model))
         optimizer_state_bytes = int(data.get("optimizer_state_bytes", 0))
         optimizer_step_bytes = int(data.get("optimizer_step_bytes", 0))
+        accumulation = data.get("accumulation_bytes")  # plan_batch's plans under accumulation
+        if accumulation is not None and (
+            isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 0
+        ):
+            raise ValueError(f"accumulation_bytes {accumulation!r} is no byte count")
         graph = dict(data["graph"])
         saved_signature = [list(row) for row in graph.get("signature", [])]
         solve_seconds = float(data.get("timings", {}).get("solve_seconds", 0.0))
@@ -231,6 +237,8 @@ def load(
             "planner.load(path, model, example_inputs), or a new plan.)"
         ) from error
     problem = dataclasses.replace(problem, optimizer_step_bytes=optimizer_step_bytes)
+    if accumulation is not None:
+        problem = accumulation_problem(problem, accumulation)
     if fingerprint(problem) != graph.get("fingerprint"):
         raise PlanningError(
             f"the plan in {path} was made for another graph ({data.get('model', '?')}, "
@@ -306,6 +314,7 @@ def load(
         started=start_time,
         input_spec=data.get("inputs"),
         capture_options=options,
+        accumulation_bytes=accumulation,
     )
     if plan.predicted_peak_bytes > budget:
         warnings.warn(

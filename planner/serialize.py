@@ -337,6 +337,7 @@ def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
         "budget_bytes": int(plan.budget_bytes),
         "optimizer_state_bytes": int(problem.optimizer_state_bytes),
         "optimizer_step_bytes": int(problem.optimizer_step_bytes),
+        "accumulation_bytes": getattr(plan, "accumulation_bytes", None),  # plan_batch's
         "loss_fn": bool(problem.has_loss),
         "segments": segments,
         "keep": keep,

@@ -114,6 +114,19 @@ def test_the_chosen_module_accumulates_to_the_full_batch_gradients(model, peaks)
     model.zero_grad(set_to_none=True)
 
 
+def test_an_accumulating_plan_saved_loads_as_the_same_plan(model, peaks, tmp_path):
+    """Found by a tester: the file did not say the plan counted accumulated gradients, so
+    ``load`` on the very same model refused it, blaming a parameter added or removed."""
+    choice = plan_batch(model, make_inputs, budget_bytes=peaks[2][0], global_batch=GLOBAL_BATCH)
+    assert choice.steps > 1
+    path = choice.plan.save(tmp_path / "plan.json", make_inputs(choice.micro_batch))
+    loaded = planner.load(path, model)
+    assert loaded.accumulation_bytes == choice.plan.accumulation_bytes is not None
+    assert (loaded.segments, loaded.keep) == (choice.plan.segments, choice.plan.keep)
+    assert loaded.predicted_peak_bytes == choice.predicted_peak_bytes
+    assert loaded.module._planner.gradients_held  # counted: no warning when they are held
+
+
 def measured_peak_with_gradients_present(module, inputs):
     """Peak bytes of a training step that starts with every gradient already accumulated."""
     training_step(module, inputs)
