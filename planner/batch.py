@@ -441,9 +441,8 @@ def plan_batch(
             + f". Raise the budget to at least budget_bytes={needed}"
             + (", or try smaller micro-batches." if m > 1 else ", or shard the model (FSDP).")
         )
-    (predicted_seconds, _), option, captured, problem, segments, result, solve_seconds, name, rest = (
-        best
-    )
+    key, option, captured, problem, segments, result, solve_seconds, name, rest = best
+    predicted_seconds = key[0]
     chosen = assemble(
         model,
         captured,
