@@ -326,7 +326,8 @@ def plan_batch(
     batch_bytes = _batch_input_bytes(make_inputs, per_rank) if sizes[0] < per_rank else 0
 
     options: list[BatchOption] = []
-    # (key, option, captured, problem, segments, simulation, solve seconds, solver name)
+    # (key, option, captured, problem, segments, simulation, solve seconds, solver name, bytes
+    # of the batch's rest held under accumulation or None)
     best: (
         tuple[
             tuple[float, int],
@@ -337,6 +338,7 @@ def plan_batch(
             Simulation,
             float,
             str,
+            int | None,
         ]
         | None
     ) = None

@@ -534,7 +534,7 @@ def assemble(
     step_seconds = problem.step_seconds
     module = rewrite(captured.graph_module, model, choice, problem=problem)
     # Later micro-batches of a window start with the gradients held: counted, so no warning.
-    cast(PlannedModule, module)._planner.gradients_held = accumulation_bytes is not None
+    module._planner.gradients_held = accumulation_bytes is not None
     return Plan(
         segments=flat.segments,
         keep=flat.keep,
