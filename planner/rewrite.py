@@ -129,11 +129,31 @@ _HOOK_NAMESPACES = frozenset(
 )
 
 
+_EMPTY = frozenset(
+    {
+        torch.ops.aten.empty,
+        torch.ops.aten.empty_like,
+        torch.ops.aten.empty_strided,
+        torch.ops.aten.new_empty,
+        torch.ops.aten.new_empty_strided,
+    }
+)
+
+
 def _keep_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Save what ops of kept nodes create (the cache sees no other: ``_CacheScope``). Views and
     in-place ops are recomputed (free): saving them would hold the storage they alias; and so
-    are the ops of hooks (``_HOOK_NAMESPACES``)."""
-    if _aliases(op) or getattr(op, "namespace", "aten") in _HOOK_NAMESPACES:
+    are the ops of hooks (``_HOOK_NAMESPACES``), random ops (a draw served from the cache
+    would leave the generator behind, and every later draw of the recompute would differ:
+    found by a tester, a noise hook added to a kept module after planning, 2.7 off) and empty
+    allocations (an in-place op fills them, which a cached one would not take: a dropout made
+    active after planning in a kept block raised)."""
+    if (
+        _aliases(op)
+        or getattr(op, "namespace", "aten") in _HOOK_NAMESPACES
+        or op_facts(op).random
+        or op.overloadpacket in _EMPTY
+    ):
         return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE
 
