@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dis
 import functools
 import inspect
 import operator
@@ -30,7 +31,7 @@ from typing import NamedTuple, cast
 import numpy as np
 import torch
 from torch import fx, nn
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_iter, tree_leaves, tree_unflatten
 
 from planner.errors import PlanningError, checkpointing_disable_advice
 from planner.hooks import (
@@ -106,7 +107,7 @@ def _devices(tables: list[dict], values: list) -> tuple[torch.device, ...]:
 
 
 def _first_tensor(value) -> torch.Tensor | None:
-    return next((leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)), None)
+    return next((leaf for leaf in tree_iter(value) if isinstance(leaf, torch.Tensor)), None)
 
 
 def _layout(tensor: torch.Tensor) -> tuple[bool, bool]:
@@ -400,12 +401,22 @@ def _names_read(cls: type) -> _Names:
     runs mention, for public scalars, which a library's function handed the module may read
     (transformers' attention reads ``module.is_causal``); others (``model.global_step``) may
     change freely. ``loaded``: those the code a call runs reads (``loaded_attributes``), for
-    private ones and tensors, which a forward may keep for itself (``self._last = out``)."""
+    private ones and tensors, which a forward may keep for itself (``self._last = out``).
+    What ``set_extra_state`` restores from a checkpoint counts only where loaded (found by a
+    tester: a step counter resumed from a checkpoint was refused as a change)."""
     mentioned: set[str] = set()
     for code in (*method_codes(cls), *(code for code, _ in codes(cls))):
         mentioned.update(code.co_names)
         mentioned.update(c for c in code.co_consts if isinstance(c, str))  # getattr(self, "x")
-    return _Names(frozenset(mentioned), loaded_attributes(cls))
+    loaded = loaded_attributes(cls)
+    restored = {
+        i.argval
+        for klass in cls.__mro__
+        if callable(vars(klass).get("set_extra_state"))
+        for i in dis.get_instructions(vars(klass)["set_extra_state"])
+        if i.opname == "STORE_ATTR"
+    }
+    return _Names(frozenset(mentioned - (restored - loaded)), loaded)
 
 
 class _Names(NamedTuple):
@@ -446,10 +457,10 @@ def _attribute_change(name: str, then, now) -> str:
             "buffer, which the graph reads through the module)"
         )
     if isinstance(then, _Held) and _is_callable_object(then.value):
-        return (
-            f"{name} was replaced ({_described(then.value)} at planning, now {_described(now)}; "
-            "the graph calls the one held at planning)"
-        )
+        was, new = _described(then.value), _described(now)
+        if was == new:  # another instance of the same class
+            new = f"another {new.removeprefix('an ')}"
+        return f"{name} was replaced ({was} at planning, now {new}; the graph calls the former)"
     if isinstance(then, torch.Generator) and isinstance(now, torch.Generator):
         return (
             f"{name} was replaced by another torch.Generator (the graph draws from the one "
@@ -465,9 +476,12 @@ def _shown(value) -> str:
 
 
 def _described(value) -> str:
-    """A callable by its name (``gelu``) or its class (a processor object)."""
-    name = getattr(value, "__qualname__", None)
-    return name if isinstance(name, str) else f"{type(value).__qualname__} object"
+    """A function by its name (``tanh``), another callable by its class (a processor)."""
+    if inspect.isroutine(value):  # read on the type: an object's own __getattr__ may raise
+        name = getattr(value, "__name__", None)  # (found by review: a KeyError)
+        if isinstance(name, str):
+            return name
+    return f"an instance of {type(value).__qualname__}"
 
 
 class Snapshot:
@@ -534,6 +548,7 @@ class Snapshot:
             (name, m, _names_read(type(m)))  # type: ignore[arg-type]  # a class is hashable
             for name, m in traced
         ]
+        self.traced_names = [names for _, _, names in read]  # not worked out under Dynamo
         owners = read + [
             (f"{name}.{below}".lstrip("."), sub, names)
             for name, m, names in read
@@ -545,6 +560,9 @@ class Snapshot:
             for name, m, names in owners
             for key, value in vars(m).items()
             if _compared(m, key, value, names)
+            # a called module calls its own callables (a leaf's attention processor, found by
+            # review): only its parent's code naming them is no reason to compare them
+            and not (id(m) in inside_called and _is_callable_object(value))
         ]
         # Values read from classes and module globals: a class's (``B.scale = 2.0``, or one
         # instance's ``block.scale = 2.0`` over it) compared through getattr, a global's in
@@ -715,8 +733,17 @@ class Snapshot:
                 "and plan again (hooks on leaf modules run)."
             )
         added = self._attributes_added()
-        if not added and list(map(len, self.forward_dicts)) != self.traced_sizes:
-            # attributes the graph cannot have read came or went: take them as they are now
+        settings = [a for a in added if not (_is_plain(a[3]) and not a[3])]
+        if not settings and list(map(len, self.forward_dicts)) != self.traced_sizes:
+            # Attributes the graph cannot have read came or went: take them as they are now.
+            # One it read as absent, now None, False or 0 (``getattr(self, "s1", None)``;
+            # transformers' ``gradient_checkpointing = False`` once its checkpointing is off),
+            # is compared from now on (found by review: FreeU disabled, then enabled again).
+            for name, d, key, value in added:
+                self.attributes.append((name, d, key, _reference(value)))
+                self.attribute_dicts.append(d)
+                self.attribute_keys.append(key)
+                self.attribute_values.append(_reference(value))
             self.traced_sizes = list(map(len, self.forward_dicts))
             self.traced_keys = [frozenset(d) for d in self.forward_dicts]
             if self._unchanged():
@@ -725,7 +752,10 @@ class Snapshot:
         for d, k, v in zip(self.child_dicts, self.child_keys, self.child_values):
             before.setdefault(id(d), {})[k] = v
         changes = (
-            added
+            [
+                f"{name} was set to {_described(v) if _is_callable_object(v) else _shown(v)}"
+                for name, _, _, v in settings
+            ]
             + [
                 _module_change(name, before.get(id(now), {}), now)
                 for name, now in zip(self.names, self.children)
@@ -771,24 +801,27 @@ class Snapshot:
             == self.class_forwards
         )
 
-    def _attributes_added(self) -> list[str]:
-        """What was set since planning on a traced module, of the public attributes its code
-        names and the per-call check compares (``_compared``): the graph was traced without it.
-        Private ones are a library's bookkeeping (transformers sets
-        ``_output_capturing_hooks_installed`` at its first call asking for attentions), and a
-        value None, False or 0 is what ``getattr(self, name, None)`` read at planning
-        (transformers' ``gradient_checkpointing = False`` after its checkpointing is off)."""
+    def _attributes_added(self) -> list[tuple[str, dict, str, object]]:
+        """``(name, dict, key, value)`` of what was set since planning on a traced module, of
+        the public attributes the code a call runs reads (``_Names.loaded``: not those any
+        method names, ``model.name`` or ``model.tokenizer``, found by review) and the per-call
+        check compares (``_compared``): the graph was traced without them. Private ones are a
+        library's bookkeeping (transformers sets ``_output_capturing_hooks_installed`` at its
+        first call asking for attentions)."""
         return [
-            f"{name}.{key}".lstrip(".")
-            + f" was set to {_described(v) if _is_callable_object(v) else _shown(v)}"
-            for name, m, d, keys in zip(
-                self.names, self.forward_owners, self.forward_dicts, self.traced_keys
+            (f"{name}.{key}".lstrip("."), d, key, v)
+            for name, m, d, keys, names in zip(
+                self.names,
+                self.forward_owners,
+                self.forward_dicts,
+                self.traced_keys,
+                self.traced_names,
             )
             for key, v in d.items()
             if key not in keys
             and not key.startswith("_")
-            and not (_is_plain(v) and not v)
-            and _compared(m, key, v, _names_read(type(m)))  # type: ignore[arg-type]
+            and key in names.loaded
+            and _compared(m, key, v, names)
         ]
 
     def _check_untied(self, planned_name: str) -> None:
@@ -1267,7 +1300,19 @@ class Snapshot:
         return tuple(new_args), new_kwargs
 
     def call_model(self, args: tuple, kwargs: dict):
-        return self.model(*args, **kwargs)
+        """The model itself. What its own forward sets on the modules the graph traced through
+        (an eval-mode memo, ``self.max_len_seen = n``) is its bookkeeping, no change to the
+        graph (found by review: every later training call was refused)."""
+        before = list(map(len, self.forward_dicts))
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            after = list(map(len, self.forward_dicts))
+            if after != before:
+                for i, (d, was, now) in enumerate(zip(self.forward_dicts, before, after)):
+                    if now != was:  # attributes come at the end of a dict, in order
+                        self.traced_keys[i] |= frozenset(list(d)[was:])
+                        self.traced_sizes[i] += now - was
 
     def run_model(self, args: tuple, kwargs: dict):
         """The model itself, for a mode the plan was not made in."""
@@ -1290,7 +1335,7 @@ class Snapshot:
                 "it under torch.no_grad().",
                 stacklevel=_callers_stacklevel(),
             )
-        return self.model(*args, **kwargs)
+        return self.call_model(args, kwargs)
 
 
 class _CallGraph:
@@ -1654,8 +1699,19 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         return super().named_parameters(*args, **kwargs)
 
     def named_buffers(self, *args, **kwargs):
+        """The model's buffers in its order, then the constants the graph holds (torch.export
+        lifts ``torch.tensor(0.5)`` made in forward into one): code that pairs two modules'
+        buffers by position (``AveragedModel(model, use_buffers=True)`` updated from the
+        planned module) pairs the model's (found by a tester: running statistics averaged
+        into each other's places, silently)."""
         self._read_root_state(self._planner)
-        return super().named_buffers(*args, **kwargs)
+        named = list(super().named_buffers(*args, **kwargs))
+        own = self._buffers.keys() - self._planner.model._buffers.keys()
+        constants = {id(self._buffers[key]) for key in own}
+        return iter(
+            [b for b in named if id(b[1]) not in constants]
+            + [b for b in named if id(b[1]) in constants]
+        )
 
     def __getattr__(self, name: str):
         """An attribute the model has and the graph does not (a Hugging Face ``config``,

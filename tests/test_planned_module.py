@@ -1230,6 +1230,114 @@ def test_callables_replaced_and_settings_added_after_planning_are_refused(change
         p.module(x)
 
 
+class Counting(nn.Module):
+    """Saves a step counter with its checkpoints (extra state), which forward never reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.steps = nn.Linear(8, 8), 0
+
+    def get_extra_state(self):
+        return {"steps": self.steps}
+
+    def set_extra_state(self, state):
+        self.steps = state["steps"]
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+def test_a_counter_restored_from_a_checkpoint_that_forward_never_reads_is_no_change():
+    """Found by a tester: resuming from a checkpoint (``load_state_dict`` restoring the extra
+    state's counter) was refused on every later call, as if the graph had read it."""
+    model, x = nn.Sequential(*(Counting() for _ in range(4))), torch.randn(4, 8)
+    p = sqrt_n_plan(model, (x,))
+    state = model.state_dict()
+    state["1._extra_state"] = {"steps": 1234}
+    model.load_state_dict(state)
+    assert model[1].steps == 1234
+    assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
+
+
+def test_a_setting_turned_off_then_on_after_planning_is_refused():
+    """Found by review: FreeU enabled (refused), disabled (``s1 = None``: the planned branch)
+    and enabled again ran the old graph, silently."""
+    model, x = nn.Sequential(*(Processed() for _ in range(4))), torch.randn(4, 8)
+    p = sqrt_n_plan(model, (x,))
+    model[2].boost = None  # what the graph read as absent: no change
+    assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
+    model[2].boost = 2.0
+    with pytest.raises(planner.PlanningError, match=r"2\.boost changed from None to 2\.0"):
+        p.module(x)
+
+
+class Memoising(nn.Module):
+    """Memoises the longest batch it has seen, in eval mode only, in an attribute it makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if not self.training and x.shape[0] > getattr(self, "longest", 0):
+            self.longest = x.shape[0]
+        return torch.tanh(self.linear(x))
+
+
+def test_what_the_models_own_forward_sets_in_a_mode_it_runs_itself_is_no_change():
+    """Found by review: after one eval call (the model runs itself), the memo it had set was
+    taken for a setting made since planning, and every training call was refused."""
+    model, x = nn.Sequential(*(Memoising() for _ in range(4))), torch.randn(4, 8)
+    p = sqrt_n_plan(model, (x,))
+    model.eval()
+    with torch.no_grad():
+        p.module(x)
+    assert model[0].longest == 4
+    model.train()
+    assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
+
+
+class CallsLeaf(nn.Module):
+    """Names its leaf's callable (as diffusers' ``set_attn_processor`` names ``processor``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.leaf = Processed()
+
+    def forward(self, x):
+        assert self.leaf.processor is not None
+        return self.leaf(x)
+
+
+def test_a_callable_of_a_module_the_graph_calls_may_be_replaced():
+    """Found by review: a leaf module's processor, named by its parent's code, was compared,
+    and its replacement refused; the leaf calls its own processor when it runs."""
+    model = nn.Sequential(*(CallsLeaf() for _ in range(4)))
+    x = torch.randn(4, 8)
+    p = planner.plan(model, (x,), budget_gb=1, solver="sqrt_n", leaf_modules=(Processed,))
+    for block in model:
+        block.leaf.processor = lambda h: h * 3
+    assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
+
+
+def test_a_compiled_plan_takes_a_public_attribute_set_since_and_refuses_a_setting():
+    """Found by review: under torch.compile, any public attribute set on a traced module after
+    planning made every later call crash inside Dynamo (it traced into the code reading)."""
+    torch._dynamo.reset()
+    model, x = nn.Sequential(*(Processed() for _ in range(4))), torch.randn(4, 8)
+    p = sqrt_n_plan(model, (x,))
+    compiled = torch.compile(p.module, backend="eager")
+    compiled(x)
+    model[1].global_step = 7  # read by no code: no change to the graph
+    torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    model[1].boost = 2.0
+    with pytest.raises(planner.PlanningError, match=r"1\.boost was set to 2\.0"):
+        compiled(x)
+    # Dynamo's state after a refusal inside a compiled call makes a later fullgraph compile
+    # of another planned module break its graph at the vmap check: start the next one afresh.
+    torch._dynamo.reset()
+
+
 CHANGES = {
     "a leaf module replaced": lambda m: m.blocks[0].__setitem__(0, nn.Linear(8, 8)),
     "a traced-through module replaced": lambda m: m.blocks.__setitem__(

@@ -150,6 +150,26 @@ def test_a_plan_with_such_constants_leaves_the_model_and_its_state_dict_alone():
     assert not any("lifted" in name for m in model.modules() for name in vars(m))
 
 
+def test_the_planned_module_lists_the_models_buffers_first_in_the_models_order():
+    """Found by a tester: the graph's constants came first in ``p.module.buffers()``, so an
+    ``AveragedModel(model, use_buffers=True)`` updated from the planned module averaged each
+    running statistic into the place of another, silently."""
+    model, args = _with_constants()
+    for block in model:
+        block.register_buffer("seen", torch.zeros(8))
+    plan = planner.plan(model, args, budget_gb=1, solver=_longest_segment)
+    planned = list(plan.module.named_buffers())
+    own = list(model.named_buffers())
+    assert len(planned) > len(own)  # the constants, after the model's own
+    assert [(n, id(b)) for n, b in planned[: len(own)]] == [(n, id(b)) for n, b in own]
+    ema = torch.optim.swa_utils.AveragedModel(model, use_buffers=True)
+    for block in model:
+        block.seen.fill_(float(len(block.seen)))
+    ema.update_parameters(plan.module)
+    for (name, averaged), (_, buffer) in zip(ema.module.named_buffers(), own):
+        assert torch.equal(averaged, buffer), name
+
+
 # -- parameters changed between the forward and the backward -------------------------------------
 
 
