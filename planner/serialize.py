@@ -297,10 +297,17 @@ def model_name(plan) -> str:
 def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
     """The JSON-ready description of ``plan`` that ``save`` writes."""
     problem = plan.problem
+    recorded = getattr(plan, "input_spec", None)
     if example_inputs is not None:
         inputs = input_spec(example_inputs, example_kwargs)
+        if recorded is not None and inputs != recorded:  # found by a tester: a later batch
+            raise ValueError(
+                "the example inputs given differ from those the plan was made with (shapes, "
+                "dtypes, requires_grad or arguments): a load would capture another graph and "
+                "refuse the plan. Save without them, plan.save(path): the plan recorded its own"
+            )
     else:
-        inputs = getattr(plan, "input_spec", None)
+        inputs = recorded
 
     def entry(start: int, stop: int, inner=()) -> dict:
         described = {

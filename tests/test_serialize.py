@@ -524,6 +524,16 @@ def test_a_plan_made_in_eval_mode_loads_in_eval_mode(tmp_path):
         planner.load(path, model)
 
 
+def test_save_with_inputs_other_than_the_plans_is_refused(saved, tmp_path):
+    """Found by a tester: a later batch given to ``save`` wrote a file that ``load`` then
+    refused on the very same model, as made for another graph."""
+    plan, _, _ = saved
+    _, other = small_gpt(batch=4)
+    with pytest.raises(ValueError, match="differ from those the plan was made with"):
+        plan.save(tmp_path / "plan.json", other)
+    assert not (tmp_path / "plan.json").exists()
+
+
 def test_save_to_a_directory_or_a_missing_folder_is_a_clear_error(saved, tmp_path):
     plan, _, _ = saved
     with pytest.raises(ValueError, match="is a directory; save the plan to a file in it"):
