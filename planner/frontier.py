@@ -56,6 +56,9 @@ class FrontierPoint:
 
     ``recompute_overhead`` is the recompute time as a fraction of a step without checkpointing
     (forward + backward, taken as three forwards), as in ``Plan.predicted_overhead``.
+    ``plan_budget_bytes`` is the budget at which the solver chose this plan, at or below
+    ``budget_bytes`` (a cheaper plan of a smaller budget is kept: the solvers are not monotone
+    in the budget): ``planner.plan(model, inputs, budget_bytes=plan_budget_bytes)`` gives it.
     """
 
     budget_bytes: int
@@ -65,6 +68,7 @@ class FrontierPoint:
     recompute_flops: float
     segments: int
     solver: str
+    plan_budget_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -184,7 +188,7 @@ def frontier_of(
         raise ValueError(f"frontier budgets: {error}") from None
     step_seconds = problem.step_seconds
     found: list[FrontierPoint] = []
-    previous = None  # (simulation, segment count, solver) of the last point
+    previous = None  # (simulation, segment count, solver, budget) of the last point
     for budget in bar(budgets, total=len(budgets), desc="budgets"):
         name, segments = choose(problem, budget, solver, **options)
         result = simulate(problem, segments)
@@ -195,11 +199,11 @@ def frontier_of(
                 f"is {lowest / MIB:,.1f} MiB (budget_bytes={lowest}); drop the smaller budgets."
             )
         top = segments if isinstance(segments, NestedChoice) else as_choice(segments)
-        chosen = (result, len(top.segments), name)
+        chosen = (result, len(top.segments), name, budget)
         if previous is not None and previous[0].recompute_seconds < result.recompute_seconds:
             chosen = previous  # it fits this larger budget too, and costs less
         previous = chosen
-        result, count, name = chosen
+        result, count, name, found_at = chosen
         found.append(
             FrontierPoint(
                 budget_bytes=budget,
@@ -209,6 +213,7 @@ def frontier_of(
                 recompute_flops=result.recompute_flops,
                 segments=count,
                 solver=name,
+                plan_budget_bytes=found_at,
             )
         )
     return Frontier(points=tuple(found), baseline_peak_bytes=baseline, lowest_peak_bytes=lowest)
@@ -232,8 +237,10 @@ def frontier(
     """Sweep budgets for ``model``: the least recompute at each, from the lowest peak to none.
 
     One capture and profile (``planner.pipeline.prepare``), then one solve per budget, so a
-    sweep costs little more than one ``plan``. Pick a budget from the result and call
-    ``planner.plan(model, inputs, budget_bytes=...)`` with it.
+    sweep costs little more than one ``plan``. Pick a point and call ``planner.plan(model,
+    inputs, budget_bytes=point.plan_budget_bytes)``: that gives its plan (its own
+    ``budget_bytes`` may give a costlier one, found by a tester: the solvers are not monotone
+    in the budget, where the sweep keeps the cheaper plan of a smaller budget).
 
     Parameters
     ----------

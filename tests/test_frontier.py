@@ -39,6 +39,21 @@ def test_every_point_fits_and_recompute_never_grows(swept):
     assert all(later <= earlier for earlier, later in zip(costs, costs[1:]))
 
 
+def test_each_point_names_the_budget_that_gives_its_plan(swept, problem):
+    """Found by a tester: ``plan`` at a point's own budget can give a costlier plan than the
+    point's (the solvers are not monotone in the budget; the sweep keeps the cheaper plan of a
+    smaller budget), so the point names the budget its plan was chosen at."""
+    solver = swept.points[0].solver.partition(":")[0]
+    for point in swept.points:
+        assert point.plan_budget_bytes <= point.budget_bytes
+        _, segments = planner.solvers.auto.choose(problem, point.plan_budget_bytes, solver)
+        again = simulate(problem, segments)
+        assert (again.peak_bytes, again.recompute_seconds) == (
+            point.peak_bytes,
+            point.recompute_seconds,
+        )
+
+
 def test_runs_from_the_lowest_peak_to_the_baseline(swept, problem):
     first, last = swept.points[0], swept.points[-1]
     assert swept.lowest_peak_bytes == lowest_peak(problem).peak_bytes
@@ -70,6 +85,7 @@ def test_rows_and_table(swept):
         "recompute_flops",
         "segments",
         "solver",
+        "plan_budget_bytes",
     }
     text = str(swept)
     assert text.startswith("Frontier: 8 budgets") and "budget MiB" in text
