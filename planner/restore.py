@@ -9,6 +9,7 @@ file format itself is ``planner.serialize``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import warnings
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from planner.attention import rebuilt_inputs
 from planner.batch import accumulation_problem
 from planner.errors import PlanningError
 from planner.nested import Nest, NestedChoice, validate_nested
@@ -219,15 +221,16 @@ def load(
             )
         )
     try:
-        captured, problem = prepare(
-            model,
-            example_inputs,
-            example_kwargs,
-            cost_model=cost_model,
-            optimizer_state_bytes=optimizer_state_bytes,
-            capture_options=options,
-            loss_fn=loss_fn,
-        )
+        with rebuilt_inputs() if recorded_inputs else contextlib.nullcontext():
+            captured, problem = prepare(
+                model,
+                example_inputs,
+                example_kwargs,
+                cost_model=cost_model,
+                optimizer_state_bytes=optimizer_state_bytes,
+                capture_options=options,
+                loss_fn=loss_fn,
+            )
     except PlanningError as error:
         if not recorded_inputs:
             raise
@@ -319,9 +322,11 @@ def load(
     if plan.predicted_peak_bytes > budget:
         warnings.warn(
             f"the plan in {path} now predicts a peak of {plan.predicted_peak_bytes} bytes, over "
-            f"the budget of {budget} bytes it was saved with (an edited file, or a profile "
-            "that changed with torch): plan again, planner.plan(model, example_inputs, "
-            f"budget_bytes={budget})",
+            f"the budget of {budget} bytes it was saved with: the model changed since in a way "
+            "its graph's fingerprint does not see (the fingerprint covers each node's name, "
+            "operation and sizes, not which nodes read which: a skip connection taken from "
+            "another layer), or the file was edited, or the profile changed with torch: plan "
+            f"again, planner.plan(model, example_inputs, budget_bytes={budget})",
             UserWarning,
             stacklevel=2,
         )

@@ -21,6 +21,7 @@ transformers = pytest.importorskip(
 
 from planner.errors import PlanningError  # noqa: E402
 from planner.pipeline import plan, prepare  # noqa: E402
+from planner.restore import load  # noqa: E402
 from planner.rewrite import rewrite  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
 from planner.solvers.auto import choose, lowest_peak  # noqa: E402
@@ -212,6 +213,23 @@ def test_a_mask_the_model_makes_itself_is_reported_without_advice_about_an_argum
     with pytest.warns(UserWarning, match="No argument of the call gives that mask") as caught:
         prepare(model, (torch.randn(2, 1600),))
     assert not any("Leave an attention mask" in str(w.message) for w in caught)
+
+
+def test_a_plan_made_with_a_padded_mask_loads_without_advice_to_leave_the_mask_out(tmp_path):
+    """Found by a tester: ``load`` rebuilds the inputs filled with ones, whose mask masks
+    nothing, and told the user to leave out the padding mask they train with. The loaded plan
+    computes with the real padded mask exactly."""
+    model, (ids,), _ = gpt2()
+    reference = copy.deepcopy(model)
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0  # a padded row
+    kwargs = {"attention_mask": mask, "labels": ids}
+    saved = plan(model, (ids,), example_kwargs=kwargs, budget_gb=1, solver="sqrt_n")
+    path = saved.save(tmp_path / "plan.json")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*masks nothing")
+        loaded = load(path, model)
+    assert_equivalent(reference, model, loaded.module, (ids,), kwargs)
 
 
 def test_attributes_a_librarys_own_modules_set_in_forward_are_refused_as_not_plannable():
