@@ -23,6 +23,7 @@ from planner.errors import PlanningError
 from planner.nested import Nest, NestedChoice, validate_nested
 from planner.options import CaptureOptions
 from planner.pipeline import assemble, prepare
+from planner.planned_module import autocast_state
 from planner.serialize import (
     build_inputs,
     fingerprint,
@@ -95,6 +96,25 @@ def _unrecorded_options_hint(model, recorded: dict) -> str:
             " the model is in eval mode; if the plan was made in train mode, call model.train();"
         )
     return hint + " if it was made with leaf_modules=..., pass the same to planner.load."
+
+
+def _autocast_hint(recorded: dict) -> str:
+    """Where the autocast in force differs from the one the plan was made under (found by a
+    tester: a plan made under bf16 autocast, loaded outside it, was refused as made for
+    tensors of other shapes or dtypes, autocast unsaid)."""
+    then = [tuple(entry) for entry in recorded.get("autocast", ())]
+    now = [(d, str(t).removeprefix("torch.")) for d, t in autocast_state(off_regions=False)]
+    if "autocast" not in recorded or then == now:
+        return ""
+    made = (
+        " and ".join(f"torch.autocast({d!r}, dtype=torch.{t})" for d, t in then)
+        if then
+        else "no autocast"
+    )
+    return (
+        f" The plan was made under {made}, and the autocast in force now differs: load it "
+        "where it runs, as it was made."
+    )
 
 
 def _unmatched_leaf_hint(unmatched) -> str:
@@ -257,6 +277,7 @@ def load(
             "make a new one with planner.plan(model, example_inputs, budget_gb=...)."
             + _unrecorded_options_hint(model, recorded)
             + _unmatched_leaf_hint(unmatched)
+            + _autocast_hint(recorded)
         )
 
     def read_segment(entry) -> Nest:

@@ -294,6 +294,13 @@ def model_name(plan) -> str:
     return name[len("Planned") :] if name.startswith("Planned") and len(name) > 7 else name
 
 
+def _autocast_of(plan) -> list[list[str]]:
+    """``[device, dtype]`` of each autocast the plan was made under (none: ``[]``)."""
+    snapshot = getattr(plan.module, "_planner", None)
+    state = getattr(snapshot, "autocast", ())
+    return [[d, str(t).removeprefix("torch.")] for d, t in state if t is not None]
+
+
 def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
     """The JSON-ready description of ``plan`` that ``save`` writes."""
     problem = plan.problem
@@ -340,6 +347,7 @@ def to_dict(plan, example_inputs=None, example_kwargs=None) -> dict:
             "training": bool(plan.training),
             "leaf_modules": [qualified_name(c) for c in plan.capture_options.leaf_modules],
             "dynamic_shapes": plan.capture_options.dynamic_shapes,
+            "autocast": _autocast_of(plan),
         },
         "budget_bytes": int(plan.budget_bytes),
         "optimizer_state_bytes": int(problem.optimizer_state_bytes),

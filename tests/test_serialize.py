@@ -527,6 +527,19 @@ def test_a_plan_made_in_eval_mode_loads_in_eval_mode(tmp_path):
         planner.load(path, model)
 
 
+def test_a_plan_made_under_autocast_loaded_outside_it_says_so(tmp_path):
+    """Found by a tester: loaded without the autocast it was made under, a plan was refused as
+    made for tensors of other shapes or dtype, autocast unsaid."""
+    model, inputs = small_gpt()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = planner.plan(model, inputs, budget_gb=1, solver="sqrt_n")
+        path = plan.save(tmp_path / "plan.json")
+        assert planner.load(path, model).segments == plan.segments  # where it runs: loads
+    made = r"made under torch\.autocast\('cpu', dtype=torch\.bfloat16\)"
+    with pytest.raises(PlanningError, match=made):
+        planner.load(path, model)
+
+
 def test_save_with_inputs_other_than_the_plans_is_refused(saved, tmp_path):
     """Found by a tester: a later batch given to ``save`` wrote a file that ``load`` then
     refused on the very same model, as made for another graph."""
