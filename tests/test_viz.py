@@ -88,6 +88,15 @@ def test_html_of_a_plan_without_segments():
     assert "No segment is checkpointed" in viz.plan_html(plan)
 
 
+@pytest.mark.parametrize("view", ["draw", "plot_memory"])
+def test_a_figure_asked_into_a_directory_is_a_clear_error(gpt_plan, tmp_path, view):
+    """Found by a tester: matplotlib wrote ``<folder>.png`` beside the folder given."""
+    plan, _, _ = gpt_plan
+    with pytest.raises(ValueError, match="is a directory; give a file path"):
+        getattr(viz, view)(plan, path=tmp_path)
+    assert not tmp_path.with_suffix(".png").exists()
+
+
 def test_draw_writes_a_png(gpt_plan, tmp_path):
     plan, _, _ = gpt_plan
     figure = viz.draw(plan, path=tmp_path / "graph.png")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 # One colour per checkpointed segment (cycled), kept nodes grey; colour-blind-friendly enough.
@@ -50,6 +52,9 @@ def finish(figure, own_figure: bool, path):
     if own_figure:
         figure.tight_layout()
     if path is not None:
+        if Path(path).is_dir():  # matplotlib would write <folder>.png beside it (a tester's)
+            example = Path(path) / "plan.png"
+            raise ValueError(f"{path} is a directory; give a file path, e.g. {example}")
         figure.savefig(path, dpi=130, bbox_inches="tight")
     return figure
 
