@@ -284,6 +284,12 @@ def _plan(args) -> int:
             raise FactoryFailed(
                 f"the factory {args.model} raised {type(error).__name__}: {_one_line(error)}"
             ) from error
+        if args.solver not in planner.solvers.SOLVERS:  # after the import, which may add some
+            raise UsageError(
+                f"unknown solver {args.solver!r}; registered solvers: "
+                f"{', '.join(sorted(planner.solvers.SOLVERS))} (the model's module may register "
+                "its own with @planner.solvers.register(name))"
+            )
         result = planner.plan(
             model,
             inputs,

@@ -99,6 +99,14 @@ def test_a_factory_file_imports_the_files_beside_it(tmp_path, capsys):
     assert "Plan:" in capsys.readouterr().out
 
 
+def test_an_unknown_solver_gets_advice_the_command_line_can_follow(capsys):
+    """Found by a tester: the message said to pass a callable, which no command line can."""
+    assert cli.main(["plan", "mlp", "--budget-gb", "1", "--solver", "nope"]) == 2
+    error = capsys.readouterr().err
+    assert "unknown solver 'nope'" in error and "planner.solvers.register" in error
+    assert "callable" not in error
+
+
 def test_two_outputs_on_one_path_are_refused_before_planning(tmp_path, capsys, monkeypatch):
     """Found by a tester: ``--json x --html x`` wrote the HTML over the plan file."""
     monkeypatch.setattr("planner.plan", None)  # planning would fail: it must not be reached
