@@ -40,7 +40,10 @@ __all__ = ["load"]
 def _first_difference(saved: list, now: list, saved_fixed, now_fixed: int) -> str:
     for i, (a, b) in enumerate(zip(saved, now)):
         if list(a) != list(b):
-            hint = " (the same operation on tensors of other shapes or dtype)"
+            hint = (
+                " (the same operation on tensors of other shapes or dtype, or under another "
+                "autocast; or a setting that changes what it computes, a dropout's p)"
+            )
             return (
                 f"first difference at node {i}: the plan has {a[0]!r} ({a[1]}, {a[2]} bytes), "
                 f"the model has {b[0]!r} ({b[1]}, {b[2]} bytes)"
@@ -54,7 +57,10 @@ def _first_difference(saved: list, now: list, saved_fixed, now_fixed: int) -> st
             f"bytes where the plan's took {int(saved_fixed):,} (a parameter or buffer added or "
             "removed, one no node reads included: an EMA copy, an unused head)"
         )
-    return "the nodes match by name and operation but differ in FLOPs, bytes moved or parameters"
+    return (
+        "the nodes match by name and operation but differ in FLOPs, bytes moved or parameters "
+        "(a parameter frozen or unfrozen since: its gradient's FLOPs and bytes come or go)"
+    )
 
 
 @contextmanager
