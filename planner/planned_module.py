@@ -419,6 +419,19 @@ def _names_read(cls: type) -> _Names:
     return _Names(frozenset(mentioned - (restored - loaded)), loaded)
 
 
+@functools.cache
+def _own_mentions(cls: type) -> frozenset[str]:
+    """The names the methods ``cls`` itself defines mention (its bases' left out)."""
+    mentioned: set[str] = set()
+    for value in vars(cls).values():
+        value = value.fget if isinstance(value, property) else value
+        code = getattr(getattr(value, "__func__", value), "__code__", None)
+        if code is not None:
+            mentioned.update(code.co_names)
+            mentioned.update(c for c in code.co_consts if isinstance(c, str))
+    return frozenset(mentioned)
+
+
 class _Names(NamedTuple):
     mentioned: frozenset[str]
     loaded: frozenset[str]
@@ -548,7 +561,13 @@ class Snapshot:
             (name, m, _names_read(type(m)))  # type: ignore[arg-type]  # a class is hashable
             for name, m in traced
         ]
-        self.traced_names = [names for _, _, names in read]  # not worked out under Dynamo
+        # What a traced module's added attributes are compared by (``_attributes_added``),
+        # worked out here: not under Dynamo, which cannot trace reading code.
+        self.traced_names = [names for _, _, names in read]
+        self.traced_watched = [
+            names.loaded | _own_mentions(type(m))  # type: ignore[arg-type]  # hashable
+            for (_, m, names) in read
+        ]
         owners = read + [
             (f"{name}.{below}".lstrip("."), sub, names)
             for name, m, names in read
@@ -561,8 +580,11 @@ class Snapshot:
             for key, value in vars(m).items()
             if _compared(m, key, value, names)
             # a called module calls its own callables (a leaf's attention processor, found by
-            # review): only its parent's code naming them is no reason to compare them
-            and not (id(m) in inside_called and _is_callable_object(value))
+            # review), unless the traced parent's call reads one (``self.leaf.act(...)``: the
+            # graph holds that call)
+            and not (
+                id(m) in inside_called and _is_callable_object(value) and key not in names.loaded
+            )
         ]
         # Values read from classes and module globals: a class's (``B.scale = 2.0``, or one
         # instance's ``block.scale = 2.0`` over it) compared through getattr, a global's in
@@ -803,24 +825,26 @@ class Snapshot:
 
     def _attributes_added(self) -> list[tuple[str, dict, str, object]]:
         """``(name, dict, key, value)`` of what was set since planning on a traced module, of
-        the public attributes the code a call runs reads (``_Names.loaded``: not those any
-        method names, ``model.name`` or ``model.tokenizer``, found by review) and the per-call
-        check compares (``_compared``): the graph was traced without them. Private ones are a
-        library's bookkeeping (transformers sets ``_output_capturing_hooks_installed`` at its
-        first call asking for attentions)."""
+        the public attributes that the code a call runs reads or the module's own class names
+        (a setter beside a library's helper reading it; not what only a library's base classes
+        name, ``model.name`` or ``model.tokenizer`` on a transformers model, found by review)
+        and that the per-call check compares (``_compared``): the graph was traced without
+        them. Private ones are a library's bookkeeping (transformers sets
+        ``_output_capturing_hooks_installed`` at its first call asking for attentions)."""
         return [
             (f"{name}.{key}".lstrip("."), d, key, v)
-            for name, m, d, keys, names in zip(
+            for name, m, d, keys, names, watched in zip(
                 self.names,
                 self.forward_owners,
                 self.forward_dicts,
                 self.traced_keys,
                 self.traced_names,
+                self.traced_watched,
             )
             for key, v in d.items()
             if key not in keys
             and not key.startswith("_")
-            and key in names.loaded
+            and key in watched
             and _compared(m, key, v, names)
         ]
 
@@ -1300,19 +1324,7 @@ class Snapshot:
         return tuple(new_args), new_kwargs
 
     def call_model(self, args: tuple, kwargs: dict):
-        """The model itself. What its own forward sets on the modules the graph traced through
-        (an eval-mode memo, ``self.max_len_seen = n``) is its bookkeeping, no change to the
-        graph (found by review: every later training call was refused)."""
-        before = list(map(len, self.forward_dicts))
-        try:
-            return self.model(*args, **kwargs)
-        finally:
-            after = list(map(len, self.forward_dicts))
-            if after != before:
-                for i, (d, was, now) in enumerate(zip(self.forward_dicts, before, after)):
-                    if now != was:  # attributes come at the end of a dict, in order
-                        self.traced_keys[i] |= frozenset(list(d)[was:])
-                        self.traced_sizes[i] += now - was
+        return self.model(*args, **kwargs)
 
     def run_model(self, args: tuple, kwargs: dict):
         """The model itself, for a mode the plan was not made in."""
@@ -1345,6 +1357,15 @@ class _CallGraph:
 
     def reach(self, grad_outputs):
         self.reached = True
+
+
+def _recording_elsewhere() -> str | None:
+    """The name of a graph capture running now that would flatten the plan's checkpoints."""
+    if torch.fx._symbolic_trace.is_fx_tracing():
+        return "torch.fx.symbolic_trace"
+    if torch.compiler.is_exporting():
+        return "torch.export"
+    return None
 
 
 def _under_vmap() -> bool:
@@ -1539,6 +1560,15 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
 
     def _checked_call(self, graph_forward, args: tuple, kwargs: dict):
         snapshot = self._planner
+        recording = _recording_elsewhere()
+        if recording is not None and snapshot.checkpoints:
+            raise PlanningError(
+                f"{recording} cannot record {type(self).__name__}'s plan: its graph would hold "
+                "the ops the checkpointed segments run, not the checkpoints (found by a "
+                "tester: torch.fx.symbolic_trace gave every activation back, 2.5x the budget; "
+                "torch.export a program that trains nothing). Trace or export the model "
+                "itself, or use torch.compile on the planned module."
+            )
         self._read_root_state(snapshot)
         if snapshot.mode_changed():
             return self._in_the_models_place(snapshot, snapshot.run_model, args, kwargs)

@@ -64,10 +64,11 @@ from planner.simulate import Choice, as_choice, replayed_nodes, validate_choice
 _KEEPING = threading.local()
 
 
-def _keep_on() -> None:
+def _keep_on(quiet: str | None = None) -> None:
+    """``quiet``: the name of a kept node that drew no random numbers at planning."""
     scope = getattr(_KEEPING, "scope", None)
     if scope is not None:  # None: not under checkpoint (a forward without grad)
-        scope.enter()
+        scope.enter(quiet)
 
 
 def _keep_off() -> None:
@@ -92,7 +93,8 @@ class _CacheScope:
         self.mode = mode
         self.entered = False
 
-    def enter(self) -> None:
+    def enter(self, quiet: str | None = None) -> None:
+        self.mode.quiet = quiet  # see _Caching
         if not self.entered:
             self.entered = True
             self.mode.__enter__()
@@ -129,31 +131,11 @@ _HOOK_NAMESPACES = frozenset(
 )
 
 
-_EMPTY = frozenset(
-    {
-        torch.ops.aten.empty,
-        torch.ops.aten.empty_like,
-        torch.ops.aten.empty_strided,
-        torch.ops.aten.new_empty,
-        torch.ops.aten.new_empty_strided,
-    }
-)
-
-
 def _keep_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Save what ops of kept nodes create (the cache sees no other: ``_CacheScope``). Views and
     in-place ops are recomputed (free): saving them would hold the storage they alias; and so
-    are the ops of hooks (``_HOOK_NAMESPACES``), random ops (a draw served from the cache
-    would leave the generator behind, and every later draw of the recompute would differ:
-    found by a tester, a noise hook added to a kept module after planning, 2.7 off) and empty
-    allocations (an in-place op fills them, which a cached one would not take: a dropout made
-    active after planning in a kept block raised)."""
-    if (
-        _aliases(op)
-        or getattr(op, "namespace", "aten") in _HOOK_NAMESPACES
-        or op_facts(op).random
-        or op.overloadpacket in _EMPTY
-    ):
+    are the ops of hooks (``_HOOK_NAMESPACES``)."""
+    if _aliases(op) or getattr(op, "namespace", "aten") in _HOOK_NAMESPACES:
         return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE
 
@@ -167,9 +149,22 @@ class _Caching(_CachingTorchDispatchMode):
     outside the cache on both sides: never saved, recomputed (or answered by autocast's cache).
     """
 
+    quiet: str | None = None  # the kept node running, if it drew nothing at planning
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if casts_a_leaf(func, args):
             return func(*args, **(kwargs or {}))
+        if self.quiet is not None and torch.Tag.nondeterministic_seeded in func.tags:
+            # Served from the cache in the recompute, this draw would leave the generator
+            # behind for every later draw there (found by a tester: a noise hook added to a
+            # kept module after planning put the dropout after it 2.7 off, silently).
+            raise PlanningError(
+                f"{func} drew random numbers inside {self.quiet}, which the plan keeps (its "
+                "results are saved, not recomputed) and which drew none at planning: a hook "
+                "added to its module since, or a dropout turned on in it. The recompute would "
+                "not draw them again, and every later random op of the segment would draw "
+                "other numbers. Plan again, with the hook or the dropout in place."
+            )
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
@@ -436,6 +431,12 @@ class Segment:
         self.infers = enter_inference_mode in entries
 
     def __call__(self, *args):
+        if torch.compiler.is_exporting():  # found by a tester: a program that trained nothing
+            raise PlanningError(
+                "torch.export cannot record a plan's checkpointed segments: the exported "
+                "program would run them without gradients. Export the model itself, or use "
+                "torch.compile on the planned module."
+            )
         if self.infers and torch.compiler.is_compiling():
             # aot_eager: "Inference tensors do not track version counter"
             raise PlanningError(
@@ -774,7 +775,10 @@ def rewrite(
     else:
         choice = as_choice(choice)
         marks = {nodes[k]: ("replay", ops) for k, ops in replay.items()}
-        marks.update({nodes[k]: ("keep",) for k in choice.keep})
+        drew = problem.random if problem is not None else np.ones(len(nodes), bool)
+        marks.update(
+            {nodes[k]: ("keep",) + (() if drew[k] else (nodes[k].name,)) for k in choice.keep}
+        )
         nests = tuple(Nest(start, stop) for start, stop in choice.segments)
     first = {nodes[s.start]: (k, s) for k, s in enumerate(nests)}
     inside = {node for s in nests for node in nodes[s.start : s.stop]}
@@ -880,7 +884,7 @@ def _checkpoint_segment(
         if m in inner_members or m not in member_set:
             continue
         mark = marks.get(m)
-        if mark is not None:  # ("keep",) or ("replay", the node's ops)
+        if mark is not None:  # ("keep", name if it draws nothing) or ("replay", its ops)
             on, off = _MARKERS[mark[0]]
             body.call_function(on, mark[1:])
         body_env[m] = body.node_copy(m, lambda n: body_env[n])

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 from planner.choice import recompute_costs
+from planner.errors import PlanningError
 from planner.options import CaptureOptions
 from planner.pipeline import assemble, lowest_peak, plan, prepare
 from planner.rewrite import _aliases, rewrite
@@ -80,17 +81,17 @@ def test_a_kept_random_node_before_a_recomputed_one_is_refused():
     validate_choice(problem, Choice(whole, frozenset({first, second})))
 
 
-def test_a_kept_nodes_random_ops_draw_again_in_the_recompute():
-    """The recompute runs a kept node's random ops again (served from the cache, they would
-    leave the generator behind for every later draw), so even the choice above that
-    ``validate_choice`` refuses computes as the model."""
+def test_fact_the_refused_random_keep_would_change_gradients():
+    """Why the rule exists: the recompute restores the random state of the segment's start,
+    and a kept random node draws nothing there, so the next random node draws other numbers."""
     model, args, captured, problem, first, _ = _random_nodes()
     reference = copy.deepcopy(model)
     # Without the problem, rewrite takes the choice as it is (with it, refuses it).
     planned = rewrite(
         captured.graph_module, model, Choice(((0, problem.size),), frozenset({first}))
     )
-    assert_equivalent(reference, model, planned, args, {})
+    with pytest.raises(AssertionError):
+        assert_equivalent(reference, model, planned, args, {})
 
 
 class NoisyDepth(nn.Module):
@@ -106,18 +107,20 @@ class NoisyDepth(nn.Module):
         return self.d(self.drop(torch.tanh(self.c(x))))
 
 
-def test_a_noise_hook_added_to_a_kept_module_after_planning_keeps_the_dropout_masks():
+def test_a_noise_hook_added_to_a_kept_module_after_planning_is_refused():
     """Found by a tester: the recompute served the hook's draw from the cache, so the dropout
-    after it drew another mask: gradients 2.7 off, silently."""
+    after it drew another mask: gradients 2.7 off, silently. (Running random ops of kept nodes
+    again instead, found by review, ran a kept dropout on a replay's stand-ins, and recomputed
+    every kept attention, which torch tags as random.)"""
     torch.manual_seed(0)
     model, args = NoisyDepth(), (torch.randn(4, 8),)
     _, problem = prepare(model, args)
     kept = frozenset({problem.names.index("b")})
     plan = _plan(model, args, Choice(((0, problem.size - 1),), kept))
-    reference = copy.deepcopy(model)
-    for m in (reference, model):
-        m.b.register_forward_hook(lambda module, inputs, out: out + 0.1 * torch.randn_like(out))
-    assert_equivalent(reference, model, plan.module, args, {})
+    assert_equivalent(copy.deepcopy(model), model, plan.module, args, {})
+    model.b.register_forward_hook(lambda module, inputs, out: out + 0.1 * torch.randn_like(out))
+    with pytest.raises(PlanningError, match=r"drew random numbers inside b, which the plan keeps"):
+        plan.module(*args)
 
 
 class QuietBlock(nn.Module):
@@ -131,20 +134,21 @@ class QuietBlock(nn.Module):
         return x + self.drop(torch.tanh(self.fc(x)))
 
 
-def test_a_dropout_turned_on_after_planning_in_a_kept_block_follows_exactly():
+def test_a_dropout_turned_on_after_planning_in_a_kept_block_is_refused():
     """Found by a tester: the block's mask, filled in place in an allocation the forward had
-    cached, raised "Tensor cached during selective activation checkpoint has been mutated"."""
+    cached, raised "Tensor cached during selective activation checkpoint has been mutated";
+    its draw, served from the cache, would have shifted every later one."""
     torch.manual_seed(0)
     model, args = nn.Sequential(*(QuietBlock() for _ in range(4))), (torch.randn(4, 8),)
     captured, problem = prepare(model, args, capture_options=CaptureOptions((QuietBlock,)))
     planned = rewrite(
         captured.graph_module, model, Choice(((0, 3),), frozenset({0})), problem=problem
     )
-    reference = copy.deepcopy(model)
-    for m in (reference, model):
-        for block in m:
-            block.drop.p = 0.2
-    assert_equivalent(reference, model, planned, args, {})
+    assert_equivalent(copy.deepcopy(model), model, planned, args, {})
+    for block in model:
+        block.drop.p = 0.2
+    with pytest.raises(PlanningError, match=r"inside \w+, which the plan keeps.*dropout"):
+        planned(*args)
 
 
 class _Recomputing:

@@ -4,6 +4,7 @@ import builtins
 import io
 import re
 
+import numpy as np
 import pytest
 
 import planner
@@ -79,6 +80,7 @@ def test_html_shortens_long_segment_lists_to_at_most_max_rows(max_rows):
         assert f"{len(plan.segments) - len(shown)} more segments" in text
     with pytest.raises(ValueError, match="non-negative integer"):
         viz.plan_html(plan, max_rows=-1)
+    assert viz.plan_html(plan, max_rows=np.int64(max_rows)) == text  # numpy's integers too
 
 
 def test_html_of_a_plan_without_segments():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import numbers
 from dataclasses import dataclass
 
 from planner.simulate import simulate
@@ -92,8 +93,9 @@ def plan_html(plan, *, max_rows: int = 24) -> str:
     str
         A self-contained ``<div>`` (inline styles only, no scripts).
     """
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
+    if isinstance(max_rows, bool) or not isinstance(max_rows, numbers.Integral) or max_rows < 0:
         raise ValueError(f"max_rows must be a non-negative integer, not {max_rows!r}")
+    max_rows = int(max_rows)  # numpy's integers too (found by review)
     problem = plan.problem
     e = html.escape
     saved = problem.saved_bytes_per_node()
