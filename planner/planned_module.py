@@ -1585,6 +1585,18 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
         ):
             snapshot.warn_vmapped()
             return self._in_the_models_place(snapshot, snapshot.call_model, args, kwargs)
+        if (
+            snapshot.checkpoints
+            and torch.is_grad_enabled()
+            and getattr(torch.utils.checkpoint, "_checkpoint_debug_enabled", None)
+        ):
+            raise PlanningError(  # torch's own error named neither planner nor a way out
+                "torch.utils.checkpoint's debug mode (set_checkpoint_debug_enabled(True)) "
+                f"cannot run {type(self).__name__}'s segments: each passes a context_fn of "
+                "planner's (the buffers it restores, the nodes it keeps), which debug mode "
+                "refuses. Debug the model itself with your own checkpoints, or turn debug mode "
+                "off for the planned module."
+            )
         if snapshot.checkpoints and torch.is_grad_enabled() and torch.jit.is_tracing():
             raise PlanningError(
                 f"torch.jit.trace cannot record {type(self).__name__}'s plan: it records the "

@@ -1292,6 +1292,13 @@ def check_loss(loss) -> None:
             if isinstance(loss, torch.Tensor)
             else type(loss).__name__
         )
+        if isinstance(loss, torch.Tensor) and not torch.is_grad_enabled():
+            raise PlanningError(  # found by a tester: a @torch.no_grad() setup function
+                f"loss_fn returned {got} because planning runs under torch.no_grad() or "
+                "torch.inference_mode(): planning runs a training step, forward and backward. "
+                "Call planner.plan with gradients enabled (outside those blocks, or inside "
+                "torch.enable_grad())."
+            )
         raise PlanningError(
             f"loss_fn must return a 0-dim floating-point tensor that requires grad (the value "
             f"whose backward() is the training step), got {got}. Reduce it to a scalar, e.g. "

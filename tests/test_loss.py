@@ -205,6 +205,15 @@ def test_a_loss_fake_tensors_cannot_run_says_what_to_write_instead(form):
         planner.plan(model, args, budget_gb=1, loss_fn=loss_fn)
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_planning_with_a_loss_under_no_grad_names_the_grad_mode(mode):
+    """Found by a tester: planned inside a ``@torch.no_grad()`` setup function, the loss was
+    told to reduce itself to a scalar, which it was."""
+    model, args = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), (torch.randn(8, 8),)
+    with mode(), pytest.raises(PlanningError, match=r"under torch\.no_grad\(\).*enable_grad"):
+        planner.plan(model, args, budget_gb=1, loss_fn=lambda out: out.pow(2).mean())
+
+
 def test_planning_on_the_meta_device_counts_the_loss_the_same():
     """Labels closed over by the loss are replaced by stand-ins, on fake and meta tensors."""
     model, args, loss_fn = _gpt_with_cross_entropy()

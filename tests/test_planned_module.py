@@ -2478,3 +2478,15 @@ def test_capturing_a_plan_as_a_graph_is_refused(capture):
             torch.export.export(p.module, (x,))
         else:
             torch.fx.symbolic_trace(p.module)
+
+
+def test_torchs_checkpoint_debug_mode_is_refused_with_a_way_out():
+    """Found by a tester: every planned step raised torch's "debug=True is incompatible with
+    non-default context_fn", naming neither planner nor a way out."""
+    head, _, x = _head_and_encoder()
+    p = planner.plan(head, (x,), budget_gb=1, solver="sqrt_n")
+    assert p.segments
+    with torch.utils.checkpoint.set_checkpoint_debug_enabled(True):
+        with pytest.raises(planner.PlanningError, match=r"debug mode.*cannot run.*turn debug"):
+            p.module(x)
+    p.module(x)  # debug mode off again: the plan runs
