@@ -2182,6 +2182,27 @@ def test_flop_counter_mode_around_a_planned_step_is_not_a_process_wide_hook():
     assert counts[0] == counts[1] > 0
 
 
+def test_torchs_memory_tracker_around_a_planned_step_observes_it():
+    """Found by a tester: ``MemTracker`` (its ``ModTracker`` registers process-wide hooks that
+    only observe) was refused as a hook that acts, so the tool a user would check the plan's
+    memory with could not run. The step under it trains as the model does."""
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+    model, x = Blocks(), torch.randn(4, 8)
+    p = tight_plan(model, (x,))
+    assert p.segments
+    reference = copy.deepcopy(model)
+    tracker = mem_tracker.MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        torch.manual_seed(0)
+        p.module(x).sum().backward()
+    assert tracker.get_tracker_snapshot("peak")
+    torch.manual_seed(0)
+    reference(x).sum().backward()
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
 @pytest.mark.parametrize("reloaded", [False, True], ids=["same parameters", "assign=True"])
 def test_unfreezing_after_planning_warns_that_the_memory_no_longer_holds(reloaded):
     """Staged fine-tuning: frozen layers save nothing for backward, so a plan made with them
