@@ -90,6 +90,10 @@ def _cut_from_their_graph(example):
     return tree_unflatten(leaves, spec) if cut else example
 
 
+def _is_scripted(module: nn.Module) -> bool:
+    return isinstance(module, (torch.jit.ScriptModule, torch.jit.RecursiveScriptModule))
+
+
 def _check_model(model: nn.Module, args: tuple, kwargs: dict) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -108,6 +112,24 @@ def _check_model(model: nn.Module, args: tuple, kwargs: dict) -> None:
             "as plan.module): a model is planned whole, once. Put back the module each was "
             f"planned from (plan.module shares its parameters) and plan {type(model).__name__}: "
             "the plan chooses segments inside it too."
+        )
+    scripted: list[str] = []  # the outermost ones
+    for name, m in model.named_modules():
+        inside = any(not s or name.startswith(s + ".") for s in scripted)
+        if _is_scripted(m) and not inside:
+            scripted.append(name)
+    if scripted:  # found by a tester: a bare KeyError, or advice about the inputs' shapes
+        what = (
+            f"the model ({type(model).__name__})"
+            if scripted == [""]
+            else f"{', '.join(scripted[:4])} of {type(model).__name__}"
+        )
+        raise PlanningError(
+            f"{what} {'is' if len(scripted) == 1 else 'are'} TorchScript (torch.jit.script or "
+            "trace), "
+            "which planning cannot capture or run on the stand-in tensors it profiles with. "
+            "Plan the nn.Module before scripting it, and script or trace something else, or "
+            "train the scripted model without a plan."
         )
     lazy = [
         name

@@ -993,3 +993,13 @@ def test_torchs_transformer_given_a_causal_mask_is_told_to_say_it_is_causal():
     reference = copy.deepcopy(model)
     p = plan_of(model, (x, mask), {}, budget_gb=1)
     assert_equivalent(reference, model, p.module, (x, mask), {})
+
+
+@pytest.mark.parametrize("where", ["the model", "a submodule"])
+def test_a_torchscript_model_or_submodule_is_refused_with_what_to_do(where):
+    """Found by a tester: a scripted model failed with a bare ``KeyError: '0'``, a model
+    holding a scripted submodule with advice about the example inputs' shapes."""
+    inner = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    model = inner if where == "the model" else nn.Sequential(inner, nn.Linear(8, 8))
+    with pytest.raises(PlanningError, match=r"TorchScript.*Plan the nn\.Module before scripting"):
+        planner.plan(model, (torch.randn(4, 8),), budget_gb=1)
