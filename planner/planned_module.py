@@ -1361,7 +1361,8 @@ class _CallGraph:
 
 def _recording_elsewhere() -> str | None:
     """The name of a graph capture running now that would flatten the plan's checkpoints."""
-    if torch.fx._symbolic_trace.is_fx_tracing():
+    # The flag itself: is_fx_tracing() logs a warning on its first call.
+    if torch.fx._symbolic_trace._is_fx_tracing_flag and not torch.compiler.is_compiling():
         return "torch.fx.symbolic_trace"
     if torch.compiler.is_exporting():
         return "torch.export"

@@ -140,6 +140,19 @@ def _keep_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE
 
 
+def _draws(func, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` draws random numbers in this call: torch tags the fused attention
+    kernels as random whatever their ``dropout_p`` (a plan made on the meta device may have
+    profiled another kernel for the same attention)."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    names = [argument.name for argument in func._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    i = names.index("dropout_p")
+    return bool(args[i] if i < len(args) else kwargs.get("dropout_p", 0.0))
+
+
 class _Caching(_CachingTorchDispatchMode):
     """The forward side of the selective-checkpoint cache, blind to leaf casts.
 
@@ -154,7 +167,7 @@ class _Caching(_CachingTorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if casts_a_leaf(func, args):
             return func(*args, **(kwargs or {}))
-        if self.quiet is not None and torch.Tag.nondeterministic_seeded in func.tags:
+        if self.quiet is not None and _draws(func, args, kwargs or {}):
             # Served from the cache in the recompute, this draw would leave the generator
             # behind for every later draw there (found by a tester: a noise hook added to a
             # kept module after planning put the dropout after it 2.7 off, silently).

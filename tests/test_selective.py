@@ -17,6 +17,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -916,3 +917,43 @@ def test_simulated_peak_is_never_below_the_measured_peak_of_random_selective_pla
         choice = data.draw(random_choices(problem), label="choice")
         error, restored = _prediction_error(model, args, kwargs, captured, problem, choice)
     assert error >= -2 * restored, (error, restored)
+
+
+class CausalAttention(nn.Module):
+    """Fused attention (``dropout_p=0``, which torch still tags as random) then dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out, self.drop = nn.Linear(32, 96), nn.Linear(32, 32), nn.Dropout(0.1)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 16, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.drop(self.out(attended.transpose(1, 2).reshape(2, 16, 32)))
+
+
+def test_a_kept_attention_planned_on_meta_runs_where_its_kernel_is_tagged_random():
+    """Found by review of the refusal of kept nodes that draw since planning: planned on the
+    meta device, a kept attention profiles a kernel torch does not tag as random, and on the
+    CPU runs one it does, though with ``dropout_p=0`` it draws nothing."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = nn.Sequential(CausalAttention(), CausalAttention())
+    x = torch.randn(2, 16, 32)
+    captured, problem = prepare(model, (x.to("meta"),))
+    kept = frozenset(i for i, name in enumerate(problem.names) if "scaled_dot" in name)
+    assert kept and not problem.random[sorted(kept)].any()
+    plan = assemble(
+        model,
+        captured,
+        problem,
+        Choice(((0, problem.size),), kept),
+        solver="test",
+        budget_bytes=1,
+        solve_seconds=0.0,
+        started=time.perf_counter(),
+    )
+    model.to_empty(device="cpu")
+    for parameter in model.parameters():
+        nn.init.normal_(parameter, std=0.1)
+    assert_equivalent(copy.deepcopy(model), model, plan.module, (x,), {})
