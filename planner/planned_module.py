@@ -421,15 +421,25 @@ def _names_read(cls: type) -> _Names:
 
 @functools.cache
 def _own_mentions(cls: type) -> frozenset[str]:
-    """The names the methods ``cls`` itself defines mention (its bases' left out)."""
+    """The names the methods ``cls`` itself defines mention (its bases' left out), but those
+    its ``forward`` only sets: a setter (``set_temperature``) names a setting, a forward that
+    stores a value without reading it keeps a memo (found by review: an eval-only statistic
+    was refused)."""
     mentioned: set[str] = set()
-    for value in vars(cls).values():
+    for key, value in vars(cls).items():
         value = value.fget if isinstance(value, property) else value
         code = getattr(getattr(value, "__func__", value), "__code__", None)
-        if code is not None:
+        if code is None:
+            continue
+        if key == "forward":
+            mentioned.update(i.argval for i in dis.get_instructions(code) if i.opname in _LOADS)
+        else:
             mentioned.update(code.co_names)
-            mentioned.update(c for c in code.co_consts if isinstance(c, str))
+        mentioned.update(c for c in code.co_consts if isinstance(c, str))
     return frozenset(mentioned)
+
+
+_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
 
 
 class _Names(NamedTuple):

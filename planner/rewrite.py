@@ -141,16 +141,23 @@ def _keep_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def _draws(func, args: tuple, kwargs: dict) -> bool:
-    """Whether ``func`` draws random numbers in this call: torch tags the fused attention
-    kernels as random whatever their ``dropout_p`` (a plan made on the meta device may have
-    profiled another kernel for the same attention)."""
+    """Whether ``func`` draws random numbers in this call: torch tags fused attention and
+    cuDNN's RNN kernels as random whatever their dropout (a plan made on another device, or on
+    meta, may have profiled another kernel for the same node; found by review)."""
     if torch.Tag.nondeterministic_seeded not in func.tags:
         return False
     names = [argument.name for argument in func._schema.arguments]
-    if "dropout_p" not in names:
-        return True
-    i = names.index("dropout_p")
-    return bool(args[i] if i < len(args) else kwargs.get("dropout_p", 0.0))
+
+    def value(name: str, default):
+        i = names.index(name)
+        return args[i] if i < len(args) else kwargs.get(name, default)
+
+    if "train" in names and not value("train", True):
+        return False
+    for name in ("dropout_p", "dropout"):
+        if name in names:
+            return bool(value(name, 0.0))
+    return True
 
 
 class _Caching(_CachingTorchDispatchMode):
@@ -174,9 +181,10 @@ class _Caching(_CachingTorchDispatchMode):
             raise PlanningError(
                 f"{func} drew random numbers inside {self.quiet}, which the plan keeps (its "
                 "results are saved, not recomputed) and which drew none at planning: a hook "
-                "added to its module since, or a dropout turned on in it. The recompute would "
-                "not draw them again, and every later random op of the segment would draw "
-                "other numbers. Plan again, with the hook or the dropout in place."
+                "added to its module since, a dropout turned on in it, or a kernel of another "
+                "kind on the device it runs on now. The recompute would not draw them again, "
+                "and every later random op of the segment would draw other numbers. Plan "
+                "again, as it runs now."
             )
         return super().__torch_dispatch__(func, types, args, kwargs)
 

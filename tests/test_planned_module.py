@@ -1301,6 +1301,31 @@ def test_a_setting_the_models_own_forward_makes_in_a_mode_it_runs_itself_is_refu
         p.module(x)
 
 
+class EvalStatistic(nn.Module):
+    """Stores a statistic in eval mode that no code reads (a debugging record)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if not self.training:
+            self.last_eval_scale = float(x.abs().mean())
+        return torch.tanh(self.linear(x))
+
+
+def test_a_value_forward_stores_in_eval_mode_and_nothing_reads_is_no_change():
+    """Found by review: an eval-only record that no code reads was refused as a setting made
+    since planning, once eval calls had set it."""
+    model, x = nn.Sequential(*(EvalStatistic() for _ in range(4))), torch.randn(4, 8)
+    p = sqrt_n_plan(model, (x,))
+    model.eval()
+    with torch.no_grad():
+        p.module(x)
+    model.train()
+    assert_equivalent(copy.deepcopy(model), model, p.module, (x,), {})
+
+
 class CallsLeaf(nn.Module):
     """Sets its leaf's callable in a method (as diffusers' ``set_attn_processor``); in
     ``calls_it`` mode its forward calls one of them itself, a call the graph holds."""

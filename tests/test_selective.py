@@ -29,7 +29,7 @@ from planner.choice import recompute_costs
 from planner.errors import PlanningError
 from planner.options import CaptureOptions
 from planner.pipeline import assemble, lowest_peak, plan, prepare
-from planner.rewrite import _aliases, rewrite
+from planner.rewrite import _aliases, _draws, rewrite
 from planner.simulate import Choice, recompute_stop, replayed_nodes, simulate, validate_choice
 from planner.step import peak_memory, training_loss
 from strategies import assert_equivalent, build, inputs, model_specs, random_choices
@@ -957,3 +957,15 @@ def test_a_kept_attention_planned_on_meta_runs_where_its_kernel_is_tagged_random
     for parameter in model.parameters():
         nn.init.normal_(parameter, std=0.1)
     assert_equivalent(copy.deepcopy(model), model, plan.module, (x,), {})
+
+
+def test_kernels_torch_tags_as_random_draw_nothing_without_dropout():
+    """Found by review: torch tags fused attention and cuDNN's RNN as random whatever their
+    dropout, so a kept LSTM moved to CUDA, or an attention planned on meta, was refused as a
+    kept node drawing since planning."""
+    aten = torch.ops.aten
+    assert not _draws(aten._cudnn_rnn.default, (), {"dropout": 0.0, "train": True})
+    assert not _draws(aten._cudnn_rnn.default, (), {"dropout": 0.3, "train": False})
+    assert _draws(aten._cudnn_rnn.default, (), {"dropout": 0.3, "train": True})
+    assert not _draws(aten._scaled_dot_product_flash_attention_for_cpu.default, (), {})
+    assert _draws(aten.bernoulli.default, (torch.zeros(2),), {})
