@@ -1369,13 +1369,14 @@ class _CallGraph:
         self.reached = True
 
 
-def _recording_elsewhere() -> str | None:
-    """The name of a graph capture running now that would flatten the plan's checkpoints."""
-    # The flag itself: is_fx_tracing() logs a warning on its first call.
-    if torch.fx._symbolic_trace._is_fx_tracing_flag and not torch.compiler.is_compiling():
+def _recording_elsewhere(args: tuple, kwargs: dict) -> str | None:
+    """The name of a graph capture that is recording this call and would flatten the plan's
+    checkpoints: by its arguments, as torch's flags are the process's, not the thread's (a
+    capture planning another model in another thread is none of this call's business)."""
+    if torch.fx._symbolic_trace._is_fx_tracing_flag and any(
+        isinstance(a, fx.Proxy) for a in (*args, *kwargs.values())
+    ):
         return "torch.fx.symbolic_trace"
-    if torch.compiler.is_exporting():
-        return "torch.export"
     return None
 
 
@@ -1571,7 +1572,7 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
 
     def _checked_call(self, graph_forward, args: tuple, kwargs: dict):
         snapshot = self._planner
-        recording = _recording_elsewhere()
+        recording = _recording_elsewhere(args, kwargs)
         if recording is not None and snapshot.checkpoints:
             raise PlanningError(
                 f"{recording} cannot record {type(self).__name__}'s plan: its graph would hold "

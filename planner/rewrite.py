@@ -31,6 +31,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import (
@@ -138,6 +139,10 @@ def _keep_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     if _aliases(op) or getattr(op, "namespace", "aten") in _HOOK_NAMESPACES:
         return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE
+
+
+def _is_fake(value) -> bool:
+    return isinstance(value, torch.Tensor) and is_fake(value)
 
 
 def _draws(func, args: tuple, kwargs: dict) -> bool:
@@ -452,7 +457,8 @@ class Segment:
         self.infers = enter_inference_mode in entries
 
     def __call__(self, *args):
-        if torch.compiler.is_exporting():  # found by a tester: a program that trained nothing
+        if torch.compiler.is_exporting() and any(map(_is_fake, args)):  # exporting this call:
+            # a program that trained nothing (found by a tester); the flag is the process's
             raise PlanningError(
                 "torch.export cannot record a plan's checkpointed segments: the exported "
                 "program would run them without gradients. Export the model itself, or use "
