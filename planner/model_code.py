@@ -99,7 +99,7 @@ def method_codes(cls: type) -> tuple[types.CodeType, ...]:
     return tuple(found)
 
 
-_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
+ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
 
 
 @functools.cache
@@ -108,6 +108,6 @@ def loaded_attributes(cls: type) -> frozenset[str]:
     named by a string (``getattr(self, "norm")``); not those it only sets."""
     names: set[str] = set()
     for code, _ in codes(cls):
-        names.update(i.argval for i in dis.get_instructions(code) if i.opname in _LOADS)
+        names.update(i.argval for i in dis.get_instructions(code) if i.opname in ATTRIBUTE_LOADS)
         names.update(c for c in code.co_consts if isinstance(c, str))
     return frozenset(names)

@@ -42,7 +42,13 @@ from planner.hooks import (
     process_wide_hooks_message,
 )
 from planner.model_call import CALL_KEY
-from planner.model_code import codes, global_loads, loaded_attributes, method_codes
+from planner.model_code import (
+    ATTRIBUTE_LOADS,
+    codes,
+    global_loads,
+    loaded_attributes,
+    method_codes,
+)
 from planner.model_state import ModelStateDict
 from planner.regions import ClosingRegions, autocast_region_open
 from planner.step import grad_fn_of, output_tensors
@@ -432,14 +438,12 @@ def _own_mentions(cls: type) -> frozenset[str]:
         if code is None:
             continue
         if key == "forward":
-            mentioned.update(i.argval for i in dis.get_instructions(code) if i.opname in _LOADS)
+            loads = dis.get_instructions(code)
+            mentioned.update(i.argval for i in loads if i.opname in ATTRIBUTE_LOADS)
         else:
             mentioned.update(code.co_names)
         mentioned.update(c for c in code.co_consts if isinstance(c, str))
     return frozenset(mentioned)
-
-
-_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"})
 
 
 class _Names(NamedTuple):
@@ -1369,15 +1373,13 @@ class _CallGraph:
         self.reached = True
 
 
-def _recording_elsewhere(args: tuple, kwargs: dict) -> str | None:
-    """The name of a graph capture that is recording this call and would flatten the plan's
-    checkpoints: by its arguments, as torch's flags are the process's, not the thread's (a
+def _symbolically_traced(args: tuple, kwargs: dict) -> bool:
+    """Whether ``torch.fx.symbolic_trace`` is recording this call, which would flatten the
+    plan's checkpoints: by its arguments, as torch's flag is the process's, not the thread's (a
     capture planning another model in another thread is none of this call's business)."""
-    if torch.fx._symbolic_trace._is_fx_tracing_flag and any(
+    return torch.fx._symbolic_trace._is_fx_tracing_flag and any(
         isinstance(a, fx.Proxy) for a in (*args, *kwargs.values())
-    ):
-        return "torch.fx.symbolic_trace"
-    return None
+    )
 
 
 def _under_vmap() -> bool:
@@ -1572,14 +1574,12 @@ class PlannedModule(ModelStateDict, fx.GraphModule):
 
     def _checked_call(self, graph_forward, args: tuple, kwargs: dict):
         snapshot = self._planner
-        recording = _recording_elsewhere(args, kwargs)
-        if recording is not None and snapshot.checkpoints:
+        if snapshot.checkpoints and _symbolically_traced(args, kwargs):
             raise PlanningError(
-                f"{recording} cannot record {type(self).__name__}'s plan: its graph would hold "
-                "the ops the checkpointed segments run, not the checkpoints (found by a "
-                "tester: torch.fx.symbolic_trace gave every activation back, 2.5x the budget; "
-                "torch.export a program that trains nothing). Trace or export the model "
-                "itself, or use torch.compile on the planned module."
+                f"torch.fx.symbolic_trace cannot record {type(self).__name__}'s plan: its graph "
+                "would hold the ops the checkpointed segments run, not the checkpoints (found "
+                "by a tester: every activation held, 2.5x the budget). Trace the model itself, "
+                "or use torch.compile on the planned module."
             )
         self._read_root_state(snapshot)
         if snapshot.mode_changed():
